@@ -1,0 +1,12 @@
+"""gradzip: communication-efficient distributed data-parallel training for PyTorch.
+
+``gradzip.compressors.build("topk:ratio=0.01")``, ``gradzip.optim.EFSGD(...)``,
+``gradzip.simulate(n, fn)``; see DESIGN.md for the architecture.
+"""
+from . import comm, compressors, exchange, optim
+from .comm import simulate
+from .errors import GradzipError
+from .exchange import PSync
+
+__version__ = "0.1.0"
+__all__ = ["comm", "compressors", "exchange", "optim", "simulate", "PSync", "GradzipError", "__version__"]

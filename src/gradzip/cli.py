@@ -1,0 +1,193 @@
+"""``gradzip``: train one method, or compare several on the same task.
+
+    gradzip train   --algo efsgd --compressor topk:ratio=0.01 --workers 2 --out runs/ef
+    gradzip compare --algos ssgd,efsgd@topk:ratio=0.01,bitsgd --workers 4 --out runs/cmp
+
+``--workers N`` starts N processes on 127.0.0.1 joined by gloo; ``--backend threads`` runs
+them as threads of this process; started by ``torchrun`` (RANK / WORLD_SIZE set), each
+process joins torchrun's group instead. Errors are one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import Any, Sequence
+
+from .errors import GradzipError
+
+DEFAULT_COMPARE = "ssgd,efsgd@topk:ratio=0.01,bitsgd,ssgd@qsgd"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage dump) and exit code 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _checked(kind, test, what):
+    def convert(raw: str):
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {raw!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {raw!r}")
+        return value
+    return convert
+
+
+positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1")
+non_negative = _checked(float, lambda v: v >= 0 and v == v, "a number >= 0")
+fraction = _checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+positive = _checked(float, lambda v: v > 0, "a number > 0")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    from .train import data, models
+
+    g = p.add_argument_group("task")
+    g.add_argument("--dataset", default="digits",
+                   help=f"one of {', '.join(data.names())} (digits is embedded; default: %(default)s)")
+    g.add_argument("--data-dir", help="directory with the dataset's files (mnist, fashion-mnist, cifar10)")
+    g.add_argument("--download", action="store_true",
+                   help="download missing dataset files into --data-dir (checksums verified)")
+    g.add_argument("--model", default="mlp", help=f"one of {', '.join(models.names())} (default: %(default)s)")
+    g.add_argument("--epochs", type=positive_int, default=10, help="default: %(default)s")
+    g.add_argument("--batch-size", type=positive_int, default=32, help="per worker (default: %(default)s)")
+    g.add_argument("--lr", type=non_negative, default=0.1, help="learning rate (default: %(default)s)")
+    g.add_argument("--momentum", type=fraction, default=0.9, help="default: %(default)s")
+    g.add_argument("--nesterov", action="store_true")
+    g.add_argument("--weight-decay", type=non_negative, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    w = p.add_argument_group("workers")
+    w.add_argument("--workers", type=positive_int, default=None,
+                   help="worker count (default: 1 for train, 4 for compare; under torchrun: its world)")
+    w.add_argument("--backend", choices=["gloo", "threads"], default="gloo",
+                   help="gloo: real processes on 127.0.0.1; threads: in this process (default: %(default)s)")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", help="directory for metrics.jsonl, summary.json and accuracy.png")
+    o.add_argument("--no-plot", action="store_true", help="skip accuracy.png")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import compressors, optim
+
+    parser = _Parser(prog="gradzip", description="Communication-efficient distributed data-parallel training.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = sub.add_parser("train", help="train one method", description="Train one method.")
+    train.add_argument("--algo", default="ssgd", choices=list(optim.METHODS), help="default: %(default)s")
+    train.add_argument("--compressor", help=f"codec spec, e.g. topk:ratio=0.01; codecs: {', '.join(compressors.names())}")
+    train.add_argument("--threshold", type=positive, help="bitsgd: 2-bit threshold on mean gradients")
+    _common(train)
+
+    compare = sub.add_parser("compare", help="compare several methods on the same task (the main job)",
+                             description="Run several methods on the same task, one after the other.")
+    compare.add_argument("--algos", default=DEFAULT_COMPARE,
+                         help="comma-separated methods, each optionally METHOD@CODEC "
+                              "(default: %(default)s)")
+    _common(compare)
+    return parser
+
+
+def parse_algos(text: str) -> list[tuple[str, str | None]]:
+    """``"ssgd,efsgd@topk:ratio=0.01,unbiased=true,bitsgd"`` → [(algo, codec or None), ...].
+    A comma starts a new method only when a bare word (a method name) follows it."""
+    from . import optim
+
+    items = [s.strip() for s in re.split(r",(?=\s*[A-Za-z_]\w*\s*(?:@|,|$))", text) if s.strip()]
+    if not items:
+        raise GradzipError("--algos is empty; give e.g. ssgd,efsgd@topk:ratio=0.01")
+    out = []
+    for item in items:
+        algo, _, codec = item.partition("@")
+        algo = algo.strip().lower()
+        if algo not in optim.METHODS:
+            raise GradzipError(f"unknown method {algo!r} in --algos; valid methods: {', '.join(optim.METHODS)}")
+        out.append((algo, codec.strip() or None))
+    return out
+
+
+def _configs(args) -> list:
+    from . import compressors
+    from .train.loop import RunConfig
+
+    common = dict(dataset=args.dataset, data_dir=args.data_dir, download=args.download, model=args.model, epochs=args.epochs,
+                  batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
+                  weight_decay=args.weight_decay, seed=args.seed, progress=not args.quiet)
+    if args.command == "train":
+        options: dict[str, Any] = {}
+        if args.compressor is not None:
+            options["compressor"] = compressors.build(args.compressor).spec
+        if args.threshold is not None:
+            options["threshold"] = args.threshold
+        label = args.algo + (f"@{options['compressor']}" if "compressor" in options else "")
+        return [RunConfig(algo=args.algo, options=options, label=label, **common)]
+    cfgs = []
+    for algo, codec in parse_algos(args.algos):
+        options = {} if codec is None else {"compressor": compressors.build(codec).spec}
+        cfgs.append(RunConfig(algo=algo, options=options, label=algo + (f"@{codec}" if codec else ""), **common))
+    return cfgs
+
+
+def _validate(cfgs, workers: int) -> None:
+    """Fail fast, in this process, on what would otherwise fail inside every worker."""
+    from .train import data, models
+    from .train.loop import make_optimizer
+
+    ds = data.load(cfgs[0].dataset, cfgs[0].data_dir, seed=cfgs[0].seed, download=cfgs[0].download)
+    model = models.build(cfgs[0].model, ds.input_shape, ds.num_classes)
+    for cfg in cfgs:
+        make_optimizer(cfg, model.parameters(), None)
+    if len(ds.train_x) // workers < cfgs[0].batch_size:
+        raise GradzipError(
+            f"{cfgs[0].dataset} has {len(ds.train_x)} training samples: fewer than one batch of "
+            f"{cfgs[0].batch_size} per worker for {workers} workers; lower --batch-size or --workers"
+        )
+
+
+def _run(cfgs, workers: int | None, backend: str) -> list[dict]:
+    from .comm import init_from_env, simulate
+    from .launch import run_processes
+    from .train.loop import run_many
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and workers is None:  # under torchrun
+        return run_many(init_from_env(), cfgs)
+    n = workers or 1
+    _validate(cfgs, n)
+    if backend == "threads":
+        return simulate(n, lambda comm: run_many(comm, cfgs))[0]
+    return run_processes(n, run_many, cfgs)[0]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfgs = _configs(args)
+        if args.command == "compare" and args.workers is None and "RANK" not in os.environ:
+            args.workers = 4
+        runs = _run(cfgs, args.workers, args.backend)
+    except GradzipError as exc:
+        print(f"gradzip: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gradzip: interrupted", file=sys.stderr)
+        return 130
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    from .train import report
+
+    print(report.table([r["summary"] for r in runs]))
+    if args.out:
+        out = report.write(args.out, runs, plot=not args.no_plot)
+        print(f"wrote {out}/metrics.jsonl, {out}/summary.json" + ("" if args.no_plot else f", {out}/accuracy.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

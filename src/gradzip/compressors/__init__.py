@@ -1,0 +1,11 @@
+"""Gradient codecs (spec, "Compressors"). ``build("topk:ratio=0.01")``, ``names()``.
+
+Adding a codec: one module with a ``@register``-ed :class:`Compressor` subclass, and one
+import line below.
+"""
+from .base import Compressor, Packet, keep_count
+from .registry import build, names, register
+
+from . import identity, threshold2bit, onebit, sign, qsgd, terngrad, sparsify  # noqa: E402,F401  (registration)
+
+__all__ = ["Compressor", "Packet", "build", "names", "register", "keep_count"]

@@ -1,0 +1,145 @@
+"""The codec protocol: ``compress(tensor) -> Packet``, ``decompress(packet) -> tensor``.
+
+A codec is stateless (spec, "Compressors"): error memory belongs to the methods, so the
+same codec object can serve every tensor, worker and step. Randomness comes from an
+explicit ``seed`` argument, never from global RNG state, so runs are reproducible and
+resumable. Codecs whose random choices must agree on every worker (random-k, random
+block) set ``shared_randomness = True``; :mod:`gradzip.exchange` then passes the same seed
+on every worker for the same step and tensor, and a rank-specific seed otherwise.
+
+A :class:`Packet` holds the real wire representation (``wire``: the tensors that would
+cross the network, e.g. bit-packed ``uint8`` codes, int32 indices) and ``meta``: what every
+receiver knows or re-derives without it being sent (shape, dtype, shared indices).
+``packet.nbytes`` counts only ``wire``.
+
+Two ways to aggregate packets from ``n`` workers (chosen by :mod:`gradzip.exchange` from
+the wire sizes):
+
+* allgather: every worker gets every packet, then ``aggregate(packets)`` (default: the
+  mean of the decoded tensors; ``sign`` overrides it with a majority vote);
+* allreduce: where packets sum in compressed form, ``summand(packet, n)`` is a flat tensor
+  of dtype ``sum_dtype(n)``; after the collective sum, ``from_sum(total, packet, n)``
+  returns the same aggregate.
+
+Memory rules every codec keeps: ``compress`` never modifies its input, and its wire
+tensors do not share memory with it, except for ``none``, whose wire is the input itself
+(no copy): do not modify a tensor in place while its ``none`` packet is still needed.
+``summand`` always returns a new tensor, so a collective may sum into it in place.
+``decompress`` may return a view of the packet's wire (``none`` returns the input, the
+casts return the wire when the dtype is unchanged): treat it as read-only. Spec parameters named after a Python keyword (``randblock:in=4``) are
+dataclass fields with a trailing underscore (``in_``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import keyword
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from ..errors import GradzipError
+
+
+@dataclass
+class Packet:
+    """One compressed tensor: ``wire`` is what crosses the network, ``meta`` is not sent."""
+
+    wire: dict[str, torch.Tensor]
+    shape: torch.Size
+    dtype: torch.dtype
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes that would cross the wire for this packet (wire tensors only)."""
+        return sum(t.numel() * t.element_size() for t in self.wire.values())
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def like(self, wire: dict[str, torch.Tensor]) -> "Packet":
+        """A packet with another worker's wire tensors and this packet's (shared) metadata."""
+        return Packet(wire=wire, shape=self.shape, dtype=self.dtype, meta=self.meta)
+
+
+def keep_count(ratio: float, numel: int) -> int:
+    """``k = max(1, ceil(ratio * d))`` in float64 (spec, "Notation": float32 rounds differently)."""
+    return max(1, math.ceil(float(ratio) * numel))
+
+
+@dataclass(frozen=True)
+class Compressor:
+    """Base class of every codec. Subclasses are frozen dataclasses: their fields are the
+    spec-string parameters (``topk:ratio=0.01``), validated in ``__post_init__``."""
+
+    name: ClassVar[str] = ""
+    #: Random choices must be identical on every worker (same step, same tensor).
+    shared_randomness: ClassVar[bool] = False
+
+    # -- the codec -------------------------------------------------------------------
+    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+        raise NotImplementedError
+
+    def decompress(self, packet: Packet) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- aggregation -----------------------------------------------------------------
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        """The aggregate of all workers' packets (rank order): the mean of the decoded."""
+        total = self.decompress(packets[0]).clone()
+        for p in packets[1:]:
+            total.add_(self.decompress(p))
+        return total.div_(len(packets))
+
+    def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
+        """dtype in which packets of ``world_size`` workers sum in compressed form (the dtype
+        of :meth:`summand`), or None if they do not. ``dtype`` is the compressed tensors'
+        dtype; only codecs that send the tensor as it is (``none``) depend on it."""
+        return None
+
+    def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
+        """Flat tensor this worker contributes to an allreduce-sum."""
+        raise NotImplementedError(f"{self.name} packets do not sum")
+
+    def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
+        """The aggregate (same as :meth:`aggregate`) from the allreduced ``summand`` sum."""
+        raise NotImplementedError(f"{self.name} packets do not sum")
+
+    # -- description -----------------------------------------------------------------
+    def wire_nbytes(self, shape: Sequence[int]) -> int:
+        """Expected wire bytes for a float32 tensor of this shape (the spec's formula)."""
+        return self.compress(torch.zeros(tuple(shape))).nbytes
+
+    @property
+    def spec(self) -> str:
+        """The spec string that builds this codec back (``build(c.spec) == c``)."""
+        params = [
+            f"{spec_key(f.name)}={_fmt(getattr(self, f.name))}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None  # None = "not given" (the other form)
+        ]
+        return self.name + (":" + ",".join(params) if params else "")
+
+    def __str__(self) -> str:
+        return self.spec
+
+
+def spec_key(field_name: str) -> str:
+    """The spec-string key of a field: ``in_`` -> ``in`` (keywords cannot be field names)."""
+    base = field_name[:-1]
+    return base if field_name.endswith("_") and keyword.iskeyword(base) else field_name
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise :class:`GradzipError` with ``message`` unless ``ok`` (parameter validation)."""
+    if not ok:
+        raise GradzipError(message)

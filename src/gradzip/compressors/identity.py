@@ -1,0 +1,80 @@
+"""``none``, ``fp16``, ``bf16``: send the tensor as it is, or cast to 16 bits (spec,
+"Compressors": identity, 4d bytes; cast, 2d bytes; all three sum in compressed form).
+
+Casting packets sum in their 16-bit dtype after dividing by ``n`` first, so the sum of n
+workers cannot overflow where each term fits (spec: "divide by n before summing");
+``from_sum`` then already holds the mean. ``none`` sums in the tensor's own dtype and
+divides after the sum (``sum_dtype(n, dtype)`` is that dtype), as an uncompressed
+allreduce does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import Compressor, Packet
+from .registry import register
+
+
+@register
+@dataclass(frozen=True)
+class NoCompression(Compressor):
+    """Identity: the wire is the tensor itself (no copy: the one codec whose wire shares
+    memory with its input, see base); the allreduce sums it in its own dtype."""
+
+    name = "none"
+
+    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+        return Packet({"x": tensor.detach()}, tensor.shape, tensor.dtype)
+
+    def decompress(self, packet: Packet) -> torch.Tensor:
+        return packet.wire["x"].view(packet.shape)  # read-only view (see base: memory rules)
+
+    def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
+        return dtype
+
+    def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
+        return packet.wire["x"].reshape(-1).clone()
+
+    def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
+        return (total / world_size).to(packet.dtype).view(packet.shape)
+
+
+@dataclass(frozen=True)
+class _Cast(Compressor):
+    """Cast to ``wire_dtype`` on the wire, back to the packet's dtype on decode."""
+
+    wire_dtype: ClassVar[torch.dtype]
+
+    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+        x = tensor.detach().to(self.wire_dtype, copy=True)
+        return Packet({"x": x}, tensor.shape, tensor.dtype)
+
+    def decompress(self, packet: Packet) -> torch.Tensor:
+        return packet.wire["x"].to(packet.dtype).view(packet.shape)
+
+    def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
+        return self.wire_dtype
+
+    def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
+        # Divide (in float32) before the sum, then cast: n terms of x/n cannot overflow.
+        return (packet.wire["x"].reshape(-1).float() / world_size).to(self.wire_dtype)
+
+    def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
+        return total.to(packet.dtype).view(packet.shape)  # already the mean
+
+
+@register
+@dataclass(frozen=True)
+class FP16(_Cast):
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+@register
+@dataclass(frozen=True)
+class BF16(_Cast):
+    name = "bf16"
+    wire_dtype = torch.bfloat16

@@ -1,0 +1,60 @@
+"""``qsgd``: QSGD with ``s`` levels (Alistarh et al.; spec, "Compressors").
+
+``C(v)_j = ‖v‖₂ · sign(v_j) · ξ_j / s`` where ``ξ_j`` rounds ``s·|v_j|/‖v‖₂`` down or up at
+random with the probabilities that make it unbiased (``ξ = floor(r + u)``, u uniform in
+[0, 1) from a generator seeded with ``seed``), so ``E[C(v)] = v``. A zero vector encodes
+to zeros. Wire: the norm in float32 (4 bytes) and the codes ``sign·ξ + s`` in [0, 2s],
+packed with ``b = ceil(log2(2s + 1))`` bits: ``ceil(d·b/8) + 4`` bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._util import as_float32, decode_chunks, encode_chunks, generator
+from .base import Compressor, Packet, require
+from .registry import register
+
+
+@register
+@dataclass(frozen=True)
+class QSGD(Compressor):
+    name = "qsgd"
+    levels: int = 16
+
+    def __post_init__(self):
+        s = self.levels
+        require(
+            isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= 127,
+            f"qsgd: levels must be an integer in [1, 127], got {s!r}",
+        )
+
+    @property
+    def bits(self) -> int:
+        return (2 * self.levels).bit_length()  # = ceil(log2(2s + 1))
+
+    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+        s = self.levels
+        v = as_float32(tensor.detach())
+        norm = torch.linalg.vector_norm(v)
+        scale = torch.where(norm > 0, s / norm, torch.zeros_like(norm))  # no host sync
+        gen = generator(seed, v.device)
+
+        def codes_of(part: torch.Tensor) -> torch.Tensor:
+            u = torch.rand(part.shape, generator=gen, device=part.device)
+            xi = torch.abs(part).mul_(scale).add_(u).floor_().clamp_(max=s)  # floor(r + u)
+            return xi.copysign_(part).add_(s).to(torch.uint8)
+
+        wire = {"norm": norm.reshape(1), "codes": encode_chunks(v, self.bits, codes_of)}
+        return Packet(wire, tensor.shape, tensor.dtype)
+
+    def decompress(self, packet: Packet) -> torch.Tensor:
+        s = self.levels
+        step = packet.wire["norm"] / s
+
+        def fill(codes: torch.Tensor, out: torch.Tensor) -> None:
+            out.copy_(codes).sub_(s).mul_(step)  # (code - s)·‖v‖/s
+
+        out = decode_chunks(packet.wire["codes"], self.bits, packet.numel, torch.float32, fill)
+        return out.to(packet.dtype).view(packet.shape)

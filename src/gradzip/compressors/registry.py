@@ -1,0 +1,102 @@
+"""Spec strings -> codecs: ``build("topk:ratio=0.01")``. A registry, no if/elif chain.
+
+Grammar: ``name[:param=value[,param=value...]]``. Parameters are the codec dataclass's
+fields; values are converted to the field's type (``int``, ``float``, ``bool``) and then
+validated by the codec. A key that is a Python keyword names the field with a trailing
+underscore (``randblock:in=4`` sets ``in_``), and :attr:`Compressor.spec` prints it back
+as ``in``. Every failure raises :class:`GradzipError` listing what is valid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import keyword
+import typing
+from typing import Callable, TypeVar
+
+from ..errors import GradzipError
+from .base import Compressor, spec_key
+
+_REGISTRY: dict[str, type[Compressor]] = {}
+C = TypeVar("C", bound=type[Compressor])
+
+
+def register(cls: C) -> C:
+    """Class decorator: make ``cls`` buildable by its ``name``."""
+    if cls.name in _REGISTRY:
+        raise RuntimeError(f"compressor name {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def names() -> list[str]:
+    """Registered codec names, in registration order."""
+    return list(_REGISTRY)
+
+
+def _convert(kind: type, raw: str, where: str):
+    converters: dict[type, Callable[[str], object]] = {
+        int: int,
+        float: float,
+        str: str,
+        bool: _parse_bool,
+    }
+    try:
+        return converters[kind](raw)
+    except (ValueError, KeyError):
+        raise GradzipError(f"{where}: {raw!r} is not a valid {kind.__name__}") from None
+
+
+def _parse_bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+def _field_types(cls: type[Compressor]) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        out[f.name] = args[0] if args else kind  # Optional[int] -> int
+    return out
+
+
+def build(spec: "str | Compressor | None") -> Compressor:
+    """Build a codec from a spec string (``"2bit:threshold=0.05"``); a codec passes through;
+    ``None`` means ``"none"`` (no compression)."""
+    if isinstance(spec, Compressor):
+        return spec
+    if spec is None:
+        spec = "none"
+    if not isinstance(spec, str):
+        raise GradzipError(f"a compressor is a spec string or a Compressor, not {type(spec).__name__}")
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip().lower()
+    if name not in _REGISTRY:
+        raise GradzipError(
+            f"unknown compressor {name!r} in {spec!r}; valid names: {', '.join(names())}"
+        )
+    cls = _REGISTRY[name]
+    types = _field_types(cls)
+    kwargs = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if keyword.iskeyword(key) and key + "_" in types:
+            key += "_"
+        valid = ", ".join(f"{spec_key(k)} ({t.__name__})" for k, t in types.items()) or "none"
+        if not eq or not raw.strip():
+            raise GradzipError(f"compressor {name!r}: expected param=value, got {item!r}; parameters: {valid}")
+        if key not in types:
+            raise GradzipError(f"compressor {name!r} has no parameter {key!r}; parameters: {valid}")
+        if key in kwargs:
+            raise GradzipError(f"compressor {name!r}: parameter {spec_key(key)!r} given twice in {spec!r}")
+        kwargs[key] = _convert(types[key], raw.strip(), f"compressor {name!r} parameter {spec_key(key)!r}")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # e.g. a required parameter is missing
+        raise GradzipError(f"compressor {name!r}: {exc}") from None

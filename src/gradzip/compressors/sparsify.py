@@ -1,0 +1,251 @@
+"""Sparsifiers: ``topk``, ``randomk``, ``randblock`` (spec, "Compressors").
+
+* ``topk:ratio=ρ``: the ``k = max(1, ceil(ρd))`` entries of largest magnitude; wire = values
+  (the tensor's dtype) + int32 indices, ``8k`` bytes for float32. Does not sum (every
+  worker keeps other indices); its aggregate scatter-adds all packets into one buffer.
+* ``randomk:ratio=ρ[,unbiased=true]``: k coordinates drawn from a generator seeded with the
+  shared ``seed`` (same step and tensor -> same indices on every worker); values scaled by
+  ``d/k`` only when ``unbiased``. Wire = the values only (``4k`` bytes): every worker
+  re-derives the indices (kept in ``meta``). Sums (the values, in float32).
+* ``randblock``: one block chosen with the shared seed, sent dense; sums like ``randomk``.
+  ``randblock:ratio=ρ``: a contiguous run of k entries of the flattened tensor at an offset
+  uniform in ``[0, d − k]`` (the PowerSGD paper's "random block"). ``randblock:in=a,out=b,
+  layer=c``: CSER's sparsifier: with probability ``1/c`` the tensor is sent at all
+  (otherwise the wire is empty, 0 bytes, and it decodes to zeros); then ``i`` uniform in
+  ``[0, a)`` and ``j`` in ``[0, b)`` pick rows ``i·⌈d0/a⌉ .. min(d0, (i+1)·⌈d0/a⌉)`` and the
+  same along dim 1 with ``⌈d1/b⌉``, other dims whole (a 1-d tensor uses dim 0 only, a 0-d
+  one is its single element). Since the ``a`` row blocks partition the rows (the last ones
+  may be empty when ``a > d0``), the expected wire is exactly ``4d/(a·b·c)`` bytes (``4d/(a·c)``
+  for a 1-d tensor). **[choice]** The CSER code instead uses ``round(d0/a)`` rows and picks
+  among the non-empty blocks only, which sends more than ``1/a`` of a small tensor.
+  Exactly one form may be given; missing ``in``/``out``/``layer`` are 1; nothing at all
+  means ``ratio=0.01``.
+
+Shared random choices come from a CPU generator (the same numbers on every device).
+Indices are int32 on the wire, so a tensor has fewer than 2**31 entries.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import _util
+from ._util import sample_indices, scatter_mean, shared_generator
+from .base import Compressor, Packet, keep_count, require
+from .registry import register
+
+
+def _check_ratio(codec: str, ratio) -> None:
+    ok = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1
+    require(ok, f"{codec}: ratio must be in (0, 1], got {ratio!r}")
+
+
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k entries of largest magnitude of a flat tensor (unordered), as
+    ``torch.topk(flat.abs(), k)``.
+
+    On the CPU, for a large tensor and small k, ``torch.topk`` over everything is slow; a
+    threshold read off a strided 1/64 sample (with a margin) first keeps about 1.25k
+    candidates (piece by piece where ``_util.piecewise``), and ``topk`` runs on those.
+    If fewer than k pass (an unlucky sample) it falls back to the full ``topk``, so the
+    result is always exact (NaN entries aside, which ``torch.topk`` ranks first and the
+    threshold drops).
+    """
+    numel = flat.numel()
+    if flat.device.type != "cpu" or numel < (1 << 15) or 8 * k > numel:
+        return torch.topk(torch.abs(flat), k, sorted=False).indices
+    piece = _util.CHUNK if _util.piecewise(flat) else numel
+    sample = torch.abs(flat[::64])
+    expect = k * sample.numel() / numel
+    rank = min(sample.numel(), int(1.25 * expect + 3 * math.sqrt(expect)) + 8)
+    threshold = torch.topk(sample, rank, sorted=False).values.min()
+    pieces = [
+        torch.nonzero(torch.abs(flat[start : start + piece]) >= threshold).view(-1) + start
+        for start in range(0, numel, piece)
+    ]
+    candidates = torch.cat(pieces)
+    if candidates.numel() < k:
+        return torch.topk(torch.abs(flat), k, sorted=False).indices
+    best = torch.topk(torch.abs(flat.index_select(0, candidates)), k, sorted=False).indices
+    return candidates.index_select(0, best)
+
+
+@register
+@dataclass(frozen=True)
+class TopK(Compressor):
+    name = "topk"
+    ratio: float = 0.01
+
+    def __post_init__(self):
+        _check_ratio("topk", self.ratio)
+
+    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+        flat = tensor.detach().reshape(-1)
+        k = min(keep_count(self.ratio, flat.numel()), flat.numel())
+        idx = topk_indices(flat, k)
+        wire = {"values": flat.index_select(0, idx), "indices": idx.to(torch.int32)}
+        return Packet(wire, tensor.shape, tensor.dtype)
+
+    def decompress(self, packet: Packet) -> torch.Tensor:
+        values = packet.wire["values"]
+        out = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
+        return out.index_copy_(0, packet.wire["indices"].long(), values.to(packet.dtype)).view(packet.shape)
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        """One dense buffer, every packet's values index-added, divided by n."""
+        return scatter_mean(packets, lambda p: (p.wire["indices"], p.wire["values"]), packets[0].numel)
+
+
+@register
+@dataclass(frozen=True)
+class RandomK(Compressor):
+    name = "randomk"
+    shared_randomness = True
+    ratio: float = 0.01
+    unbiased: bool = False
+
+    def __post_init__(self):
+        _check_ratio("randomk", self.ratio)
+        require(isinstance(self.unbiased, bool), f"randomk: unbiased must be true or false, got {self.unbiased!r}")
+
+    def indices(self, numel: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The sorted int64 indices every worker derives from the shared ``seed``."""
+        k = min(keep_count(self.ratio, numel), numel)
+        return sample_indices(numel, k, shared_generator(seed)).to(device)
+
+    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+        flat = tensor.detach().reshape(-1)
+        idx = self.indices(flat.numel(), seed, flat.device)
+        values = flat.index_select(0, idx)
+        if self.unbiased:
+            values.mul_(flat.numel() / max(idx.numel(), 1))
+        return Packet({"values": values}, tensor.shape, tensor.dtype, meta={"indices": idx})
+
+    def decompress(self, packet: Packet) -> torch.Tensor:
+        return self._scatter(packet.wire["values"], packet)
+
+    def _scatter(self, values: torch.Tensor, packet: Packet) -> torch.Tensor:
+        out = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
+        return out.index_copy_(0, packet.meta["indices"], values.to(packet.dtype)).view(packet.shape)
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        return scatter_mean(packets, lambda p: (p.meta["indices"], p.wire["values"]), packets[0].numel)
+
+    def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
+        return _sum_dtype(dtype)
+
+    def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
+        return packet.wire["values"].to(_sum_dtype(packet.dtype), copy=True)
+
+    def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
+        return self._scatter(total / world_size, packet)
+
+
+@register
+@dataclass(frozen=True)
+class RandBlock(Compressor):
+    name = "randblock"
+    shared_randomness = True
+    ratio: float | None = None
+    in_: int | None = None
+    out: int | None = None
+    layer: int | None = None
+
+    def __post_init__(self):
+        blocks = {"in": self.in_, "out": self.out, "layer": self.layer}
+        given = {k: v for k, v in blocks.items() if v is not None}
+        if self.ratio is None and not given:
+            object.__setattr__(self, "ratio", 0.01)
+        if self.ratio is not None:
+            require(
+                not given,
+                "randblock: give either ratio=ρ or in=a,out=b,layer=c, not both; got ratio="
+                f"{self.ratio!r} and " + ", ".join(f"{k}={v!r}" for k, v in given.items()),
+            )
+            _check_ratio("randblock", self.ratio)
+            return
+        for key, value in blocks.items():
+            require(
+                value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                f"randblock: {key} must be an integer >= 1, got {value!r}",
+            )
+        for field in ("in_", "out", "layer"):
+            if getattr(self, field) is None:
+                object.__setattr__(self, field, 1)
+
+    # -- the shared choice -------------------------------------------------------------
+    def block(self, shape: torch.Size, seed: int) -> tuple[tuple[int, ...], tuple[slice, ...] | None]:
+        """(view shape, slices into that view), or slices ``None`` when not sent; the same
+        for every worker given the same shape and ``seed``."""
+        gen = shared_generator(seed)
+        numel = math.prod(shape)
+        if self.ratio is not None:
+            k = min(keep_count(self.ratio, numel), numel)
+            off = int(torch.randint(numel - k + 1, (1,), generator=gen))
+            return (numel,), (slice(off, off + k),)
+        sent, i, j = (int(torch.randint(high, (1,), generator=gen)) for high in (self.layer, self.in_, self.out))
+        if sent != 0:  # probability 1 - 1/c
+            return tuple(shape), None
+        slices = []
+        for dim, pick, parts in ((0, i, self.in_), (1, j, self.out))[: len(shape)]:
+            size = math.ceil(shape[dim] / parts)
+            slices.append(slice(min(pick * size, shape[dim]), min((pick + 1) * size, shape[dim])))
+        return tuple(shape), tuple(slices)
+
+    def wire_nbytes(self, shape) -> int:
+        """Expected wire bytes for float32 (rounded): ``4k``, or ``4d/(a·b·c)`` (see module)."""
+        numel = math.prod(shape)
+        if self.ratio is not None:
+            return 4 * min(keep_count(self.ratio, numel), numel)
+        parts = self.layer * (self.in_ if len(shape) >= 1 else 1) * (self.out if len(shape) >= 2 else 1)
+        return round(4 * numel / parts)
+
+    # -- the codec -----------------------------------------------------------------------
+    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+        view, slices = self.block(tensor.shape, seed)
+        meta = {"view": view, "block": slices, "device": tensor.device}
+        wire = {}
+        if slices is not None:
+            part = tensor.detach().reshape(view)[slices]
+            wire["values"] = part.clone(memory_format=torch.contiguous_format).view(-1)
+        return Packet(wire, tensor.shape, tensor.dtype, meta=meta)
+
+    def _place(self, values: torch.Tensor | None, packet: Packet, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.zeros(packet.meta["view"], dtype=dtype, device=packet.meta["device"])
+        slices = packet.meta["block"]
+        if slices is not None and values is not None:
+            target = out[slices]
+            target.copy_(values.view(target.shape))
+        return out
+
+    def decompress(self, packet: Packet) -> torch.Tensor:
+        return self._place(packet.wire.get("values"), packet, packet.dtype).view(packet.shape)
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        first = packets[0]
+        acc = _sum_dtype(first.dtype)
+        total = self._place(None, first, acc)
+        for p in packets:
+            if p.meta["block"] is not None:
+                target = total[p.meta["block"]]
+                target += p.wire["values"].view(target.shape)
+        return total.div_(len(packets)).to(first.dtype).view(first.shape)
+
+    def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
+        return _sum_dtype(dtype)
+
+    def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
+        acc = _sum_dtype(packet.dtype)
+        if "values" not in packet.wire:
+            return torch.zeros(0, dtype=acc, device=packet.meta["device"])
+        return packet.wire["values"].to(acc, copy=True)
+
+    def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
+        return self._place((total / world_size).to(packet.dtype), packet, packet.dtype).view(packet.shape)

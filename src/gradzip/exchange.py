@@ -1,0 +1,217 @@
+"""PSync, the one communication primitive every method uses (spec, "Notation").
+
+``PSync(v; C)``: each worker compresses its tensors ``v_i`` with ``C``, the workers
+exchange the packets, and each gets back ``mean_j C(v_j)`` (or the codec's own aggregate,
+e.g. the majority vote of ``sign``) and its local residual ``r_i = v_i - C(v_i)``. Methods
+with error memory use both (``v'_i = mean_j C(v_j) + r_i``); the others only the aggregate.
+
+Transport (never changes the numbers a method sees):
+
+* Compression is per tensor (layer-wise). Random choices use a seed derived from
+  ``(seed, step, tensor key)``, plus the rank for codecs whose randomness is private
+  (QSGD, TernGrad), so random-k / random-block pick the same coordinates on every worker.
+* Collective choice, per tensor: allreduce of the codec's summand when packets sum in
+  compressed form, else allgather of the packets, whichever puts fewer bytes on the wire
+  for this world size (ring costs, ``gradzip.comm.base``); ties go to allreduce. E.g.
+  ``2bit``: allgather of packed codes ((n-1)·d/4) below 8 workers, int8 allreduce
+  (2(n-1)/n·d) from 8 on (exact for n <= 127).
+* Small tensors are flattened into buckets of up to ``bucket_bytes`` per collective: one
+  buffer per summand dtype for allreduce, raw bytes for allgather. Decoding is per tensor
+  again. With integer summands, or on the in-process group, bucketing changes no bit; a
+  float sum inside a real collective may associate differently (≈1 ulp).
+
+``start()`` compresses and launches the collectives asynchronously and returns a
+:class:`Pending`; ``Pending.wait()`` decodes. ``__call__`` does both.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .comm import Group, Work, allgather_wire_bytes, allreduce_wire_bytes
+from .compressors import Compressor, Packet, build
+
+DEFAULT_BUCKET_BYTES = 4 << 20
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64 chain): the same inputs give the same seed
+    on every worker and every run; any change gives an unrelated one."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & _MASK64)) & _MASK64
+        h = (h + 0x9E3779B97F4A7C15) & _MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 31
+    return h >> 1
+
+
+@dataclass
+class Timings:
+    """Seconds spent in codec work (compress, decode, packing) and waiting on collectives."""
+
+    compress_s: float = 0.0
+    communicate_s: float = 0.0
+
+
+@dataclass
+class Result:
+    """What one PSync returns to this worker, in the order of the input tensors."""
+
+    aggregate: list[torch.Tensor]          # mean_j C(v_j) (or the codec's aggregate)
+    residual: list[torch.Tensor] | None    # v_i - C(v_i), when asked for
+    bytes_sent: int                        # what this exchange put on the wire for this worker
+    packet_bytes: int                      # this worker's compressed payload (sum of packet.nbytes)
+
+
+@dataclass
+class _Bucket:
+    kind: str                      # "allreduce" or "allgather"
+    dtype: torch.dtype             # of the flat buffer (uint8 for allgather)
+    device: torch.device
+    members: list[int] = field(default_factory=list)   # tensor positions
+    sizes: list[int] = field(default_factory=list)     # buffer elements per member
+    parts: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
+    work: Work | None = None
+
+
+@dataclass
+class Pending:
+    """An exchange in flight; ``wait()`` returns its :class:`Result`."""
+
+    psync: "PSync"
+    packets: list[Packet]
+    buckets: list[_Bucket]
+    residual: list[torch.Tensor] | None
+    packet_bytes: int
+    _result: Result | None = field(default=None, repr=False)
+
+    def wait(self) -> Result:
+        if self._result is None:
+            self._result = self.psync._finish(self)
+        return self._result
+
+
+class PSync:
+    """Compress → exchange → decode for one worker (see the module docstring)."""
+
+    def __init__(self, comm: Group, compressor: "str | Compressor | None" = "none", *,
+                 seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.comm = comm
+        self.compressor = build(compressor)
+        self.seed = int(seed)
+        self.bucket_bytes = int(bucket_bytes)
+        self.timings = Timings()
+        self.bytes_sent = 0     # what this worker put on the wire, all exchanges so far
+        self.payload_bytes = 0  # its compressed packets (sum of packet.nbytes)
+
+    # -- the public calls ---------------------------------------------------------------
+    def __call__(self, tensors: Sequence[torch.Tensor], step: int, *,
+                 keys: Sequence[int] | None = None, residual: bool = True) -> Result:
+        return self.start(tensors, step, keys=keys, residual=residual).wait()
+
+    def start(self, tensors: Sequence[torch.Tensor], step: int, *,
+              keys: Sequence[int] | None = None, residual: bool = True) -> Pending:
+        """Compress ``tensors`` and launch their collectives; ``keys`` identify each tensor
+        across steps (default: its position) for the shared random seeds."""
+        keys = range(len(tensors)) if keys is None else keys
+        codec, n = self.compressor, self.comm.world_size
+        began = time.perf_counter()
+        packets = [codec.compress(t.detach(), self._seed(step, key)) for t, key in zip(tensors, keys)]
+        residuals = None
+        if residual:
+            residuals = [t.detach() - codec.decompress(p) for t, p in zip(tensors, packets)]
+        buckets = self._launch(packets)
+        payload = sum(p.nbytes for p in packets)
+        self.payload_bytes += payload
+        self.timings.compress_s += time.perf_counter() - began
+        return Pending(self, packets, buckets, residuals, payload)
+
+    # -- internals ------------------------------------------------------------------------
+    def _seed(self, step: int, key: int) -> int:
+        if self.compressor.shared_randomness:
+            return mix_seed(self.seed, step, key)
+        return mix_seed(self.seed, step, key, self.comm.rank + 1)
+
+    def route(self, packet: Packet) -> tuple[str, list[torch.Tensor]]:
+        """The collective for one packet and the flat tensors it contributes: the codec's
+        summand for allreduce, the raw bytes of its wire tensors for allgather, whichever
+        puts fewer bytes on the wire for this world size (ties: allreduce)."""
+        codec, n = self.compressor, self.comm.world_size
+        as_bytes = [w.reshape(-1).view(torch.uint8) for w in packet.wire.values()]
+        if codec.sum_dtype(n) is not None:
+            summand = codec.summand(packet, n).reshape(-1)
+            sum_bytes = summand.numel() * summand.element_size()
+            if allreduce_wire_bytes(sum_bytes, n) <= allgather_wire_bytes(packet.nbytes, n):
+                return "allreduce", [summand]
+        return "allgather", as_bytes
+
+    def _launch(self, packets: list[Packet]) -> list[_Bucket]:
+        open_buckets: dict[tuple, _Bucket] = {}
+        buckets: list[_Bucket] = []
+        for i, packet in enumerate(packets):
+            kind, flat = self.route(packet)
+            key = (kind, flat[0].dtype, flat[0].device) if flat else (kind, torch.uint8, _device(packet))
+            nbytes = sum(f.numel() * f.element_size() for f in flat)
+            bucket = open_buckets.get(key)
+            if bucket is None or (bucket.nbytes + nbytes > self.bucket_bytes and bucket.members):
+                bucket = open_buckets[key] = _Bucket(kind, key[1], key[2])
+                buckets.append(bucket)
+            bucket.members.append(i)
+            bucket.sizes.append(sum(f.numel() for f in flat))
+            bucket.parts.extend(flat)
+            bucket.nbytes += nbytes
+        for bucket in buckets:
+            parts = bucket.parts
+            buffer = torch.cat(parts) if parts else torch.empty(0, dtype=bucket.dtype, device=bucket.device)
+            bucket.parts = []
+            collective = self.comm.allreduce if bucket.kind == "allreduce" else self.comm.allgather
+            bucket.work = collective(buffer, async_op=True)
+            self.bytes_sent += bucket.work.nbytes
+        return buckets
+
+    def _finish(self, pending: Pending) -> Result:
+        codec, n = self.compressor, self.comm.world_size
+        out: list[torch.Tensor | None] = [None] * len(pending.packets)
+        sent = 0
+        for bucket in pending.buckets:
+            began = time.perf_counter()
+            gathered = bucket.work.wait()
+            decoding = time.perf_counter()
+            self.timings.communicate_s += decoding - began
+            sent += bucket.work.nbytes
+            offset = 0
+            for i, size in zip(bucket.members, bucket.sizes):
+                packet = pending.packets[i]
+                if bucket.kind == "allreduce":
+                    total = gathered[offset:offset + size]
+                    out[i] = codec.from_sum(total, packet, n)
+                else:
+                    chunk = gathered.reshape(n, -1)[:, offset:offset + size]
+                    out[i] = codec.aggregate([packet.like(_unpack_wire(packet, row)) for row in chunk])
+                offset += size
+            self.timings.compress_s += time.perf_counter() - decoding
+        return Result(out, pending.residual, sent, pending.packet_bytes)
+
+
+def _unpack_wire(template: Packet, raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Another worker's wire tensors from its raw bytes, laid out like ``template``'s."""
+    wire, offset = {}, 0
+    for name, t in template.wire.items():
+        nbytes = t.numel() * t.element_size()
+        wire[name] = raw[offset:offset + nbytes].clone().view(t.dtype).view(t.shape)
+        offset += nbytes
+    return wire
+
+
+def _device(packet: Packet) -> torch.device:
+    for t in packet.wire.values():
+        return t.device
+    return torch.device("cpu")

@@ -1,0 +1,134 @@
+"""What every gradzip method shares: a ``torch.optim.Optimizer`` over a communication group.
+
+A method subclasses :class:`DistributedOptimizer` and writes ``step()`` as its algorithm
+box, around one or two :class:`~gradzip.exchange.PSync` calls. This base class holds the
+hyper-parameters (param groups, so LR schedulers work), the step counter (steps count
+from 1), the validation of options, the two SGD rules the spec uses —
+:meth:`local_direction` (weight decay + momentum kept on this worker, spec "Notation") and
+:meth:`global_update` (momentum SGD applied after the reduction, identical on every
+worker) — and a ``state_dict()`` that carries every residual, buffer and counter.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from .. import comm as comm_lib
+from ..errors import GradzipError
+from ..exchange import DEFAULT_BUCKET_BYTES, PSync, Timings
+from ..compressors import Compressor
+
+
+def check(ok: bool, method: str, message: str) -> None:
+    """Raise :class:`GradzipError` naming the method unless ``ok``."""
+    if not ok:
+        raise GradzipError(f"{method}: {message}")
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Base of every method. ``comm=None``: the default torch.distributed group when one is
+    initialised, else a world of one."""
+
+    def __init__(self, params: Iterable, lr: float, *, comm: "comm_lib.Group | None" = None,
+                 momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
+                 seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options: Any):
+        name = type(self).__name__
+        check(isinstance(lr, (int, float)) and lr >= 0, name, f"lr must be a number >= 0, got {lr!r}")
+        check(0.0 <= momentum < 1.0, name, f"momentum must be in [0, 1), got {momentum!r}")
+        check(weight_decay >= 0.0, name, f"weight_decay must be >= 0, got {weight_decay!r}")
+        check(not nesterov or momentum > 0, name, "nesterov=True needs momentum > 0")
+        check(bucket_bytes >= 1, name, f"bucket_bytes must be >= 1, got {bucket_bytes!r}")
+        defaults = dict(lr=float(lr), momentum=float(momentum), nesterov=bool(nesterov),
+                        weight_decay=float(weight_decay), **options)
+        super().__init__(params, defaults)
+        self.comm = comm if comm is not None else comm_lib.default()
+        self.seed = int(seed)
+        self.bucket_bytes = int(bucket_bytes)
+        self.steps = 0
+        self._exchanges: list[PSync] = []
+        self._keys = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+
+    # -- building blocks for step() -----------------------------------------------------
+    def make_psync(self, compressor: "str | Compressor | None", salt: int = 0) -> PSync:
+        """A PSync on this optimizer's group; ``salt`` separates the seeds of two exchanges."""
+        psync = PSync(self.comm, compressor, seed=self.seed * 1000 + salt, bucket_bytes=self.bucket_bytes)
+        self._exchanges.append(psync)
+        return psync
+
+    def params_with_grad(self) -> list[tuple[dict, torch.Tensor]]:
+        """``(group, param)`` for every parameter with a gradient, in a fixed order."""
+        return [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def keys(self, params: Sequence[torch.Tensor]) -> list[int]:
+        """Stable per-parameter keys (its position in the optimizer) for shared seeds."""
+        return [self._keys[p] for p in params]
+
+    def local_direction(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """``d_i``: the gradient with weight decay and local (never synchronised) momentum."""
+        return self._momentum(self.state[p], "momentum_buffer", p.grad, p, group)
+
+    def global_update(self, p: torch.Tensor, aggregate: torch.Tensor, group: dict) -> None:
+        """``x ← GlobalOpt(x, aggregate)``: momentum SGD with weight decay on the reduced
+        gradient; the same operations on the same values on every worker."""
+        direction = self._momentum(self.state[p], "global_momentum_buffer", aggregate, p, group)
+        p.add_(direction, alpha=-group["lr"])
+
+    @staticmethod
+    def _momentum(state: dict, key: str, grad: torch.Tensor, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """``torch.optim.SGD``'s rule (dampening 0): ``d = g + wd·x; b = m·b + d;
+        d = d + m·b`` (Nesterov) or ``b``."""
+        d = grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else grad.clone()
+        m = group["momentum"]
+        if m == 0:
+            return d
+        if key not in state:
+            state[key] = d.clone()
+        else:
+            state[key].mul_(m).add_(d)
+        return d.add(state[key], alpha=m) if group["nesterov"] else state[key].clone()
+
+    def _evaluate(self, closure: Callable[[], Any] | None) -> Any:
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    # -- accounting --------------------------------------------------------------------
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this worker put on the wire in this optimizer's exchanges."""
+        return sum(x.bytes_sent for x in self._exchanges)
+
+    @property
+    def compression_ratio(self) -> float:
+        """R_C: payload bytes S-SGD would have sent in as many steps (every gradient, dense)
+        / payload bytes this worker's packets carried (1 for S-SGD; inf if none sent)."""
+        payload = sum(x.payload_bytes for x in self._exchanges)
+        dense = self.steps * sum(p.numel() * p.element_size() for g in self.param_groups for p in g["params"])
+        return dense / payload if payload else float("inf")
+
+    @property
+    def timings(self) -> Timings:
+        return Timings(sum(x.timings.compress_s for x in self._exchanges),
+                       sum(x.timings.communicate_s for x in self._exchanges))
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        out["gradzip"] = {"steps": self.steps, "seed": self.seed,
+                          "method": type(self).__name__, "world_size": self.comm.world_size}
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("gradzip", None)
+        if extra is not None:
+            if extra["method"] != type(self).__name__:
+                raise GradzipError(
+                    f"this state_dict was saved by {extra['method']}, not {type(self).__name__}; "
+                    "load it into the method that saved it"
+                )
+            self.steps = int(extra["steps"])
+            self.seed = int(extra["seed"])
+        super().load_state_dict(state_dict)

@@ -1,0 +1,44 @@
+"""BIT-SGD: MXNet's 2-bit compression with a residual on the raw gradient."""
+from __future__ import annotations
+
+import torch
+
+from ..compressors import build
+from .base import DistributedOptimizer, check
+
+
+class BitSGD(DistributedOptimizer):
+    """BIT-SGD (spec, "Methods: BIT-SGD"; the baseline of the CD-SGD papers)::
+
+        p_i = e_i + g_i;   q_i = 2bit_t(p_i);   e_i = p_i − q_i
+        x ← GlobalOpt(x, mean_j q_j)     # momentum SGD + weight decay, after the reduction
+
+    What MXNet's parameter server does with ``--gc-type 2bit``: the residual
+    (``state[p]["residual"]``) lives on the raw gradient (no learning rate inside), and
+    learning rate, weight decay and momentum act on the aggregate, identically on every
+    worker, so the model stays bitwise identical. It is CD-SGD without the local update
+    and without the k-step correction. ``threshold`` is compared with *mean* gradients
+    (MXNet compares 0.5 with batch-summed ones); see ``gradzip.compressors.threshold2bit``.
+    """
+
+    def __init__(self, params, lr, *, threshold: float | None = None, **kwargs):
+        spec = "2bit" if threshold is None else f"2bit:threshold={threshold}"
+        check(threshold is None or threshold > 0, "BitSGD", f"threshold must be > 0, got {threshold!r}")
+        super().__init__(params, lr, **kwargs)
+        self.psync = self.make_psync(build(spec))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._evaluate(closure)
+        self.steps += 1
+        pairs = self.params_with_grad()
+        params = [p for _, p in pairs]
+        carried = []
+        for _, p in pairs:
+            residual = self.state[p].get("residual")
+            carried.append(p.grad.clone() if residual is None else residual + p.grad)
+        result = self.psync(carried, self.steps, keys=self.keys(params))
+        for (group, p), agg, res in zip(pairs, result.aggregate, result.residual):
+            self.state[p]["residual"] = res
+            self.global_update(p, agg, group)
+        return loss

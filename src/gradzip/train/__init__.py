@@ -1,0 +1,1 @@
+"""The training harness: datasets, models, the training loop, metrics."""

@@ -1,0 +1,182 @@
+"""The training loop one worker runs: data shard, model, method, timers, evaluation.
+
+:func:`run_worker` is what every rank executes, whatever launched it (``gradzip.simulate``
+threads, :func:`gradzip.launch.run_processes`, or ``torchrun``). It returns, on every
+rank, the evaluation history and a summary; rank 0's are the run's record.
+
+Time per step is split into *compute* (forward + backward), *compress* (codec work:
+compress, decode, packing — measured inside PSync), *communicate* (time blocked waiting
+for collectives) and *update* (the rest of ``optimizer.step()``). Bytes are what this
+worker's exchanges put on the wire (``gradzip.comm.base`` explains the count).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import optim
+from ..comm import Group
+from ..errors import GradzipError
+from . import data, models
+
+
+@dataclass
+class RunConfig:
+    """One training run (the CLI's flags, and what ``summary.json`` records)."""
+
+    algo: str = "ssgd"
+    options: dict[str, Any] = field(default_factory=dict)  # method options: compressor=, threshold=, ...
+    label: str = ""
+    dataset: str = "digits"
+    data_dir: str | None = None
+    download: bool = False        # fetch missing dataset files (off: no surprise network traffic)
+    model: str = "mlp"
+    epochs: int = 10
+    batch_size: int = 32          # per worker; the global batch is batch_size * workers
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    seed: int = 0
+    progress: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.label or self.algo
+
+
+def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOptimizer:
+    """The method named ``cfg.algo`` with the common hyper-parameters and its own options;
+    an option the method does not take is an error that names the method's options."""
+    if cfg.algo not in optim.METHODS:
+        raise GradzipError(f"unknown method {cfg.algo!r}; valid methods: {', '.join(optim.METHODS)}")
+    cls = optim.METHODS[cfg.algo]
+    accepted = {n for n, p in inspect.signature(cls.__init__).parameters.items()
+                if p.kind == p.KEYWORD_ONLY}
+    unknown = sorted(set(cfg.options) - accepted)
+    if unknown:
+        raise GradzipError(
+            f"method {cfg.algo!r} takes no option {', '.join(unknown)}; its options: "
+            f"{', '.join(sorted(accepted)) or 'none'}"
+        )
+    return cls(params, lr=cfg.lr, comm=comm, momentum=cfg.momentum, nesterov=cfg.nesterov,
+               weight_decay=cfg.weight_decay, seed=cfg.seed, **cfg.options)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1024) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of ``model`` on ``(x, y)``."""
+    model.eval()
+    correct, loss = 0, 0.0
+    for i in range(0, len(x), batch):
+        out = model(x[i:i + batch])
+        loss += F.cross_entropy(out, y[i:i + batch], reduction="sum").item()
+        correct += (out.argmax(1) == y[i:i + batch]).sum().item()
+    model.train()
+    return correct / len(x), loss / len(x)
+
+
+@dataclass
+class _Clock:
+    compute_s: float = 0.0
+    step_s: float = 0.0
+
+
+def run_worker(comm: Group, cfg: RunConfig) -> dict[str, Any]:
+    """Train ``cfg`` on this worker; ``{"summary": ..., "history": [...]}``."""
+    began = time.perf_counter()
+    ds = data.load(cfg.dataset, cfg.data_dir, seed=cfg.seed, download=cfg.download)
+    model = models.build(cfg.model, ds.input_shape, ds.num_classes, seed=cfg.seed)
+    for p in model.parameters():  # identical start on every worker, whatever built it
+        comm.broadcast(p.data, src=0)
+    opt = make_optimizer(cfg, model.parameters(), comm)
+    steps_per_epoch = len(ds.train_x) // comm.world_size // cfg.batch_size
+    if steps_per_epoch < 1:
+        raise GradzipError(
+            f"{cfg.dataset} has {len(ds.train_x)} training samples, fewer than one batch of "
+            f"{cfg.batch_size} per worker for {comm.world_size} workers; lower --batch-size"
+        )
+    bar = _progress(cfg, comm, steps_per_epoch)
+    clock, history = _Clock(), []
+    diverged = False
+    for epoch in range(1, cfg.epochs + 1):
+        order = data.shard(len(ds.train_x), comm.rank, comm.world_size, epoch, cfg.seed)
+        loss_sum = torch.zeros(())
+        for b in range(steps_per_epoch):
+            idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx])
+            loss.backward()
+            t1 = time.perf_counter()
+            opt.step()
+            clock.compute_s += t1 - t0
+            clock.step_s += time.perf_counter() - t1
+            loss_sum += loss.detach()
+            if bar is not None:
+                bar.update(1)
+        train_loss = comm.allreduce(loss_sum / steps_per_epoch).item() / comm.world_size
+        diverged = diverged or not math.isfinite(train_loss)
+        record = {"algo": cfg.name, "epoch": epoch, "step": opt.steps, "train_loss": train_loss,
+                  "bytes_sent_per_worker": opt.bytes_sent, "wall_time_s": time.perf_counter() - began}
+        if comm.rank == 0:
+            record["test_accuracy"], record["test_loss"] = evaluate(model, ds.test_x, ds.test_y)
+            if bar is not None:
+                bar.set_postfix(loss=f"{train_loss:.3f}", acc=f"{record['test_accuracy']:.3f}")
+        history.append(record)
+    if bar is not None:
+        bar.close()
+    timings = opt.timings
+    mine = torch.tensor([clock.compute_s, timings.compress_s, timings.communicate_s,
+                         clock.step_s - timings.compress_s - timings.communicate_s], dtype=torch.float64)
+    per_worker = comm.allgather(mine)  # (n, 4): one row of phase times per worker
+    summary = {
+        "algo": cfg.name,
+        "method": cfg.algo,
+        "options": {k: str(v) for k, v in cfg.options.items()},
+        "workers": comm.world_size,
+        "dataset": cfg.dataset,
+        "model": cfg.model,
+        "epochs": cfg.epochs,
+        "batch_size_per_worker": cfg.batch_size,
+        "lr": cfg.lr,
+        "momentum": cfg.momentum,
+        "seed": cfg.seed,
+        "steps": opt.steps,
+        "final_test_accuracy": history[-1].get("test_accuracy"),
+        "best_test_accuracy": max((h.get("test_accuracy") or 0.0) for h in history),
+        "diverged": diverged,
+        "bytes_sent_per_worker": opt.bytes_sent,
+        "compression_ratio": opt.compression_ratio,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "wall_time_s": time.perf_counter() - began,
+        # phase times: mean over workers, and every worker's own row
+        "time_compute_s": per_worker[:, 0].mean().item(),
+        "time_compress_s": per_worker[:, 1].mean().item(),
+        "time_communicate_s": per_worker[:, 2].mean().item(),
+        "time_update_s": per_worker[:, 3].mean().item(),
+        "time_per_worker_s": {k: per_worker[:, i].tolist()
+                              for i, k in enumerate(["compute", "compress", "communicate", "update"])},
+    }
+    return {"summary": summary, "history": history, "config": dataclasses.asdict(cfg)}
+
+
+def run_many(comm: Group, cfgs: list[RunConfig]) -> list[dict[str, Any]]:
+    """Several runs in the same group, one after the other (``gradzip compare``)."""
+    return [run_worker(comm, cfg) for cfg in cfgs]
+
+
+def _progress(cfg: RunConfig, comm: Group, steps_per_epoch: int):
+    if not cfg.progress or comm.rank != 0:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=steps_per_epoch * cfg.epochs, desc=f"{cfg.name} ({comm.world_size} workers)",
+                unit="step", leave=False, dynamic_ncols=True)

@@ -1,0 +1,250 @@
+"""Models for the training harness, built by name: ``build("lenet", (1, 28, 28), 10)``.
+
+Names (``names()``), with optional ``name:key=value,...`` options:
+
+- ``logreg``: flatten -> Linear(features, classes) (multinomial logistic regression).
+- ``mlp``: flatten -> Linear(., 256) -> ReLU -> Linear(256, 128) -> ReLU -> Linear(., classes);
+  ``mlp:hidden=512x512`` sets the hidden sizes (any number of layers).
+- ``lenet``: LeNet-5 style: conv5x5(6, pad 2) -> ReLU -> maxpool2 -> conv5x5(16, pad 2) -> ReLU
+  -> maxpool2 -> FC 120 -> ReLU -> FC 84 -> ReLU -> FC classes. Needs (C, H, W) input with
+  H, W >= 4 (1x8x8 digits, 1x28x28 MNIST, 3x32x32 CIFAR-10).
+- ``resnet``: the CIFAR ResNet of He et al. (2016), depth 6n+2 (default 20: three stages of
+  16/32/64 channels, global average pooling). Options ``depth=`` (20, 32, 44, 56, ...),
+  ``width=`` (first stage's channels, default 16), ``norm=bn|gn|none`` (default ``bn``:
+  BatchNorm, whose running statistics are buffers, local to each worker; ``gn`` is
+  GroupNorm, which has none).
+
+Initialization is a function of ``seed`` alone: the same seed gives bitwise-identical
+parameters, and building a model leaves the global RNG state untouched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import threading
+
+import torch
+from torch import nn
+
+from gradzip.errors import GradzipError
+
+__all__ = ["names", "build", "MLP", "LeNet", "ResNet"]
+
+_NAMES = ("logreg", "mlp", "lenet", "resnet")
+
+
+_GLOBAL_RNG_LOCK = threading.Lock()
+
+
+def names() -> list[str]:
+    """The model names :func:`build` accepts."""
+    return list(_NAMES)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+class MLP(nn.Sequential):
+    """Flatten, then Linear + ReLU for each hidden size, then a Linear classifier."""
+
+    def __init__(self, in_features: int, hidden: tuple, num_classes: int):
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = in_features
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, num_classes))
+        super().__init__(*layers)
+
+
+class LeNet(nn.Module):
+    """LeNet-5 style network; the flattened feature size comes from a dry-run forward."""
+
+    def __init__(self, input_shape: tuple, num_classes: int):
+        super().__init__()
+        c, h, w = input_shape
+        self.features = nn.Sequential(
+            nn.Conv2d(c, 6, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(),
+        )
+        with torch.no_grad():
+            flat = self.features(torch.zeros(1, c, h, w)).shape[1]
+        self.classifier = nn.Sequential(
+            nn.Linear(flat, 120), nn.ReLU(),
+            nn.Linear(120, 84), nn.ReLU(),
+            nn.Linear(84, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def _norm_layer(kind: str, channels: int) -> nn.Module:
+    if kind == "bn":
+        return nn.BatchNorm2d(channels)
+    if kind == "gn":
+        return nn.GroupNorm(math.gcd(8, channels), channels)
+    return nn.Identity()
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, norm: str):
+        super().__init__()
+        bias = norm == "none"
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=bias)
+        self.norm1 = _norm_layer(norm, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, stride=1, padding=1, bias=bias)
+        self.norm2 = _norm_layer(norm, cout)
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:  # projection shortcut (option B)
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=bias),
+                                          _norm_layer(norm, cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.norm1(self.conv1(x)))
+        out = self.norm2(self.conv2(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """CIFAR-style ResNet (depth 6n+2): a 3x3 stem, three stages of n basic blocks."""
+
+    def __init__(self, input_shape: tuple, num_classes: int, depth: int = 20,
+                 width: int = 16, norm: str = "bn"):
+        super().__init__()
+        blocks = (depth - 2) // 6
+        c = input_shape[0]
+        self.stem = nn.Sequential(nn.Conv2d(c, width, 3, padding=1, bias=norm == "none"),
+                                  _norm_layer(norm, width), nn.ReLU())
+        stages, cin = [], width
+        for i, cout in enumerate((width, 2 * width, 4 * width)):
+            for j in range(blocks):
+                stride = 2 if (i > 0 and j == 0) else 1
+                stages.append(_BasicBlock(cin, cout, stride, norm))
+                cin = cout
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Linear(cin, num_classes))
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)))
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def _parse_options(name: str, opts: str, valid: dict) -> dict:
+    """``key=value,...`` -> dict, checking keys against ``valid`` (key -> example)."""
+    out = {}
+    for item in (p.strip() for p in opts.split(",")):
+        if not item:
+            continue
+        key, eq, value = (s.strip() for s in item.partition("="))
+        if not eq or key not in valid:
+            if not valid:
+                raise GradzipError(f"model {name!r} takes no options (got {item!r}); "
+                                   f"use just {name!r}.")
+            examples = ", ".join(f"{k}={v}" for k, v in valid.items())
+            raise GradzipError(f"bad option {item!r} for model {name!r}; valid options: "
+                               f"{examples}.")
+        out[key] = value
+    return out
+
+
+def _int_option(name: str, key: str, value: str, low: int) -> int:
+    try:
+        v = int(value)
+    except ValueError:
+        v = low - 1
+    if v < low:
+        raise GradzipError(f"model {name!r} option {key} must be an integer >= {low}, "
+                           f"got {value!r}.")
+    return v
+
+
+def _check_shape(input_shape) -> tuple:
+    try:
+        shape = tuple(int(s) for s in input_shape)
+        ok = len(shape) >= 1 and min(shape) >= 1 and all(
+            not isinstance(s, bool) and int(s) == s for s in input_shape)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise GradzipError(f"input_shape must be a tuple of positive sizes such as (1, 28, 28) "
+                           f"or (784,), got {input_shape!r}.")
+    return shape
+
+
+def _need_image(name: str, shape: tuple, min_side: int) -> None:
+    if len(shape) != 3 or shape[1] < min_side or shape[2] < min_side:
+        raise GradzipError(f"model {name!r} needs image input (C, H, W) with H and W at least "
+                           f"{min_side}, got input_shape {shape}; use 'mlp' or 'logreg' for "
+                           f"this data.")
+
+
+def _construct(base: str, opts: dict, shape: tuple, num_classes: int) -> nn.Module:
+    features = math.prod(shape)
+    if base == "logreg":
+        return MLP(features, (), num_classes)
+    if base == "mlp":
+        hidden = (256, 128)
+        if "hidden" in opts:
+            try:
+                hidden = tuple(int(h) for h in opts["hidden"].lower().split("x"))
+            except ValueError:
+                hidden = ()
+            if not hidden or min(hidden) < 1:
+                raise GradzipError(f"model 'mlp' option hidden must be layer sizes joined by "
+                                   f"'x' (e.g. hidden=512x512), got {opts['hidden']!r}; use "
+                                   f"'logreg' for no hidden layer.")
+        return MLP(features, hidden, num_classes)
+    if base == "lenet":
+        _need_image(base, shape, 4)
+        return LeNet(shape, num_classes)
+    # resnet
+    _need_image(base, shape, 1)
+    depth = _int_option(base, "depth", opts.get("depth", "20"), 8)
+    if (depth - 2) % 6:
+        raise GradzipError(f"model 'resnet' depth must be 6n+2 (20, 32, 44, 56, 110), "
+                           f"got {depth}.")
+    width = _int_option(base, "width", opts.get("width", "16"), 1)
+    norm = opts.get("norm", "bn").lower()
+    if norm not in ("bn", "gn", "none"):
+        raise GradzipError(f"model 'resnet' option norm must be bn, gn or none, got {norm!r}.")
+    return ResNet(shape, num_classes, depth=depth, width=width, norm=norm)
+
+
+_OPTIONS = {"logreg": {}, "mlp": {"hidden": "256x128"}, "lenet": {},
+            "resnet": {"depth": "20", "width": "16", "norm": "bn"}}
+
+
+def build(name: str, input_shape: tuple, num_classes: int, *, seed: int = 0) -> nn.Module:
+    """Build model ``name`` (``names()``, optionally ``name:key=value,...``) on the CPU.
+
+    Parameters are initialized from ``seed`` only (bitwise-reproducible) and the global
+    RNG state is left as it was.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise GradzipError(f"model name must be a non-empty string, got {name!r}; valid "
+                           f"names: {', '.join(_NAMES)}.")
+    base, _, opts = name.strip().partition(":")
+    base = base.strip().lower()
+    if base not in _NAMES:
+        raise GradzipError(f"unknown model {name!r}; valid names: {', '.join(_NAMES)}.")
+    options = _parse_options(base, opts, _OPTIONS[base])
+    shape = _check_shape(input_shape)
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+        raise GradzipError(f"num_classes must be an integer >= 2, got {num_classes!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise GradzipError(f"seed must be an integer, got {seed!r}.")
+    # fork only the CPU generator: modules are built on the CPU, and seeding through
+    # torch.manual_seed would also reseed (and not restore) the CUDA generators. The lock:
+    # workers on threads (gradzip.simulate) share the global generator.
+    with _GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(seed & ((1 << 64) - 1))
+        return _construct(base, options, shape, num_classes)

@@ -1,0 +1,83 @@
+"""What a run leaves behind: ``metrics.jsonl``, ``summary.json``, a plot, a printed table."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+COLUMNS = [  # header, summary key, format
+    ("method", "algo", "{}"),
+    ("test acc", "final_test_accuracy", "{:.4f}"),
+    ("MB sent/worker", "bytes_sent_per_worker", "{:.3f}"),
+    ("R_C", "compression_ratio", "{:.1f}"),
+    ("time s", "wall_time_s", "{:.1f}"),
+    ("compute s", "time_compute_s", "{:.2f}"),
+    ("compress s", "time_compress_s", "{:.2f}"),
+    ("comm s", "time_communicate_s", "{:.2f}"),
+]
+
+
+def _cell(summary: dict[str, Any], key: str, fmt: str) -> str:
+    value = summary.get(key)
+    if value is None:
+        return "-"
+    if key == "bytes_sent_per_worker":
+        value = value / 1e6
+    if key == "final_test_accuracy" and summary.get("diverged"):
+        return f"{value:.4f} (diverged)"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    return fmt.format(value)
+
+
+def table(summaries: Sequence[dict[str, Any]]) -> str:
+    """A plain-text table of the runs, one row each."""
+    rows = [[h for h, _, _ in COLUMNS]] + [[_cell(s, k, f) for _, k, f in COLUMNS] for s in summaries]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write(out_dir: str | Path, runs: Sequence[dict[str, Any]], *, plot: bool = True) -> Path:
+    """``metrics.jsonl`` (one record per evaluation, every run), ``summary.json`` (the
+    summary of a single run, or a list for several) and ``accuracy.png``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "metrics.jsonl", "w") as f:
+        for run in runs:
+            for record in run["history"]:
+                f.write(json.dumps(record) + "\n")
+    summaries = [run["summary"] for run in runs]
+    (out / "summary.json").write_text(json.dumps(summaries[0] if len(runs) == 1 else summaries, indent=2))
+    if plot:
+        plot_accuracy(runs, out / "accuracy.png")
+    return out
+
+
+def plot_accuracy(runs: Sequence[dict[str, Any]], path: str | Path) -> None:
+    """Test accuracy against epochs and against MB sent per worker, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_epoch, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        hist = [h for h in run["history"] if h.get("test_accuracy") is not None]
+        label = run["summary"]["algo"]
+        acc = [h["test_accuracy"] for h in hist]
+        by_epoch.plot([h["epoch"] for h in hist], acc, marker="o", ms=3, label=label)
+        by_bytes.plot([max(h["bytes_sent_per_worker"], 1) / 1e6 for h in hist], acc, marker="o", ms=3, label=label)
+    by_epoch.set(xlabel="epoch", ylabel="test accuracy", title="accuracy per epoch")
+    by_bytes.set(xlabel="MB sent per worker (log)", ylabel="test accuracy", title="accuracy per byte", xscale="log")
+    for ax in (by_epoch, by_bytes):
+        ax.grid(alpha=0.3)
+    by_bytes.legend(fontsize=8)
+    s = runs[0]["summary"]
+    fig.suptitle(f"{s['dataset']} / {s['model']}, {s['workers']} workers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

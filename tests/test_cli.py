@@ -1,0 +1,95 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradzip.cli import main, parse_algos
+from gradzip.errors import GradzipError
+
+from conftest import SHARED_DATA
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "gradzip.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--epochs", "0"], "--epochs: expected an integer >= 1"),
+    (["train", "--lr", "-1"], "--lr: expected a number >= 0"),
+    (["train", "--workers", "0"], "--workers: expected an integer >= 1"),
+    (["train", "--algo", "nope"], "invalid choice"),
+    (["train", "--bogus"], "unrecognized arguments"),
+    (["train", "--compressor", "topk:ratio=2"], "ratio"),
+    (["train", "--compressor", "zip"], "valid names"),
+    (["train", "--algo", "bitsgd", "--compressor", "topk"], "takes no option compressor"),
+    (["train", "--dataset", "imagenet"], "imagenet"),
+    (["train", "--dataset", "mnist", "--data-dir", "/nonexistent/dir"], "/nonexistent/dir"),
+    (["compare", "--algos", "ssgd,foo"], "unknown method 'foo'"),
+])
+def test_bad_input_is_one_line_and_nonzero(args, message, capsys):
+    with pytest.raises(SystemExit) as exc_info:
+        code = main(args)
+        raise SystemExit(code)
+    assert exc_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_parse_algos_keeps_codec_parameters_together():
+    assert parse_algos("ssgd,efsgd@randomk:ratio=0.1,unbiased=true,bitsgd") == [
+        ("ssgd", None), ("efsgd", "randomk:ratio=0.1,unbiased=true"), ("bitsgd", None)]
+    with pytest.raises(GradzipError):
+        parse_algos(" , ")
+
+
+def test_train_threads_writes_outputs(tmp_path):
+    code = main(["train", "--algo", "efsgd", "--compressor", "topk:ratio=0.1", "--workers", "2",
+                 "--backend", "threads", "--epochs", "2", "--quiet", "--out", str(tmp_path)])
+    assert code == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ["algo", "workers", "final_test_accuracy", "bytes_sent_per_worker", "steps", "wall_time_s",
+                "time_compute_s", "time_compress_s", "time_communicate_s"]:
+        assert key in summary
+    assert summary["workers"] == 2 and summary["bytes_sent_per_worker"] > 0
+    assert 4 < summary["compression_ratio"] < 6  # top-10% with int32 indices: R = 1/(2*0.1)
+    records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert (tmp_path / "accuracy.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_train_digits_two_processes_reaches_90_percent(tmp_path):
+    proc = run_cli("train", "--algo", "ssgd", "--workers", "2", "--epochs", "10", "--quiet",
+                   "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["workers"] == 2
+    assert summary["final_test_accuracy"] > 0.90
+    assert "ssgd" in proc.stdout and "test acc" in proc.stdout
+
+
+@pytest.mark.slow
+def test_same_entry_point_under_torchrun(tmp_path):
+    import shutil
+
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "gradzip.cli", "train",
+                           "--algo", "bitsgd", "--epochs", "1", "--quiet", "--no-plot", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["algo"] == "bitsgd"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHARED_DATA / "mnist-5k").is_dir(), reason="../shared/data/mnist-5k not present")
+def test_train_on_real_mnist_files(tmp_path):
+    code = main(["train", "--dataset", "mnist", "--data-dir", str(SHARED_DATA / "mnist-5k"), "--model", "lenet",
+                 "--workers", "2", "--backend", "threads", "--epochs", "1", "--quiet", "--out", str(tmp_path)])
+    assert code == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["dataset"] == "mnist" and summary["final_test_accuracy"] > 0.5

@@ -1,0 +1,183 @@
+import copy
+
+import pytest
+import torch
+
+import gradzip
+from gradzip.errors import GradzipError
+from gradzip.launch import run_processes
+from gradzip.optim import BitSGD, EFSGD, SSGD
+
+import cases
+
+
+def reference_sgd(steps, n, **sgd_options):
+    """Single-process torch.optim.SGD on the concatenated batch of all n workers."""
+    model = cases.tiny_model()
+    opt = torch.optim.SGD(model.parameters(), **sgd_options)
+    for t in range(1, steps + 1):
+        x = torch.cat([cases.regression_batch(t, r, n)[0] for r in range(n)])
+        y = torch.cat([cases.regression_batch(t, r, n)[1] for r in range(n)])
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("options", [dict(lr=0.1), dict(lr=0.1, momentum=0.9, weight_decay=0.01),
+                                     dict(lr=0.05, momentum=0.9, nesterov=True)])
+def test_ssgd_equals_single_process_sgd_on_concatenated_batch(n, options):
+    outs = gradzip.simulate(n, lambda c: cases.train_method(c, "ssgd", options, steps=6))
+    expected = reference_sgd(6, n, **options)
+    for params in outs:
+        for p, e in zip(params, expected):
+            torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_efsgd_with_identity_codec_is_ssgd(n):
+    opts = dict(lr=0.1, momentum=0.9)
+    ef = gradzip.simulate(n, lambda c: cases.train_method(c, "efsgd", dict(opts, compressor="none")))
+    ss = gradzip.simulate(n, lambda c: cases.train_method(c, "ssgd", opts))
+    for a, b in zip(ef[0], ss[0]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_efsgd_with_one_worker_and_topk_is_not_sgd_but_conserves_the_error():
+    model = cases.tiny_model()
+    opt = EFSGD(model.parameters(), lr=0.1, compressor="topk:ratio=0.3")
+    x, y = cases.regression_batch(1, 0, 1)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    for p, b, g in zip(model.parameters(), before, grads):
+        moved = b - p.detach()                    # mean_j p'_j (one worker: C(p))
+        err = opt.state[p]["error"]
+        torch.testing.assert_close(moved + err, 0.1 * g, rtol=1e-6, atol=1e-7)  # p = C(p) + e
+        assert (err != 0).any()                   # something was held back: not SGD
+
+
+def bitsgd_reference(n, steps, lr, threshold, momentum, wd):
+    """BIT-SGD by hand: residual on raw grads, 2-bit, mean, momentum SGD after the mean."""
+    models = [cases.tiny_model() for _ in range(n)]
+    residual = [[torch.zeros_like(p) for p in models[0].parameters()] for _ in range(n)]
+    buf = [None] * len(list(models[0].parameters()))
+    for t in range(1, steps + 1):
+        quantized = []
+        for r, m in enumerate(models):
+            x, y = cases.regression_batch(t, r, n)
+            m.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            qs = []
+            for i, p in enumerate(m.parameters()):
+                acc = residual[r][i] + p.grad
+                q = torch.where(acc >= threshold, threshold, torch.where(acc <= -threshold, -threshold, 0.0))
+                residual[r][i] = acc - q
+                qs.append(q)
+            quantized.append(qs)
+        with torch.no_grad():
+            for i, params in enumerate(zip(*[m.parameters() for m in models])):
+                mean = sum(q[i] for q in quantized) / n
+                u = mean + wd * params[0]
+                buf[i] = u.clone() if buf[i] is None else buf[i] * momentum + u
+                for p in params:
+                    p.sub_(lr * buf[i])
+    return [p.detach() for p in models[0].parameters()]
+
+
+def test_bitsgd_matches_hand_written_reference():
+    opts = dict(lr=0.1, threshold=0.05, momentum=0.9, weight_decay=0.01)
+    outs = gradzip.simulate(2, lambda c: cases.train_method(c, "bitsgd", opts, steps=5))
+    expected = bitsgd_reference(2, 5, 0.1, 0.05, 0.9, 0.01)
+    for p, e in zip(outs[0], expected):
+        torch.testing.assert_close(p, e, rtol=1e-6, atol=1e-6)
+
+
+def test_replicas_stay_bitwise_identical_on_threads():
+    outs = gradzip.simulate(3, cases.train_all_methods)
+    for name in cases.METHOD_RUNS:
+        for other in outs[1:]:
+            for a, b in zip(outs[0][name], other[name]):
+                assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_replicas_bitwise_identical_and_agree_with_threads_on_gloo():
+    procs = run_processes(3, cases.train_all_methods)
+    threads = gradzip.simulate(3, cases.train_all_methods)
+    for name in cases.METHOD_RUNS:
+        for other in procs[1:]:
+            for a, b in zip(procs[0][name], other[name]):
+                assert torch.equal(a, b), name
+        for a, b in zip(procs[0][name], threads[0][name]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("method, options", [
+    ("efsgd", dict(lr=0.1, compressor="topk:ratio=0.3", momentum=0.9)),
+    ("bitsgd", dict(lr=0.1, threshold=0.05, momentum=0.9)),
+    ("ssgd", dict(lr=0.1, compressor="qsgd", momentum=0.9)),
+])
+def test_state_dict_resume_is_exact(method, options):
+    def run(comm, split):
+        model = cases.tiny_model()
+        make = lambda m: gradzip.optim.METHODS[method](m.parameters(), comm=comm, **options)
+        opt = make(model)
+        for t in range(1, 7):
+            if t == split:  # save, then continue in a fresh model + optimizer
+                saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+                model = cases.tiny_model()
+                model.load_state_dict(saved_model)
+                opt = make(model)
+                opt.load_state_dict(saved_opt)
+            x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return [p.detach() for p in model.parameters()], opt.state_dict()
+
+    straight = gradzip.simulate(2, lambda c: run(c, split=None))
+    resumed = gradzip.simulate(2, lambda c: run(c, split=4))
+    for (pa, sa), (pb, _) in zip(straight, resumed):
+        for a, b in zip(pa, pb):
+            assert torch.equal(a, b)
+    residual_key = {"efsgd": "error", "bitsgd": "residual"}.get(method)
+    if residual_key:
+        assert all(residual_key in s for s in straight[0][1]["state"].values())
+    assert straight[0][1]["gradzip"]["steps"] == 6
+
+
+def test_lr_scheduler_drives_the_learning_rate():
+    model = cases.tiny_model()
+    opt = SSGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.0)
+    x, y = cases.regression_batch(1, 0, 1)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    sched.step()  # lr is now 0: the next step must not move the model
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda ps: SSGD(ps, lr=-1), "lr must be"),
+    (lambda ps: SSGD(ps, lr=0.1, momentum=1.0), "momentum must be in"),
+    (lambda ps: SSGD(ps, lr=0.1, nesterov=True), "nesterov=True needs momentum"),
+    (lambda ps: EFSGD(ps, lr=0.1, weight_decay=-1), "weight_decay"),
+    (lambda ps: EFSGD(ps, lr=0.1, compressor="topk:ratio=0"), "ratio"),
+    (lambda ps: SSGD(ps, lr=0.1, compressor="zip"), "valid names"),
+    (lambda ps: BitSGD(ps, lr=0.1, threshold=0), "threshold must be > 0"),
+])
+def test_bad_options_raise_a_clear_error(make, message):
+    with pytest.raises(GradzipError, match=message):
+        make(cases.tiny_model().parameters())
+
+
+def test_loading_another_methods_state_is_refused():
+    model = cases.tiny_model()
+    state = SSGD(model.parameters(), lr=0.1).state_dict()
+    with pytest.raises(GradzipError, match="saved by SSGD"):
+        EFSGD(model.parameters(), lr=0.1).load_state_dict(state)
