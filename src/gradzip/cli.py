@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from .errors import GradzipError
 
-DEFAULT_COMPARE = "ssgd,efsgd@topk:ratio=0.01,bitsgd,ssgd@qsgd"
+DEFAULT_COMPARE = "ssgd,efsgd@topk:ratio=0.01,efsgd@1bit,bitsgd,ssgd@qsgd,ssgd@terngrad"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,10 +55,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--download", action="store_true",
                    help="download missing dataset files into --data-dir (checksums verified)")
     g.add_argument("--model", default="mlp", help=f"one of {', '.join(models.names())} (default: %(default)s)")
-    g.add_argument("--epochs", type=positive_int, default=10, help="default: %(default)s")
+    g.add_argument("--epochs", type=positive_int, default=20, help="default: %(default)s")
     g.add_argument("--batch-size", type=positive_int, default=32, help="per worker (default: %(default)s)")
     g.add_argument("--lr", type=non_negative, default=0.1, help="learning rate (default: %(default)s)")
-    g.add_argument("--momentum", type=fraction, default=0.9, help="default: %(default)s")
+    g.add_argument("--momentum", type=fraction, default=0.0,
+                   help="default: %(default)s (BIT-SGD with momentum 0.9 at lr 0.1 is unstable: docs/benchmarks.md)")
     g.add_argument("--nesterov", action="store_true")
     g.add_argument("--weight-decay", type=non_negative, default=0.0)
     g.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,41 @@
+"""Wall time of the main job: ``gradzip compare`` on digits, 4 worker processes, the
+default methods, timed end to end as a user runs it (process start-up included).
+
+    python benchmarks/main_job.py --write
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from docs_section import replace_section  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    ap.add_argument("extra", nargs="*", help="extra flags for gradzip compare")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "gradzip.cli", "compare", "--quiet", "--out", out, *args.extra]
+        began = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        wall = time.perf_counter() - began
+        summaries = json.loads((Path(out) / "summary.json").read_text())
+    shown = "gradzip compare " + " ".join(["--out", "runs/compare", *args.extra])
+    text = (f"`{shown}` (defaults: digits, mlp, 4 gloo worker processes, 10 epochs, "
+            f"{len(summaries)} methods) took **{wall:.1f} s** wall time end to end, measured by "
+            f"`python benchmarks/main_job.py --write`. Its printed table:\n\n```\n{proc.stdout.strip()}\n```\n")
+    print(text)
+    if args.write:
+        replace_section("Main job wall time", text)
+
+
+if __name__ == "__main__":
+    main()
