@@ -27,6 +27,8 @@ def run_cli(*args):
     (["train", "--dataset", "imagenet"], "imagenet"),
     (["train", "--dataset", "mnist", "--data-dir", "/nonexistent/dir"], "/nonexistent/dir"),
     (["compare", "--algos", "ssgd,foo"], "unknown method 'foo'"),
+    (["compare", "--algos", "ssgd,efsgd", "--threshold", "0.1"], "no method in --algos takes --threshold"),
+    (["train", "--algo", "bitsgd", "--threshold", "-1"], "threshold must be > 0"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message, capsys):
     with pytest.raises(SystemExit) as exc_info:

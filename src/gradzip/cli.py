@@ -74,6 +74,30 @@ def _common(p: argparse.ArgumentParser) -> None:
     o.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+_FLAG_TYPES = {int: int, float: float, str: str,
+               bool: _checked(lambda r: {"true": True, "1": True, "false": False, "0": False}[r.lower()],
+                              lambda v: True, "true or false")}
+
+
+def _method_flags(p: argparse.ArgumentParser, optim, compressors) -> None:
+    """One flag per method option (from the methods' signatures): adding a method adds its
+    flags here without CLI code. Unset flags leave the method's default."""
+    takers: dict[str, list[str]] = {}
+    kinds: dict[str, type] = {}
+    for algo, cls in optim.METHODS.items():
+        for name, kind in optim.method_options(cls).items():
+            takers.setdefault(name, []).append(algo)
+            kinds[name] = kind
+    g = p.add_argument_group("method options", f"codec specs: NAME[:param=value,...], NAME in {', '.join(compressors.names())}")
+    for name, algos in takers.items():
+        g.add_argument("--" + name.replace("_", "-"), dest=f"opt_{name}", type=_FLAG_TYPES[kinds[name]],
+                       metavar=kinds[name].__name__.upper(), help=f"({', '.join(algos)})")
+
+
+def _given_options(args) -> dict[str, Any]:
+    return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import compressors, optim
 
@@ -82,8 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train one method", description="Train one method.")
     train.add_argument("--algo", default="ssgd", choices=list(optim.METHODS), help="default: %(default)s")
-    train.add_argument("--compressor", help=f"codec spec, e.g. topk:ratio=0.01; codecs: {', '.join(compressors.names())}")
-    train.add_argument("--threshold", type=positive, help="bitsgd: 2-bit threshold on mean gradients")
+    _method_flags(train, optim, compressors)
     _common(train)
 
     compare = sub.add_parser("compare", help="compare several methods on the same task (the main job)",
@@ -91,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--algos", default=DEFAULT_COMPARE,
                          help="comma-separated methods, each optionally METHOD@CODEC "
                               "(default: %(default)s)")
+    _method_flags(compare, optim, compressors)
     _common(compare)
     return parser
 
@@ -114,24 +138,27 @@ def parse_algos(text: str) -> list[tuple[str, str | None]]:
 
 
 def _configs(args) -> list:
-    from . import compressors
+    from . import optim
     from .train.loop import RunConfig
 
     common = dict(dataset=args.dataset, data_dir=args.data_dir, download=args.download, model=args.model, epochs=args.epochs,
                   batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
                   weight_decay=args.weight_decay, seed=args.seed, progress=not args.quiet)
+    given = _given_options(args)
     if args.command == "train":
-        options: dict[str, Any] = {}
-        if args.compressor is not None:
-            options["compressor"] = compressors.build(args.compressor).spec
-        if args.threshold is not None:
-            options["threshold"] = args.threshold
-        label = args.algo + (f"@{options['compressor']}" if "compressor" in options else "")
-        return [RunConfig(algo=args.algo, options=options, label=label, **common)]
-    cfgs = []
+        label = args.algo + (f"@{given['compressor']}" if "compressor" in given else "")
+        return [RunConfig(algo=args.algo, options=given, label=label, **common)]
+    cfgs, used = [], set()
     for algo, codec in parse_algos(args.algos):
-        options = {} if codec is None else {"compressor": compressors.build(codec).spec}
+        accepted = optim.method_options(optim.METHODS[algo])
+        options = {k: v for k, v in given.items() if k in accepted}  # each method takes what it knows
+        if codec is not None:
+            options["compressor"] = codec
+        used |= set(options)
         cfgs.append(RunConfig(algo=algo, options=options, label=algo + (f"@{codec}" if codec else ""), **common))
+    unused = sorted(set(given) - used)
+    if unused:
+        raise GradzipError(f"no method in --algos takes --{', --'.join(u.replace('_', '-') for u in unused)}")
     return cfgs
 
 

@@ -1,5 +1,5 @@
 """The methods, one module each; each ``step()`` is its algorithm box (spec, "Methods")."""
-from .base import DistributedOptimizer
+from .base import COMMON_OPTIONS, DistributedOptimizer, method_options
 from .bitsgd import BitSGD
 from .efsgd import EFSGD
 from .ssgd import SSGD
@@ -7,4 +7,4 @@ from .ssgd import SSGD
 #: CLI name -> method class (``gradzip train --algo NAME``).
 METHODS = {"ssgd": SSGD, "efsgd": EFSGD, "bitsgd": BitSGD}
 
-__all__ = ["DistributedOptimizer", "SSGD", "EFSGD", "BitSGD", "METHODS"]
+__all__ = ["DistributedOptimizer", "method_options", "COMMON_OPTIONS", "SSGD", "EFSGD", "BitSGD", "METHODS"]

@@ -10,6 +10,8 @@ worker) — and a ``state_dict()`` that carries every residual, buffer and count
 """
 from __future__ import annotations
 
+import inspect
+import typing
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -24,6 +26,29 @@ def check(ok: bool, method: str, message: str) -> None:
     """Raise :class:`GradzipError` naming the method unless ``ok``."""
     if not ok:
         raise GradzipError(f"{method}: {message}")
+
+
+#: Options every method takes; the rest of a method's keyword-only options are its own.
+COMMON_OPTIONS = ("lr", "comm", "momentum", "nesterov", "weight_decay", "seed", "bucket_bytes")
+
+
+def method_options(cls: type) -> dict[str, type]:
+    """A method's own keyword-only options and their types (int, float, bool or str), read
+    from its signature, so front ends (the CLI) need no per-method code."""
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # an annotation that does not evaluate: fall back to the default's type
+        hints = {}
+    out = {}
+    for name, param in inspect.signature(cls.__init__).parameters.items():
+        if param.kind != param.KEYWORD_ONLY or name in COMMON_OPTIONS:
+            continue
+        kinds = typing.get_args(hints.get(name)) or (hints.get(name),)
+        simple = [k for k in (bool, int, float, str) if k in kinds]
+        if not simple and param.default is not None and param.default is not inspect.Parameter.empty:
+            simple = [type(param.default)]
+        out[name] = simple[0] if simple else str
+    return out
 
 
 class DistributedOptimizer(torch.optim.Optimizer):

@@ -12,7 +12,6 @@ worker's exchanges put on the wire (``gradzip.comm.base`` explains the count).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -58,8 +57,7 @@ def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOpti
     if cfg.algo not in optim.METHODS:
         raise GradzipError(f"unknown method {cfg.algo!r}; valid methods: {', '.join(optim.METHODS)}")
     cls = optim.METHODS[cfg.algo]
-    accepted = {n for n, p in inspect.signature(cls.__init__).parameters.items()
-                if p.kind == p.KEYWORD_ONLY}
+    accepted = set(optim.method_options(cls))
     unknown = sorted(set(cfg.options) - accepted)
     if unknown:
         raise GradzipError(
