@@ -95,3 +95,29 @@ def test_train_on_real_mnist_files(tmp_path):
     assert code == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["dataset"] == "mnist" and summary["final_test_accuracy"] > 0.5
+
+
+def test_evaluation_on_the_average_of_differing_replicas_leaves_training_untouched():
+    import torch
+
+    import gradzip
+    from gradzip.optim import SSGD
+    from gradzip.train.loop import evaluation_model
+
+    def fn(comm):
+        model = torch.nn.Linear(3, 2)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(comm.rank))  # replicas differ: 0, 1, 2
+        opt = SSGD(model.parameters(), lr=0.1, comm=comm)
+        sent = comm.bytes_sent
+        local = evaluation_model(model, opt, comm, "local")
+        avg = evaluation_model(model, opt, comm, "average")
+        auto = evaluation_model(model, opt, comm, "auto")  # SSGD replicas agree: no averaging
+        return (local is model, [p.clone() for p in avg.parameters()], auto is model,
+                [p.clone() for p in model.parameters()], comm.bytes_sent > sent, opt.bytes_sent)
+
+    for rank, (is_local, avg, is_auto, own, communicated, opt_bytes) in enumerate(gradzip.simulate(3, fn)):
+        assert is_local and is_auto and communicated and opt_bytes == 0
+        assert all(torch.all(p == 1.0) for p in avg)              # mean of 0, 1, 2
+        assert all(torch.all(p == float(rank)) for p in own)      # training state untouched

@@ -68,6 +68,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="worker count (default: 1 for train, 4 for compare; under torchrun: its world)")
     w.add_argument("--backend", choices=["gloo", "threads"], default="gloo",
                    help="gloo: real processes on 127.0.0.1; threads: in this process (default: %(default)s)")
+    g.add_argument("--eval-on", choices=["auto", "average", "local"], default="auto",
+                   help="evaluate rank 0's model (local), the workers' average, or auto: the average "
+                        "for methods whose replicas differ (default: %(default)s)")
     o = p.add_argument_group("output")
     o.add_argument("--out", help="directory for metrics.jsonl, summary.json and accuracy.png")
     o.add_argument("--no-plot", action="store_true", help="skip accuracy.png")
@@ -143,7 +146,8 @@ def _configs(args) -> list:
 
     common = dict(dataset=args.dataset, data_dir=args.data_dir, download=args.download, model=args.model, epochs=args.epochs,
                   batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
-                  weight_decay=args.weight_decay, seed=args.seed, progress=not args.quiet)
+                  weight_decay=args.weight_decay, seed=args.seed, eval_on=args.eval_on,
+                  progress=not args.quiet)
     given = _given_options(args)
     if args.command == "train":
         label = args.algo + (f"@{given['compressor']}" if "compressor" in given else "")

@@ -55,6 +55,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """Base of every method. ``comm=None``: the default torch.distributed group when one is
     initialised, else a world of one."""
 
+    #: The workers' models differ between synchronisations (local SGD, CSER, ...): the
+    #: harness then evaluates on their average (``--eval-on auto``).
+    replicas_differ: bool = False
+
     def __init__(self, params: Iterable, lr: float, *, comm: "comm_lib.Group | None" = None,
                  momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options: Any):
@@ -118,6 +122,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return None
         with torch.enable_grad():
             return closure()
+
+    def evaluation_parameters(self) -> list[torch.Tensor] | None:
+        """Tensors to evaluate instead of the ones the model holds (in the optimizer's
+        parameter order), e.g. a global model kept beside a local one; None: the model's."""
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        """Method-specific numbers for the run's records (e.g. achieved density)."""
+        return {}
 
     # -- accounting --------------------------------------------------------------------
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ class RunConfig:
     nesterov: bool = False
     weight_decay: float = 0.0
     seed: int = 0
+    eval_on: str = "auto"         # "local" model, the workers' "average", or "auto" (average where they differ)
     progress: bool = True
 
     @property
@@ -79,6 +81,35 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: in
         correct += (out.argmax(1) == y[i:i + batch]).sum().item()
     model.train()
     return correct / len(x), loss / len(x)
+
+
+def evaluation_model(model: torch.nn.Module, opt: optim.DistributedOptimizer, comm: Group,
+                     eval_on: str) -> torch.nn.Module:
+    """The model to evaluate, without touching training state: the optimizer's evaluation
+    parameters if it has any, else the model's own; averaged over the workers (one
+    allreduce of parameters and float buffers) for ``"average"``, or for ``"auto"`` when the
+    method's replicas differ. Collective when averaging: every rank must call it."""
+    if eval_on not in ("auto", "average", "local"):
+        raise GradzipError(f"eval_on must be 'auto', 'average' or 'local', got {eval_on!r}")
+    override = opt.evaluation_parameters()
+    average = eval_on == "average" or (eval_on == "auto" and opt.replicas_differ)
+    if override is None and not (average and comm.world_size > 1):
+        return model
+    copy = deepcopy(model)
+    params = list(copy.parameters())
+    with torch.no_grad():
+        if override is not None:
+            for p, value in zip(params, override):
+                p.copy_(value)
+        if average and comm.world_size > 1:
+            tensors = params + [b for b in copy.buffers() if b.is_floating_point()]
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            comm.allreduce(flat).div_(comm.world_size)
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+    return copy
 
 
 @dataclass
@@ -126,9 +157,11 @@ def run_worker(comm: Group, cfg: RunConfig) -> dict[str, Any]:
         train_loss = comm.allreduce(loss_sum / steps_per_epoch).item() / comm.world_size
         diverged = diverged or not math.isfinite(train_loss)
         record = {"algo": cfg.name, "epoch": epoch, "step": opt.steps, "train_loss": train_loss,
-                  "bytes_sent_per_worker": opt.bytes_sent, "wall_time_s": time.perf_counter() - began}
+                  "bytes_sent_per_worker": opt.bytes_sent, "wall_time_s": time.perf_counter() - began,
+                  **opt.metrics()}
+        evaluated = evaluation_model(model, opt, comm, cfg.eval_on)
         if comm.rank == 0:
-            record["test_accuracy"], record["test_loss"] = evaluate(model, ds.test_x, ds.test_y)
+            record["test_accuracy"], record["test_loss"] = evaluate(evaluated, ds.test_x, ds.test_y)
             if bar is not None:
                 bar.set_postfix(loss=f"{train_loss:.3f}", acc=f"{record['test_accuracy']:.3f}")
         history.append(record)
@@ -157,6 +190,8 @@ def run_worker(comm: Group, cfg: RunConfig) -> dict[str, Any]:
         "bytes_sent_per_worker": opt.bytes_sent,
         "compression_ratio": opt.compression_ratio,
         "parameters": sum(p.numel() for p in model.parameters()),
+        "eval_on": cfg.eval_on,
+        **opt.metrics(),
         "wall_time_s": time.perf_counter() - began,
         "setup_time_s": began - setup_began,
         # phase times: mean over workers, and every worker's own row
