@@ -121,3 +121,21 @@ def test_evaluation_on_the_average_of_differing_replicas_leaves_training_untouch
         assert is_local and is_auto and communicated and opt_bytes == 0
         assert all(torch.all(p == 1.0) for p in avg)              # mean of 0, 1, 2
         assert all(torch.all(p == float(rank)) for p in own)      # training state untouched
+
+
+def test_trace_has_one_track_per_worker_and_a_span_per_phase(tmp_path):
+    trace_file = tmp_path / "t.json"
+    code = main(["train", "--algo", "efsgd", "--workers", "2", "--backend", "threads", "--epochs", "1",
+                 "--quiet", "--no-plot", "--trace", str(trace_file), "--out", str(tmp_path)])
+    assert code == 0
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    steps = json.loads((tmp_path / "summary.json").read_text())["steps"]
+    for rank in (0, 1):
+        mine = [e for e in spans if e["pid"] == rank]
+        for phase in ("compute", "compress", "communicate", "decode", "step"):
+            assert sum(e["name"] == phase for e in mine) == steps, (rank, phase)
+        computes = sorted((e["ts"], e["ts"] + e["dur"]) for e in mine if e["name"] == "compute")
+        assert all(a[1] <= b[0] for a, b in zip(computes, computes[1:]))  # no overlap without overlap
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"worker 0", "worker 1"}

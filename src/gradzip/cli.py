@@ -13,6 +13,7 @@ import argparse
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import GradzipError
@@ -74,6 +75,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--out", help="directory for metrics.jsonl, summary.json and accuracy.png")
     o.add_argument("--no-plot", action="store_true", help="skip accuracy.png")
+    o.add_argument("--trace", metavar="FILE",
+                   help="write a Chrome/Perfetto trace (one track per worker, one span per phase); "
+                        "compare writes one file per method, FILE with the method's name added")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -147,7 +151,7 @@ def _configs(args) -> list:
     common = dict(dataset=args.dataset, data_dir=args.data_dir, download=args.download, model=args.model, epochs=args.epochs,
                   batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
                   weight_decay=args.weight_decay, seed=args.seed, eval_on=args.eval_on,
-                  progress=not args.quiet)
+                  trace=bool(args.trace), progress=not args.quiet)
     given = _given_options(args)
     if args.command == "train":
         label = args.algo + (f"@{given['compressor']}" if "compressor" in given else "")
@@ -182,18 +186,41 @@ def _validate(cfgs, workers: int) -> None:
         )
 
 
-def _run(cfgs, workers: int | None, backend: str) -> list[dict]:
+def _under_torchrun(workers: int | None) -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and workers is None
+
+
+def _run(cfgs, workers: int | None, backend: str) -> list[list[dict]]:
+    """Every worker's results (rank order; under torchrun, this process's only)."""
     from .comm import init_from_env, simulate
     from .launch import run_processes
     from .train.loop import run_many
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and workers is None:  # under torchrun
-        return run_many(init_from_env(), cfgs)
+    if _under_torchrun(workers):
+        return [run_many(init_from_env(), cfgs)]
     n = workers or 1
     _validate(cfgs, n)
     if backend == "threads":
-        return simulate(n, lambda comm: run_many(comm, cfgs))[0]
-    return run_processes(n, run_many, cfgs)[0]
+        return simulate(n, lambda comm: run_many(comm, cfgs))
+    return run_processes(n, run_many, cfgs)
+
+
+def _write_traces(path: str, per_worker: list[list[dict]]) -> list[Path]:
+    """One trace file per run: ``path`` itself for one run, else ``stem-<method>.json``.
+    Under torchrun each process writes its own worker's events (``stem.rank<r>.json``)."""
+    from . import trace
+
+    base = Path(path)
+    if len(per_worker) == 1 and "RANK" in os.environ:
+        base = base.with_name(f"{base.stem}.rank{os.environ['RANK']}{base.suffix or '.json'}")
+    written = []
+    for i in range(len(per_worker[0])):
+        target = base
+        if len(per_worker[0]) > 1:
+            label = re.sub(r"[^A-Za-z0-9_.=-]+", "_", per_worker[0][i]["summary"]["algo"])
+            target = base.with_name(f"{base.stem}-{label}{base.suffix or '.json'}")
+        written.append(trace.write(target, [worker[i]["trace"] for worker in per_worker]))
+    return written
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -203,15 +230,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfgs = _configs(args)
         if args.command == "compare" and args.workers is None and "RANK" not in os.environ:
             args.workers = 4
-        runs = _run(cfgs, args.workers, args.backend)
+        per_worker = _run(cfgs, args.workers, args.backend)
     except GradzipError as exc:
         print(f"gradzip: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("gradzip: interrupted", file=sys.stderr)
         return 130
-    if os.environ.get("RANK", "0") != "0":
+    if args.trace:
+        for path in _write_traces(args.trace, per_worker):
+            print(f"wrote trace {path}")
+    if os.environ.get("RANK", "0") != "0" and _under_torchrun(args.workers):
         return 0
+    runs = per_worker[0]
     from .train import report
 
     print(report.table([r["summary"] for r in runs]))

@@ -25,6 +25,8 @@ Transport (never changes the numbers a method sees):
 """
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -54,10 +56,19 @@ def mix_seed(*values: int) -> int:
 
 @dataclass
 class Timings:
-    """Seconds spent in codec work (compress, decode, packing) and waiting on collectives."""
+    """Seconds of codec work (compress, decode, packing: ``compress_s``) and of waiting on
+    collectives (``communicate_s``), wherever they ran; and the part of each that blocked
+    the training thread (the thread that created the exchange): ``inline_compress_s`` and
+    ``wait_s``. For a method that exchanges inside ``step()`` the two pairs are equal; a
+    method that overlaps the exchange with the next computation blocks for less."""
 
     compress_s: float = 0.0
     communicate_s: float = 0.0
+    wait_s: float = 0.0
+    inline_compress_s: float = 0.0
+
+    def __add__(self, other: "Timings") -> "Timings":
+        return Timings(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
 @dataclass
@@ -109,6 +120,8 @@ class PSync:
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.timings = Timings()
+        self._owner = threading.get_ident()  # the training thread (see Timings)
+        self.tracer = None      # a gradzip.trace.Tracer: spans for compress / communicate / decode
         self.bytes_sent = 0     # what this worker put on the wire, all exchanges so far
         self.payload_bytes = 0  # its compressed packets (sum of packet.nbytes)
 
@@ -131,7 +144,10 @@ class PSync:
         buckets = self._launch(packets)
         payload = sum(p.nbytes for p in packets)
         self.payload_bytes += payload
-        self.timings.compress_s += time.perf_counter() - began
+        ended = time.perf_counter()
+        self._add_compress(ended - began)
+        if self.tracer is not None:
+            self.tracer.add("compress", began, ended, bytes=payload)
         return Pending(self, packets, buckets, residuals, payload)
 
     # -- internals ------------------------------------------------------------------------
@@ -177,6 +193,11 @@ class PSync:
             self.bytes_sent += bucket.work.nbytes
         return buckets
 
+    def _add_compress(self, seconds: float) -> None:
+        self.timings.compress_s += seconds
+        if threading.get_ident() == self._owner:
+            self.timings.inline_compress_s += seconds
+
     def _finish(self, pending: Pending) -> Result:
         codec, n = self.compressor, self.comm.world_size
         out: list[torch.Tensor | None] = [None] * len(pending.packets)
@@ -186,6 +207,10 @@ class PSync:
             gathered = bucket.work.wait()
             decoding = time.perf_counter()
             self.timings.communicate_s += decoding - began
+            if threading.get_ident() == self._owner:
+                self.timings.wait_s += decoding - began
+            if self.tracer is not None:
+                self.tracer.add("communicate", began, decoding, kind=bucket.kind, bytes=bucket.work.nbytes)
             sent += bucket.work.nbytes
             offset = 0
             for i, size in zip(bucket.members, bucket.sizes):
@@ -197,7 +222,10 @@ class PSync:
                     chunk = gathered.reshape(n, -1)[:, offset:offset + size]
                     out[i] = codec.aggregate([packet.like(_unpack_wire(packet, row)) for row in chunk])
                 offset += size
-            self.timings.compress_s += time.perf_counter() - decoding
+            decoded = time.perf_counter()
+            self._add_compress(decoded - decoding)
+            if self.tracer is not None:
+                self.tracer.add("decode", decoding, decoded)
         return Result(out, pending.residual, sent, pending.packet_bytes)
 
 

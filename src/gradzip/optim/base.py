@@ -75,6 +75,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.steps = 0
+        self._tracer = None
         self._exchanges: list[PSync] = []
         self._keys = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
@@ -82,8 +83,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def make_psync(self, compressor: "str | Compressor | None", salt: int = 0) -> PSync:
         """A PSync on this optimizer's group; ``salt`` separates the seeds of two exchanges."""
         psync = PSync(self.comm, compressor, seed=self.seed * 1000 + salt, bucket_bytes=self.bucket_bytes)
+        psync.tracer = self._tracer
         self._exchanges.append(psync)
         return psync
+
+    @property
+    def tracer(self):
+        """A :class:`gradzip.trace.Tracer` that this method's exchanges record spans into."""
+        return self._tracer
+
+    @tracer.setter
+    def tracer(self, tracer) -> None:
+        self._tracer = tracer
+        for psync in self._exchanges:
+            psync.tracer = tracer
 
     def params_with_grad(self) -> list[tuple[dict, torch.Tensor]]:
         """``(group, param)`` for every parameter with a gradient, in a fixed order."""
@@ -148,8 +161,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def timings(self) -> Timings:
-        return Timings(sum(x.timings.compress_s for x in self._exchanges),
-                       sum(x.timings.communicate_s for x in self._exchanges))
+        """Codec and communication time of this method's exchanges (see
+        :class:`~gradzip.exchange.Timings`); a method that waits for a background exchange
+        outside PSync adds that wait to ``wait_s`` by overriding this."""
+        return sum((x.timings for x in self._exchanges), Timings())
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:

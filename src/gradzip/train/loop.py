@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from .. import optim
 from ..comm import Group
 from ..errors import GradzipError
+from ..trace import Tracer, maybe_span
 from . import data, models
 
 
@@ -45,6 +46,7 @@ class RunConfig:
     nesterov: bool = False
     weight_decay: float = 0.0
     seed: int = 0
+    trace: bool = False           # record a timeline (gradzip.trace) of every step
     eval_on: str = "auto"         # "local" model, the workers' "average", or "auto" (average where they differ)
     progress: bool = True
 
@@ -112,10 +114,14 @@ def evaluation_model(model: torch.nn.Module, opt: optim.DistributedOptimizer, co
     return copy
 
 
-@dataclass
-class _Clock:
-    compute_s: float = 0.0
-    step_s: float = 0.0
+PHASES = ("compute", "compress", "communicate", "wait", "update")
+
+
+def _phase_times(compute_s: float, step_s: float, t) -> list[float]:
+    """[compute, compress, communicate, wait, update] seconds; ``update`` is the part of
+    ``optimizer.step()`` that was neither codec work nor waiting on the network."""
+    return [compute_s, t.compress_s, t.communicate_s, t.wait_s,
+            max(0.0, step_s - t.wait_s - t.inline_compress_s)]
 
 
 def run_worker(comm: Group, cfg: RunConfig) -> dict[str, Any]:
@@ -134,10 +140,13 @@ def run_worker(comm: Group, cfg: RunConfig) -> dict[str, Any]:
             f"{cfg.dataset} has {len(ds.train_x)} training samples, fewer than one batch of "
             f"{cfg.batch_size} per worker for {comm.world_size} workers; lower --batch-size"
         )
+    tracer = Tracer(comm.rank) if cfg.trace else None
+    opt.tracer = tracer
     bar = _progress(cfg, comm, steps_per_epoch)
+    comm.barrier()  # start every worker's clock together
     began = time.perf_counter()
-    clock, history = _Clock(), []
-    diverged = False
+    compute_s = step_s = 0.0
+    history, diverged, previous = [], False, [0.0] * len(PHASES)
     for epoch in range(1, cfg.epochs + 1):
         order = data.shard(len(ds.train_x), comm.rank, comm.world_size, epoch, cfg.seed)
         loss_sum = torch.zeros(())
@@ -149,28 +158,37 @@ def run_worker(comm: Group, cfg: RunConfig) -> dict[str, Any]:
             loss.backward()
             t1 = time.perf_counter()
             opt.step()
-            clock.compute_s += t1 - t0
-            clock.step_s += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            compute_s += t1 - t0
+            step_s += t2 - t1
+            if tracer is not None:
+                tracer.add("compute", t0, t1, step=opt.steps)
+                tracer.add("step", t1, t2, cat="optimizer", step=opt.steps)
             loss_sum += loss.detach()
             if bar is not None:
                 bar.update(1)
-        train_loss = comm.allreduce(loss_sum / steps_per_epoch).item() / comm.world_size
+        # one small allreduce per epoch: the train loss and this epoch's phase times, averaged
+        phases = _phase_times(compute_s, step_s, opt.timings)
+        epoch_stats = torch.tensor([loss_sum.item() / steps_per_epoch,
+                                    *(a - b for a, b in zip(phases, previous))], dtype=torch.float64)
+        previous = phases
+        epoch_stats = comm.allreduce(epoch_stats).div_(comm.world_size).tolist()
+        train_loss = epoch_stats[0]
         diverged = diverged or not math.isfinite(train_loss)
         record = {"algo": cfg.name, "epoch": epoch, "step": opt.steps, "train_loss": train_loss,
                   "bytes_sent_per_worker": opt.bytes_sent, "wall_time_s": time.perf_counter() - began,
-                  **opt.metrics()}
-        evaluated = evaluation_model(model, opt, comm, cfg.eval_on)
-        if comm.rank == 0:
-            record["test_accuracy"], record["test_loss"] = evaluate(evaluated, ds.test_x, ds.test_y)
+                  **{f"time_{k}_s": v for k, v in zip(PHASES, epoch_stats[1:])}, **opt.metrics()}
+        with maybe_span(tracer, "evaluate", cat="harness"):
+            evaluated = evaluation_model(model, opt, comm, cfg.eval_on)
+            if comm.rank == 0:
+                record["test_accuracy"], record["test_loss"] = evaluate(evaluated, ds.test_x, ds.test_y)
             if bar is not None:
                 bar.set_postfix(loss=f"{train_loss:.3f}", acc=f"{record['test_accuracy']:.3f}")
         history.append(record)
     if bar is not None:
         bar.close()
-    timings = opt.timings
-    mine = torch.tensor([clock.compute_s, timings.compress_s, timings.communicate_s,
-                         clock.step_s - timings.compress_s - timings.communicate_s], dtype=torch.float64)
-    per_worker = comm.allgather(mine)  # (n, 4): one row of phase times per worker
+    mine = torch.tensor(_phase_times(compute_s, step_s, opt.timings), dtype=torch.float64)
+    per_worker = comm.allgather(mine)  # one row of phase times per worker
     summary = {
         "algo": cfg.name,
         "method": cfg.algo,
@@ -194,15 +212,13 @@ def run_worker(comm: Group, cfg: RunConfig) -> dict[str, Any]:
         **opt.metrics(),
         "wall_time_s": time.perf_counter() - began,
         "setup_time_s": began - setup_began,
+        "time_per_step_s": (time.perf_counter() - began) / max(opt.steps, 1),
         # phase times: mean over workers, and every worker's own row
-        "time_compute_s": per_worker[:, 0].mean().item(),
-        "time_compress_s": per_worker[:, 1].mean().item(),
-        "time_communicate_s": per_worker[:, 2].mean().item(),
-        "time_update_s": per_worker[:, 3].mean().item(),
-        "time_per_worker_s": {k: per_worker[:, i].tolist()
-                              for i, k in enumerate(["compute", "compress", "communicate", "update"])},
+        **{f"time_{k}_s": per_worker[:, i].mean().item() for i, k in enumerate(PHASES)},
+        "time_per_worker_s": {k: per_worker[:, i].tolist() for i, k in enumerate(PHASES)},
     }
-    return {"summary": summary, "history": history, "config": dataclasses.asdict(cfg)}
+    return {"summary": summary, "history": history, "config": dataclasses.asdict(cfg),
+            "trace": tracer.events if tracer is not None else None}
 
 
 def run_many(comm: Group, cfgs: list[RunConfig]) -> list[dict[str, Any]]:

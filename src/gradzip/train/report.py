@@ -15,6 +15,7 @@ COLUMNS = [  # header, summary key, format
     ("compute s", "time_compute_s", "{:.2f}"),
     ("compress s", "time_compress_s", "{:.2f}"),
     ("comm s", "time_communicate_s", "{:.2f}"),
+    ("wait s", "time_wait_s", "{:.2f}"),
 ]
 
 
