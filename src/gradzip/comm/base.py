@@ -89,6 +89,12 @@ class Group(abc.ABC):
     def barrier(self) -> None:
         self.allreduce(torch.zeros(1))
 
+    def new_group(self) -> "Group":
+        """A new group of the same workers with its own collective order, e.g. for
+        exchanges that run on a background thread while this group is used by the
+        training loop. Collective: every worker must call it, in the same order."""
+        raise NotImplementedError(f"{type(self).__name__} cannot create a new group")
+
     def _counted(self, nbytes: int, tensor: torch.Tensor, launch: Callable[[], Work]) -> Work:
         if tensor.numel() == 0 or self.world_size == 1:
             return Work.completed(tensor, 0)

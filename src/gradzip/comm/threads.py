@@ -116,6 +116,12 @@ class ThreadGroup(Group):
         slot = self._hub.deposit(seq, self.rank, kind, value, combine)
         return Work(lambda: finish(self._hub.collect(seq, self.rank, slot)), nbytes)
 
+    def new_group(self) -> "ThreadGroup":
+        timeout = self._hub.timeout_s
+        work = self._launch("new_group", True, 0, lambda _: _Hub(self.world_size, timeout),
+                            lambda hub: ThreadGroup(hub, self.rank))
+        return work.wait()
+
     def _allreduce(self, tensor, nbytes):
         return self._launch("allreduce", tensor, nbytes, _sum_in_rank_order, tensor.copy_)
 

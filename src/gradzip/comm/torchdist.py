@@ -33,6 +33,10 @@ class TorchGroup(Group):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
+    def new_group(self) -> "TorchGroup":
+        ranks = list(range(self.world_size)) if self.group is None else dist.get_process_group_ranks(self.group)
+        return TorchGroup(dist.new_group(ranks=ranks))
+
     def _allreduce(self, tensor, nbytes):
         handle = dist.all_reduce(tensor, group=self.group, async_op=True)
         return Work(lambda: (handle.wait(), tensor)[1], nbytes)

@@ -58,6 +58,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     #: The workers' models differ between synchronisations (local SGD, CSER, ...): the
     #: harness then evaluates on their average (``--eval-on auto``).
     replicas_differ: bool = False
+    #: ``step()`` returns before its exchange finishes: compression and communication of
+    #: step t run while step t+1 computes (OD-SGD, CD-SGD). Timeline models read this.
+    overlaps_exchange: bool = False
 
     def __init__(self, params: Iterable, lr: float, *, comm: "comm_lib.Group | None" = None,
                  momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
@@ -80,9 +83,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._keys = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
     # -- building blocks for step() -----------------------------------------------------
-    def make_psync(self, compressor: "str | Compressor | None", salt: int = 0) -> PSync:
-        """A PSync on this optimizer's group; ``salt`` separates the seeds of two exchanges."""
-        psync = PSync(self.comm, compressor, seed=self.seed * 1000 + salt, bucket_bytes=self.bucket_bytes)
+    def make_psync(self, compressor: "str | Compressor | None", salt: int = 0,
+                   comm: "comm_lib.Group | None" = None) -> PSync:
+        """A PSync on this optimizer's group (or ``comm``); ``salt`` separates the seeds of
+        two exchanges."""
+        psync = PSync(comm or self.comm, compressor, seed=self.seed * 1000 + salt,
+                      bucket_bytes=self.bucket_bytes)
         psync.tracer = self._tracer
         self._exchanges.append(psync)
         return psync
@@ -110,11 +116,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """``d_i``: the gradient with weight decay and local (never synchronised) momentum."""
         return self._momentum(self.state[p], "momentum_buffer", p.grad, p, group)
 
-    def global_update(self, p: torch.Tensor, aggregate: torch.Tensor, group: dict) -> None:
+    def global_update(self, p: torch.Tensor, aggregate: torch.Tensor, group: dict,
+                      target: torch.Tensor | None = None) -> None:
         """``x ← GlobalOpt(x, aggregate)``: momentum SGD with weight decay on the reduced
-        gradient; the same operations on the same values on every worker."""
-        direction = self._momentum(self.state[p], "global_momentum_buffer", aggregate, p, group)
-        p.add_(direction, alpha=-group["lr"])
+        gradient; the same operations on the same values on every worker. ``x`` is ``p``,
+        or ``target`` (e.g. a global model kept beside ``p``); the buffer lives in
+        ``self.state[p]``."""
+        x = p if target is None else target
+        direction = self._momentum(self.state[p], "global_momentum_buffer", aggregate, x, group)
+        x.add_(direction, alpha=-group["lr"])
 
     @staticmethod
     def _momentum(state: dict, key: str, grad: torch.Tensor, p: torch.Tensor, group: dict) -> torch.Tensor:

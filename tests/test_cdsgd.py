@@ -1,0 +1,213 @@
+import copy
+import time
+
+import pytest
+import torch
+
+import gradzip
+from gradzip.comm import Work, allgather_wire_bytes, allreduce_wire_bytes
+from gradzip.comm.base import Group
+from gradzip.errors import GradzipError
+from gradzip.launch import run_processes
+from gradzip.optim import CDSGD, CPSGD, ODSGD
+from gradzip.train.loop import RunConfig, run_worker
+
+import cases
+
+
+def two_bit(p, t):
+    return torch.where(p >= t, t, torch.where(p <= -t, -t, 0.0))
+
+
+def reference(n, steps, *, lr, local_lr, k, warmup, threshold, momentum=0.0, wd=0.0):
+    """The spec's update equations, by hand, for n workers on the quadratics."""
+    problems = [cases.quadratic_problem(r) for r in range(n)]
+    grad = lambda r, x: problems[r][0].T @ (problems[r][0] @ x - problems[r][1])
+    x = [cases.quadratic_start() for _ in range(n)]
+    buf = None
+
+    def global_opt(model, agg):
+        nonlocal buf
+        u = agg + wd * model
+        buf = u.clone() if buf is None else momentum * buf + u
+        return model - lr * (buf if momentum else u)
+
+    for _ in range(warmup):
+        agg = sum(grad(r, x[r]) for r in range(n)) / n
+        x = [global_opt(x[0], agg)] * n
+    W, e = x[0].clone(), [torch.zeros_like(x[0]) for _ in range(n)]
+    for t in range(1, steps - warmup + 1):
+        G = [grad(r, x[r]) for r in range(n)]
+        sent = []
+        for r in range(n):
+            if t % k == 0:
+                sent.append(G[r])
+            else:
+                p = e[r] + G[r]
+                sent.append(two_bit(p, threshold))
+                e[r] = p - sent[r]
+        x = [W - local_lr * G[r] for r in range(n)]
+        W = global_opt(W, sum(sent) / n)
+    return x, W
+
+
+@pytest.mark.parametrize("momentum, wd", [(0.0, 0.0), (0.9, 0.01)])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_matches_hand_written_update_equations(momentum, wd, overlap):
+    opts = dict(lr=0.05, local_lr=0.02, k=3, warmup_steps=2, compressor="2bit:threshold=0.05",
+                momentum=momentum, weight_decay=wd, overlap=overlap)
+    outs = gradzip.simulate(2, lambda c: cases.run_delayed(c, "cdsgd", opts, 10))
+    x_ref, W_ref = reference(2, 10, lr=0.05, local_lr=0.02, k=3, warmup=2, threshold=0.05,
+                             momentum=momentum, wd=wd)
+    for rank, (history, _) in enumerate(outs):
+        local, W = history[-1]
+        torch.testing.assert_close(local, x_ref[rank], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(W, W_ref, rtol=1e-6, atol=1e-6)
+
+
+def test_default_local_lr_is_lr_over_workers():
+    outs = gradzip.simulate(2, lambda c: cases.run_delayed(c, "cdsgd", dict(lr=0.08, k=2), 4))
+    x_ref, _ = reference(2, 4, lr=0.08, local_lr=0.04, k=2, warmup=0, threshold=0.01)
+    torch.testing.assert_close(outs[1][0][-1][0], x_ref[1], rtol=1e-6, atol=1e-6)
+
+
+def test_k1_equals_odsgd_exactly():
+    opts = dict(lr=0.05, momentum=0.9, warmup_steps=1)
+    cd = gradzip.simulate(3, lambda c: cases.run_delayed(c, "cdsgd", dict(opts, k=1), 7))
+    od = gradzip.simulate(3, lambda c: cases.run_delayed(c, "odsgd", opts, 7))
+    for (a, _), (b, _) in zip(cd, od):
+        for (xa, Wa), (xb, Wb) in zip(a, b):
+            assert torch.equal(xa, xb) and cases.same(Wa, Wb)
+
+
+def test_warmup_covering_the_run_is_ssgd():
+    opts = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
+    cd = gradzip.simulate(2, lambda c: cases.train_method(c, "cdsgd", dict(opts, warmup_steps=10), steps=6))
+    ss = gradzip.simulate(2, lambda c: cases.train_method(c, "ssgd", opts, steps=6))
+    for a, b in zip(cd[0], ss[0]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_overlap_changes_no_number_on_threads():
+    for (over, _), (sync, _) in gradzip.simulate(2, cases.delayed_overlap_and_sync):
+        for (xa, Wa), (xb, Wb) in zip(over, sync):
+            assert torch.equal(xa, xb) and cases.same(Wa, Wb)
+
+
+@pytest.mark.slow
+def test_global_models_bitwise_identical_across_three_gloo_processes():
+    outs = run_processes(3, cases.delayed_overlap_and_sync)
+    for step in range(9):
+        W0 = outs[0][0][0][step][1]
+        for (over, _), (sync, _) in outs:
+            assert cases.same(over[step][1], W0) and cases.same(sync[step][1], W0)
+            assert torch.equal(over[step][0], sync[step][0])  # overlap changes no number
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_bytes_follow_warmup_then_k_step_mix(n):
+    d, steps, warmup, k = 6, 13, 3, 4
+    _, sent = gradzip.simulate(n, lambda c: cases.run_delayed(
+        c, "cdsgd", dict(lr=0.05, k=k, warmup_steps=warmup), steps))[0]
+    post = steps - warmup
+    corrections = post // k
+    fp32 = allreduce_wire_bytes(4 * d, n)
+    two_bit = allgather_wire_bytes(2, n)  # ceil(6/4) = 2 packed bytes (allgather below 8 workers)
+    assert sent == warmup * fp32 + corrections * fp32 + (post - corrections) * two_bit
+
+
+class DelayedGroup(Group):
+    """An in-process group whose collectives complete ``delay`` seconds after launch
+    (a slow network), to make overlap visible in a trace."""
+
+    def __init__(self, inner, delay):
+        super().__init__()
+        self.inner, self.delay = inner, delay
+        self.rank, self.world_size = inner.rank, inner.world_size
+
+    def _delayed(self, work):
+        ready = time.perf_counter() + self.delay
+
+        def wait():
+            result = work.wait()
+            time.sleep(max(0.0, ready - time.perf_counter()))
+            return result
+        return Work(wait, work.nbytes)
+
+    def _allreduce(self, tensor, nbytes):
+        return self._delayed(self.inner._allreduce(tensor, nbytes))
+
+    def _allgather(self, tensor, nbytes):
+        return self._delayed(self.inner._allgather(tensor, nbytes))
+
+    def _broadcast(self, tensor, src, nbytes):
+        return self._delayed(self.inner._broadcast(tensor, src, nbytes))
+
+    def new_group(self):
+        return DelayedGroup(self.inner.new_group(), self.delay)
+
+
+def test_trace_shows_exchange_of_step_t_overlapping_compute_of_step_t_plus_1():
+    cfg = RunConfig(algo="cdsgd", epochs=1, trace=True, progress=False, model="mlp:hidden=512x512")
+    events = gradzip.simulate(2, lambda c: run_worker(DelayedGroup(c, 0.02), cfg))[0]["trace"]
+    main = [e for e in events if e["tid"] == "gradzip-rank0" or e["tid"] == "MainThread"]
+    computes = sorted((e["ts"], e["ts"] + e["dur"]) for e in main if e["name"] == "compute")
+    background = [e for e in events if e["tid"].startswith("gradzip-exchange")]
+    exchanges = sorted((e["ts"], e["ts"] + e["dur"]) for e in background if e["name"] == "communicate")
+    assert exchanges, "no exchange spans on the communication thread's track"
+    overlapping = sum(any(s < c1 and c0 < e for c0, c1 in computes) for s, e in exchanges)
+    assert overlapping >= len(exchanges) // 2, (overlapping, len(exchanges))
+
+
+def test_no_overlap_without_overlap():
+    cfg = RunConfig(algo="cdsgd", options={"overlap": False}, epochs=1, trace=True, progress=False)
+    events = gradzip.simulate(2, lambda c: run_worker(DelayedGroup(c, 0.005), cfg))[0]["trace"]
+    assert not [e for e in events if e["tid"].startswith("gradzip-exchange")]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_state_dict_resume_is_exact(overlap):
+    opts = dict(lr=0.05, momentum=0.9, k=3, warmup_steps=2, compressor="2bit:threshold=0.05", overlap=overlap)
+
+    def run(comm, split):
+        x = torch.nn.Parameter(cases.quadratic_start())
+        A, b = cases.quadratic_problem(comm.rank)
+        opt = CDSGD([x], comm=comm, **opts)
+        for t in range(1, 11):
+            if t == split:
+                saved = copy.deepcopy(opt.state_dict())
+                x = torch.nn.Parameter(torch.zeros(6))       # a fresh model: the state restores it
+                opt = CDSGD([x], comm=comm, **opts)
+                opt.load_state_dict(saved)
+            opt.zero_grad()
+            (0.5 * (A @ x - b).pow(2).sum()).backward()
+            opt.step()
+        state = opt.state_dict()
+        return x.detach().clone(), opt.evaluation_parameters()[0].clone(), state
+
+    straight = gradzip.simulate(2, lambda c: run(c, None))
+    resumed = gradzip.simulate(2, lambda c: run(c, 6))
+    for (xa, Wa, sa), (xb, Wb, _) in zip(straight, resumed):
+        assert torch.equal(xa, xb) and torch.equal(Wa, Wb)
+        st = sa["state"][0]
+        assert {"global_model", "residual", "global_momentum_buffer"} <= set(st)
+        assert sa["gradzip"]["steps"] == 10 and len(sa["gradzip"]["local_model"]) == 1
+
+
+def test_cpsgd_is_cdsgd_and_cli_names():
+    assert CPSGD is CDSGD
+    assert {"odsgd", "cdsgd", "cpsgd"} <= set(gradzip.optim.METHODS)
+    opts = gradzip.optim.method_options(CDSGD)
+    assert {"k", "local_lr", "warmup_steps", "compressor", "overlap"} <= set(opts)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(k=0), "k must be"), (dict(warmup_steps=-1), "warmup_steps"), (dict(local_lr=-0.1), "local_lr"),
+    (dict(compressor="2bit:threshold=0"), "threshold"),
+])
+def test_bad_options(options, message):
+    with pytest.raises(GradzipError, match=message):
+        CDSGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, **options)
+    if "compressor" not in options and "k" not in options:
+        with pytest.raises(GradzipError, match=message):
+            ODSGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, **options)
