@@ -103,3 +103,67 @@ METHOD_RUNS = {
 
 def train_all_methods(comm):
     return {name: train_method(comm, name.split("-")[0], opts) for name, opts in METHOD_RUNS.items()}
+
+
+# -- the CSER family (issue 5) -----------------------------------------------------------
+def cser_family_invariant(comm, method: str, options: dict, steps: int = 9):
+    """Per step: this worker's ``x_i − e_i`` and its model ``x_i`` (CSEA, CSER, CSER-PL on the
+    regression task)."""
+    import gradzip
+
+    model = tiny_model()
+    opt = gradzip.optim.METHODS[method](model.parameters(), comm=comm, **options)
+    shifted, models = [], []
+    for t in range(1, steps + 1):
+        x, y = regression_batch(t, comm.rank, comm.world_size)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        params = [p.detach().clone() for p in model.parameters()]
+        models.append(params)
+        shifted.append([p - opt.state[q]["error"] for p, q in zip(params, model.parameters())])
+    return {"shifted": shifted, "models": models, "bytes": opt.bytes_sent}
+
+
+def cser_family_runs(comm, runs):
+    """:func:`cser_family_invariant` for each ``(method, options)`` of ``runs``."""
+    return [cser_family_invariant(comm, method, options) for method, options in runs]
+
+
+# -- CD-SGD / OD-SGD ---------------------------------------------------------------------
+def quadratic_problem(rank: int, dim: int = 6):
+    """Worker ``rank``'s quadratic f_i(x) = 0.5 ||A_i x - b_i||^2 (deterministic gradients)."""
+    g = torch.Generator().manual_seed(77 + rank)
+    return torch.randn(dim, dim, generator=g) / dim ** 0.5, torch.randn(dim, generator=g)
+
+
+def quadratic_start(dim: int = 6) -> torch.Tensor:
+    return torch.randn(dim, generator=torch.Generator().manual_seed(3))
+
+
+def run_delayed(comm, method: str, options: dict, steps: int):
+    """``steps`` steps of OD/CD-SGD on the quadratic; per step: (local model, global model)."""
+    import gradzip
+
+    x = torch.nn.Parameter(quadratic_start())
+    A, b = quadratic_problem(comm.rank)
+    opt = gradzip.optim.METHODS[method]([x], comm=comm, **options)
+    history = []
+    for _ in range(steps):
+        opt.zero_grad()
+        (0.5 * (A @ x - b).pow(2).sum()).backward()
+        opt.step()
+        W = opt.evaluation_parameters()
+        history.append((x.detach().clone(), None if W is None else W[0].clone()))
+    return history, opt.bytes_sent
+
+
+def delayed_overlap_and_sync(comm):
+    opts = dict(lr=0.05, momentum=0.9, k=3, warmup_steps=2, compressor="2bit:threshold=0.05")
+    return (run_delayed(comm, "cdsgd", dict(opts, overlap=True), 9),
+            run_delayed(comm, "cdsgd", dict(opts, overlap=False), 9))
+
+
+def same(a, b) -> bool:
+    """Bitwise equal tensors, or both None."""
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))

@@ -149,14 +149,16 @@ class DelayedGroup(Group):
 
 def test_trace_shows_exchange_of_step_t_overlapping_compute_of_step_t_plus_1():
     cfg = RunConfig(algo="cdsgd", epochs=1, trace=True, progress=False, model="mlp:hidden=512x512")
-    events = gradzip.simulate(2, lambda c: run_worker(DelayedGroup(c, 0.02), cfg))[0]["trace"]
+    events = gradzip.simulate(2, lambda c: run_worker(DelayedGroup(c, 0.05), cfg))[0]["trace"]
     main = [e for e in events if e["tid"] == "gradzip-rank0" or e["tid"] == "MainThread"]
     computes = sorted((e["ts"], e["ts"] + e["dur"]) for e in main if e["name"] == "compute")
     background = [e for e in events if e["tid"].startswith("gradzip-exchange")]
     exchanges = sorted((e["ts"], e["ts"] + e["dur"]) for e in background if e["name"] == "communicate")
     assert exchanges, "no exchange spans on the communication thread's track"
     overlapping = sum(any(s < c1 and c0 < e for c0, c1 in computes) for s, e in exchanges)
-    assert overlapping >= len(exchanges) // 2, (overlapping, len(exchanges))
+    # every exchange could overlap; a loaded machine may starve the communication thread
+    # now and then, so ask for a quarter of them (a run without overlap has none: below)
+    assert overlapping >= len(exchanges) // 4, (overlapping, len(exchanges))
 
 
 def test_no_overlap_without_overlap():

@@ -351,6 +351,13 @@ def expected_nbytes(spec: str, shape) -> int:
         return 8 * keep_count(c.ratio, d)
     if name in ("randomk",) or (name == "randblock" and c.ratio is not None):
         return 4 * keep_count(c.ratio, d)
+    if name == "dgc":
+        return 8 * min(keep_count(c.ratio, d), d)
+    if name == "powersgd":  # P = M Q (rows x r'), or dense when not worth compressing
+        rows = shape[0] if shape else 1
+        r = min(c.rank, rows, d // max(rows, 1))
+        compress = len(shape) >= 2 and (rows + d // rows) * r * c.min_compression_rate < d
+        return 4 * r * rows if compress else 4 * d
     raise AssertionError(spec)
 
 
@@ -479,7 +486,7 @@ SUMMING = [s for s in ALL_SPECS if build(s).sum_dtype(4) is not None]
 
 def test_which_codecs_sum():
     assert [s for s in names() if build(s).sum_dtype(4) is not None] == [
-        "none", "fp16", "bf16", "2bit", "sign", "randomk", "randblock"
+        "none", "fp16", "bf16", "2bit", "sign", "randomk", "randblock", "powersgd"
     ]
     assert build("2bit").sum_dtype(127) == torch.int8 and build("2bit").sum_dtype(128) is None
     assert build("sign").sum_dtype(127) == torch.int8 and build("sign").sum_dtype(128) is None
@@ -551,7 +558,7 @@ def test_received_packet_with_shared_meta_decodes():
 
 # -- spec strings --------------------------------------------------------------------------
 def test_registry_order_and_build():
-    assert names() == "none fp16 bf16 2bit 1bit sign scaled_sign qsgd terngrad topk randomk randblock".split()
+    assert names() == "none fp16 bf16 2bit 1bit sign scaled_sign qsgd terngrad topk randomk randblock dgc powersgd".split()
     c = build("topk:ratio=0.01")
     assert c.name == "topk" and c.ratio == 0.01 and str(c) == "topk:ratio=0.01"
     assert build(None) == build("none") and build(c) is c

@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "(default: %(default)s)")
     _method_flags(compare, optim, compressors)
     _common(compare)
+
+    from .bench.cli import add_parser as add_bench
+    add_bench(sub)  # gradzip bench net|model (src/gradzip/bench)
     return parser
 
 
@@ -226,6 +229,16 @@ def _write_traces(path: str, per_worker: list[list[dict]]) -> list[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from .bench.cli import run as run_bench
+        try:
+            return run_bench(args, argv)
+        except GradzipError as exc:
+            print(f"gradzip: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("gradzip: interrupted", file=sys.stderr)
+            return 130
     try:
         cfgs = _configs(args)
         if args.command == "compare" and args.workers is None and "RANK" not in os.environ:

@@ -6,6 +6,6 @@ import line below.
 from .base import Compressor, Packet, keep_count
 from .registry import build, names, register
 
-from . import identity, threshold2bit, onebit, sign, qsgd, terngrad, sparsify  # noqa: E402,F401  (registration)
+from . import identity, threshold2bit, onebit, sign, qsgd, terngrad, sparsify, dgc, powersgd  # noqa: E402,F401  (registration)
 
 __all__ = ["Compressor", "Packet", "build", "names", "register", "keep_count"]

@@ -1,10 +1,22 @@
 """The methods, one module each; each ``step()`` is its algorithm box (spec, "Methods")."""
 from .base import COMMON_OPTIONS, DistributedOptimizer, method_options
 from .bitsgd import BitSGD
+from .cdsgd import CDSGD, CPSGD, ODSGD
+from .csea import CSEA
+from .dgc import DGC
+from .cser import CSER, CSERPL
 from .efsgd import EFSGD
+from .localsgd import LocalSGD
+from .powersgd import PowerSGD
+from .qsparse import QSparseLocalSGD
 from .ssgd import SSGD
 
 #: CLI name -> method class (``gradzip train --algo NAME``).
-METHODS = {"ssgd": SSGD, "efsgd": EFSGD, "bitsgd": BitSGD}
+METHODS = {"ssgd": SSGD, "efsgd": EFSGD, "bitsgd": BitSGD,
+           "localsgd": LocalSGD, "qsparse": QSparseLocalSGD, "csea": CSEA, "cser": CSER, "cserpl": CSERPL,
+           "dgc": DGC, "powersgd": PowerSGD,
+           "odsgd": ODSGD, "cdsgd": CDSGD, "cpsgd": CPSGD}
 
-__all__ = ["DistributedOptimizer", "method_options", "COMMON_OPTIONS", "SSGD", "EFSGD", "BitSGD", "METHODS"]
+__all__ = ["DistributedOptimizer", "method_options", "COMMON_OPTIONS", "SSGD", "EFSGD", "BitSGD",
+           "LocalSGD", "QSparseLocalSGD", "CSEA", "CSER", "CSERPL", "DGC", "PowerSGD",
+           "ODSGD", "CDSGD", "CPSGD", "METHODS"]

@@ -13,6 +13,13 @@ Names (``names()``), with optional ``name:key=value,...`` options:
   ``width=`` (first stage's channels, default 16), ``norm=bn|gn|none`` (default ``bn``:
   BatchNorm, whose running statistics are buffers, local to each worker; ``gn`` is
   GroupNorm, which has none).
+- ``resnet18``: ResNet-18 (He et al. 2016; the CIFAR variant: 3x3 stem, no max-pool), four
+  stages of two basic blocks with 64/128/256/512 channels, 11.2M parameters at 10 classes:
+  ImageNet-sized communication at small resolution (benchmarks). Options ``width=`` (first
+  stage's channels, default 64; parameters scale with its square) and ``norm=bn|gn|none``.
+- ``mlp10m``: flatten -> two hidden layers of equal width -> classes, the width chosen so
+  the model has about 10M parameters whatever the input (width 2048 at 3x32x32); option
+  ``params=`` sets another target (e.g. ``mlp10m:params=2000000``).
 
 Initialization is a function of ``seed`` alone: the same seed gives bitwise-identical
 parameters, and building a model leaves the global RNG state untouched.
@@ -29,9 +36,9 @@ from torch import nn
 
 from gradzip.errors import GradzipError
 
-__all__ = ["names", "build", "MLP", "LeNet", "ResNet"]
+__all__ = ["names", "build", "MLP", "LeNet", "ResNet", "ResNet18"]
 
-_NAMES = ("logreg", "mlp", "lenet", "resnet")
+_NAMES = ("logreg", "mlp", "lenet", "resnet", "resnet18", "mlp10m")
 
 
 _GLOBAL_RNG_LOCK = threading.Lock()
@@ -135,6 +142,38 @@ class ResNet(nn.Module):
         return self.head(self.stages(self.stem(x)))
 
 
+class ResNet18(nn.Module):
+    """ResNet-18, CIFAR variant: a 3x3 stem (no max-pool), four stages of two basic blocks
+    (``width``, 2, 4, 8 × ``width`` channels; strides 1, 2, 2, 2), global average pooling."""
+
+    def __init__(self, input_shape: tuple, num_classes: int, width: int = 64, norm: str = "bn"):
+        super().__init__()
+        c = input_shape[0]
+        self.stem = nn.Sequential(nn.Conv2d(c, width, 3, padding=1, bias=norm == "none"),
+                                  _norm_layer(norm, width), nn.ReLU())
+        stages, cin = [], width
+        for i, mult in enumerate((1, 2, 4, 8)):
+            for j in range(2):
+                stages.append(_BasicBlock(cin, width * mult, 2 if (i > 0 and j == 0) else 1, norm))
+                cin = width * mult
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes))
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)))
+
+
+def mlp_width_for(params: int, features: int, num_classes: int) -> int:
+    """Hidden width ``h`` (a multiple of 64, at least 64) of a two-hidden-layer MLP with
+    about ``params`` parameters: ``h² + h(features + classes + 2) + classes ≈ params``."""
+    b = features + num_classes + 2
+    h = (-b + math.sqrt(b * b + 4 * max(params - num_classes, 0))) / 2
+    return max(64, int(round(h / 64)) * 64)
+
+
 # ----------------------------------------------------------------------------- build
 
 
@@ -206,6 +245,17 @@ def _construct(base: str, opts: dict, shape: tuple, num_classes: int) -> nn.Modu
     if base == "lenet":
         _need_image(base, shape, 4)
         return LeNet(shape, num_classes)
+    if base == "mlp10m":
+        target = _int_option(base, "params", opts.get("params", "10000000"), 1000)
+        width = mlp_width_for(target, features, num_classes)
+        return MLP(features, (width, width), num_classes)
+    if base == "resnet18":
+        _need_image(base, shape, 1)
+        width = _int_option(base, "width", opts.get("width", "64"), 1)
+        norm = opts.get("norm", "bn").lower()
+        if norm not in ("bn", "gn", "none"):
+            raise GradzipError(f"model 'resnet18' option norm must be bn, gn or none, got {norm!r}.")
+        return ResNet18(shape, num_classes, width=width, norm=norm)
     # resnet
     _need_image(base, shape, 1)
     depth = _int_option(base, "depth", opts.get("depth", "20"), 8)
@@ -220,7 +270,8 @@ def _construct(base: str, opts: dict, shape: tuple, num_classes: int) -> nn.Modu
 
 
 _OPTIONS = {"logreg": {}, "mlp": {"hidden": "256x128"}, "lenet": {},
-            "resnet": {"depth": "20", "width": "16", "norm": "bn"}}
+            "resnet": {"depth": "20", "width": "16", "norm": "bn"},
+            "resnet18": {"width": "64", "norm": "bn"}, "mlp10m": {"params": "10000000"}}
 
 
 def build(name: str, input_shape: tuple, num_classes: int, *, seed: int = 0) -> nn.Module:

@@ -1,0 +1,464 @@
+"""``gradzip bench net``: real gloo workers on an emulated cluster network.
+
+For every (worker count, link bandwidth, latency) it builds a :class:`~gradzip.bench.netns.Topology`
+(one network namespace per worker, a bridge in a "switch" namespace, every link shaped
+both ways), starts one worker process per namespace (``ip netns exec``; gloo bound to the
+worker's interface with ``GLOO_SOCKET_IFNAME``, ``MASTER_ADDR`` = rank 0's 198.18 address)
+and in them:
+
+1. **checks the shaping**: an fp32 allreduce of a known size ``B`` must take
+   ``2(n-1)/n · B · 8 / bandwidth`` (the ring's bytes over one link) within 15%; the
+   interface's own byte counter shows the headers gloo/TCP/IP add to the counted bytes;
+2. **trains** each method for a few steps with the ordinary harness
+   (:func:`gradzip.train.loop.run_worker`, tracing on) on synthetic data, one torch thread
+   per worker, and reads each step's phases from the trace: iteration (compute start to
+   the next compute start), compute, compress (+ decode), communicate (blocked on the
+   network), update, and what ran hidden on a background thread.
+
+Results go to ``OUT/results.json`` (``gradzip bench model --measured`` validates against
+it) and as markdown tables to stdout. Only the namespaces' own 198.18.0.0/15 addresses
+carry traffic; every namespace is removed afterwards, also on Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import GradzipError
+from . import netns
+
+#: The shaping check passes when measured / predicted is within this fraction of 1.
+CHECK_TOLERANCE = 0.15
+MASTER_PORT = 29517   # private to each topology's namespaces: no collision possible
+
+_RATE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?)(?:bit|b|bps)?(?:/s)?\s*$", re.I)
+
+
+def parse_rate(text: str) -> float | None:
+    """``"100mbit"``, ``"1gbit"``, ``"10g"``, ``"2.5e9"`` -> bits per second; ``"unshaped"`` -> None."""
+    if text.strip().lower() in ("unshaped", "none", "inf"):
+        return None
+    m = _RATE.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise GradzipError(f"bad bandwidth {text!r}: give a positive rate such as 100mbit, 1gbit, "
+                           "10gbit (bits per second), or 'unshaped'")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2).lower()]
+
+
+def format_rate(bps: float | None) -> str:
+    if bps is None:
+        return "unshaped"
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            v = bps / scale
+            return f"{v:g} {unit}"
+    return f"{bps:g} bit/s"
+
+
+def check_bytes(bandwidth_bps: float | None, workers: int, target_s: float = 0.5,
+                cap_bytes: int = 100 << 20) -> int:
+    """Size of the shaping check's allreduce: about ``target_s`` on the link, 1 MiB to cap."""
+    if bandwidth_bps is None or workers < 2:
+        return 16 << 20
+    per_link = 2 * (workers - 1) / workers
+    nbytes = int(bandwidth_bps / 8 * target_s / per_link)
+    return max(1 << 20, min(cap_bytes, nbytes)) // 4 * 4
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def step_breakdown(events: list[dict], warmup: int) -> list[dict[str, float]]:
+    """Per-step phase seconds of one worker from its trace events, steps after ``warmup``.
+
+    iteration = this step's compute start to the next one's (the last step: to its end);
+    compute = the compute span; compress = compress + decode spans on the training
+    thread inside ``optimizer.step()``; communicate = communicate and wait spans there
+    (time blocked on the network or on a background exchange); update = the rest of
+    the step; loop = the harness between
+    steps; hidden_* = compress / communicate / other (e.g. a global update) spans of
+    other threads in the iteration."""
+    main = [e for e in events if e.get("tid") == "MainThread" and e.get("ph") == "X"]
+    computes = sorted((e for e in main if e["name"] == "compute"), key=lambda e: e["ts"])
+    steps = sorted((e for e in main if e["name"] == "step"), key=lambda e: e["ts"])
+    codec_names, rows = ("compress", "decode"), []
+    for i, (c, s) in enumerate(zip(computes, steps)):
+        start, s_end = c["ts"], s["ts"] + s["dur"]
+        end = computes[i + 1]["ts"] if i + 1 < len(computes) else s_end
+        inside = [e for e in main if s["ts"] <= e["ts"] < s_end]
+        codec = sum(e["dur"] for e in inside if e["name"] in codec_names)
+        wait = sum(e["dur"] for e in inside if e["name"] in ("communicate", "wait"))
+        hidden = [e for e in events if e.get("tid") != "MainThread" and start <= e["ts"] < end]
+        rows.append({
+            "step": c.get("args", {}).get("step", i + 1),
+            "iteration": (end - start) / 1e6,
+            "compute": c["dur"] / 1e6,
+            "compress": codec / 1e6,
+            "communicate": wait / 1e6,
+            "update": max(0.0, s["dur"] - codec - wait) / 1e6,
+            "loop": max(0.0, (end - start) - c["dur"] - s["dur"]) / 1e6,
+            "hidden_compress": sum(e["dur"] for e in hidden if e["name"] in codec_names) / 1e6,
+            "hidden_communicate": sum(e["dur"] for e in hidden if e["name"] == "communicate") / 1e6,
+            "hidden_other": sum(e["dur"] for e in hidden
+                                if e["name"] not in codec_names + ("communicate",)) / 1e6,
+        })
+    return rows[warmup:]
+
+
+def _tx_bytes() -> int:
+    try:
+        return int(Path(f"/sys/class/net/{netns.IFNAME}/statistics/tx_bytes").read_text())
+    except OSError:
+        return -1
+
+
+def _shaping_check(comm, nbytes: int, repeats: int) -> list[dict[str, float]]:
+    import torch
+
+    x = torch.ones(nbytes // 4)
+    comm.allreduce(torch.ones(1 << 16))  # connections up
+    out = []
+    for _ in range(repeats + 1):
+        comm.barrier()
+        tx0, t0 = _tx_bytes(), time.perf_counter()
+        comm.allreduce(x)
+        t1 = time.perf_counter()
+        comm.barrier()  # this worker's last chunk may still be queued when its allreduce returns
+        out.append({"seconds": t1 - t0, "interface_bytes": _tx_bytes() - tx0})
+    return out[1:]  # the first one also warms gloo's buffers
+
+
+def worker_main(spec_path: str, rank: int) -> None:
+    """What each worker process runs (inside its namespace)."""
+    spec = json.loads(Path(spec_path).read_text())
+    import torch
+    import torch.distributed as dist
+
+    from ..comm import init_from_env
+    from ..train.loop import RunConfig, run_worker
+
+    torch.set_num_threads(spec["threads"])
+    comm = init_from_env(timeout_s=spec["timeout_s"])
+    out: dict[str, Any] = {"rank": rank, "world_size": comm.world_size}
+    if spec["check_bytes"]:
+        out["check"] = _shaping_check(comm, spec["check_bytes"], spec["check_repeats"])
+    runs = []
+    for cfg in spec["configs"]:
+        result = run_worker(comm, RunConfig(**cfg))
+        summary = result["summary"]
+        runs.append({"summary": summary, "steps": step_breakdown(result["trace"], spec["warmup"])})
+    out["runs"] = runs
+    Path(spec["out_dir"], f"rank{rank}.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- parent side
+
+
+@dataclasses.dataclass
+class NetBench:
+    """One ``gradzip bench net`` invocation."""
+
+    workers: list[int]
+    bandwidths: list[float | None]
+    latencies: list[float]
+    algos: list[tuple[str, str | None]]
+    model: str = "resnet18:width=32"
+    shape: str = "3x32x32"
+    batch_size: int = 8
+    steps: int = 8
+    warmup: int = 2
+    threads: int = 1
+    check_repeats: int = 3
+    check_mb: float = 100.0
+    out: str = "runs/bench-net"
+    timeout_s: float = 900.0
+    seed: int = 0
+
+    def configs(self, n: int) -> list[dict[str, Any]]:
+        from ..train.loop import RunConfig
+
+        total = self.warmup + self.steps
+        dataset = f"synthetic:n={n * self.batch_size * total},test=64,shape={self.shape},classes=10"
+        cfgs = []
+        for algo, codec in self.algos:
+            options = {"compressor": codec} if codec else {}
+            cfg = RunConfig(algo=algo, options=options, label=algo + (f"@{codec}" if codec else ""),
+                            dataset=dataset, model=self.model, epochs=1, batch_size=self.batch_size,
+                            lr=0.01, seed=self.seed, trace=True, eval_on="local", progress=False)
+            cfgs.append(dataclasses.asdict(cfg))
+        return cfgs
+
+    def run_one(self, n: int, bandwidth: float | None, latency: float, log=print) -> dict[str, Any]:
+        """One topology: the shaping check and every method; the per-rank outputs merged."""
+        out_dir = Path(self.out, f"n{n}-{format_rate(bandwidth).replace(' ', '').replace('/', '')}-lat{latency * 1e3:g}ms")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for old in out_dir.glob("rank*.json"):
+            old.unlink()
+        nbytes = check_bytes(bandwidth, n, cap_bytes=int(self.check_mb * (1 << 20))) if n > 1 else 0
+        spec = {"threads": self.threads, "timeout_s": self.timeout_s, "check_bytes": nbytes,
+                "check_repeats": self.check_repeats, "warmup": self.warmup, "configs": self.configs(n),
+                "out_dir": str(out_dir.resolve())}
+        spec_path = out_dir / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        began = time.perf_counter()
+        with netns.Topology(n, bandwidth, latency) as topo:
+            procs = []
+            try:
+                for rank in range(n):
+                    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK="0",
+                               LOCAL_WORLD_SIZE="1", MASTER_ADDR=netns.address(0), MASTER_PORT=str(MASTER_PORT),
+                               GLOO_SOCKET_IFNAME=netns.IFNAME, TP_SOCKET_IFNAME=netns.IFNAME,
+                               OMP_NUM_THREADS=str(self.threads), CUDA_VISIBLE_DEVICES="")
+                    cmd = topo.exec_prefix(rank) + [
+                        sys.executable, "-c",
+                        f"from gradzip.bench.net import worker_main; worker_main({str(spec_path.resolve())!r}, {rank})"]
+                    log_file = open(out_dir / f"rank{rank}.log", "w")
+                    procs.append((subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT), log_file))
+                self._wait(procs, out_dir)
+            finally:
+                for proc, log_file in procs:
+                    if proc.poll() is None:
+                        proc.terminate()
+                        try:
+                            proc.wait(timeout=5)
+                        except subprocess.TimeoutExpired:
+                            proc.kill()
+                            proc.wait()
+                    log_file.close()
+        ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(n)]
+        record = merge(ranks, n, bandwidth, latency, nbytes)
+        record["elapsed_s"] = time.perf_counter() - began
+        return record
+
+    def _wait(self, procs, out_dir: Path) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            codes = [p.poll() for p, _ in procs]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                rank, code = bad[0]
+                tail = (out_dir / f"rank{rank}.log").read_text()[-3000:]
+                raise GradzipError(f"emulated-network worker rank {rank} exited with code {code}:\n{tail}")
+            if all(c == 0 for c in codes):
+                return
+            if time.monotonic() > deadline:
+                raise GradzipError(f"emulated-network workers did not finish in {self.timeout_s:.0f} s "
+                                   f"(logs in {out_dir})")
+            time.sleep(0.1)
+
+    def run(self, log=print, command: str = "") -> dict[str, Any]:
+        netns.check_available()
+        records = []
+        for n in self.workers:
+            for bandwidth in self.bandwidths:
+                for latency in self.latencies:
+                    log(f"[bench net] {n} workers, {format_rate(bandwidth)} links, latency {latency * 1e3:g} ms ...",
+                        file=sys.stderr)
+                    records.append(self.run_one(n, bandwidth, latency))
+        result = {"command": command, "host": host_info(), "settings": {k: v for k, v in dataclasses.asdict(self).items()},
+                  "records": records}
+        Path(self.out).mkdir(parents=True, exist_ok=True)
+        Path(self.out, "results.json").write_text(json.dumps(result, indent=1))
+        return result
+
+
+def host_info() -> dict[str, Any]:
+    import torch
+
+    return {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+            "machine": platform.machine(), "kernel": platform.release(),
+            "loadavg": list(os.getloadavg())}
+
+
+PHASES = ("iteration", "compute", "compress", "communicate", "update", "loop", "hidden_compress",
+          "hidden_communicate", "hidden_other")
+
+
+def merge(ranks: list[dict], n: int, bandwidth: float | None, latency: float, nbytes: int) -> dict[str, Any]:
+    """One topology's record from its workers' outputs: the check (slowest worker per
+    repeat, median over repeats) and per method the median over steps of the phases
+    (mean over workers) and of the *critical local work*: the largest, over workers, of
+    compute + compress + update + loop in that step (what a synchronous step waits for
+    besides the network)."""
+    record: dict[str, Any] = {"workers": n, "bandwidth_bps": bandwidth, "latency_s": latency}
+    if nbytes:
+        from ..comm import allreduce_wire_bytes
+
+        times = [max(r["check"][i]["seconds"] for r in ranks) for i in range(len(ranks[0]["check"]))]
+        iface = statistics.median(r["check"][i]["interface_bytes"] for r in ranks for i in range(len(times)))
+        counted = allreduce_wire_bytes(nbytes, n)
+        predicted = counted * 8 / bandwidth if bandwidth else None
+        measured = statistics.median(times)
+        record["check"] = {"bytes": nbytes, "counted_wire_bytes": counted, "interface_bytes": iface,
+                           "predicted_s": predicted, "measured_s": measured, "all_s": times,
+                           "ratio": measured / predicted if predicted else None,
+                           "ok": (abs(measured / predicted - 1) <= CHECK_TOLERANCE) if predicted else None}
+    runs = []
+    for m in range(len(ranks[0]["runs"])):
+        per_rank = [r["runs"][m]["steps"] for r in ranks]
+        summary = ranks[0]["runs"][m]["summary"]
+        steps = len(per_rank[0])
+        phases = {k: statistics.median(statistics.fmean(rows[j][k] for rows in per_rank) for j in range(steps))
+                  for k in PHASES}
+        local = [max(rows[j]["compute"] + rows[j]["compress"] + rows[j]["update"] + rows[j]["loop"]
+                     for rows in per_rank) for j in range(steps)]
+        computes = [statistics.fmean(rows[j]["compute"] for rows in per_rank) for j in range(steps)]
+        runs.append({
+            "algo": summary["algo"], "method": summary["method"], "options": summary["options"],
+            "model": summary["model"], "parameters": summary["parameters"],
+            "steps_total": summary["steps"], "steps_measured": steps,
+            "bytes_per_step": summary["bytes_sent_per_worker"] / summary["steps"],
+            "critical_local_s": statistics.median(local),
+            "compute_cv": (statistics.pstdev(computes) / statistics.fmean(computes)) if steps > 1 else 0.0,
+            **{f"{k}_s": v for k, v in phases.items()},
+        })
+    record["runs"] = runs
+    return record
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def check_table(records: list[dict]) -> str:
+    lines = ["| workers | link | allreduce MB | counted wire MB | interface MB (+headers) | predicted ms | measured ms (median) | measured / predicted | within 15% | fastest repeat / predicted |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in records:
+        c = r.get("check")
+        if not c:
+            continue
+        if c["predicted_s"] is None:  # unshaped: what this host carries at most
+            lines.append(f"| {r['workers']} | unshaped | {c['bytes'] / 1e6:.1f} | {c['counted_wire_bytes'] / 1e6:.1f} | "
+                         f"{c['interface_bytes'] / 1e6:.1f} | – | {c['measured_s'] * 1e3:.0f} | host ceiling "
+                         f"{c['counted_wire_bytes'] * 8 / c['measured_s'] / 1e9:.2f} Gbit/s per link | – | – |")
+            continue
+        lines.append(f"| {r['workers']} | {format_rate(r['bandwidth_bps'])} | {c['bytes'] / 1e6:.1f} | "
+                     f"{c['counted_wire_bytes'] / 1e6:.1f} | {c['interface_bytes'] / 1e6:.1f} "
+                     f"({c['interface_bytes'] / c['counted_wire_bytes'] - 1:+.1%}) | {c['predicted_s'] * 1e3:.0f} | "
+                     f"{c['measured_s'] * 1e3:.0f} | {c['ratio']:.3f} | {'yes' if c['ok'] else '**no**'} | "
+                     f"{min(c['all_s']) / c['predicted_s']:.3f} |")
+    return "\n".join(lines)
+
+
+def time_table(records: list[dict]) -> str:
+    lines = ["| workers | link | method | iteration ms | compute | compress | communicate | update + loop | hidden (bg) | MB sent / step | speedup vs ssgd |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in records:
+        base = next((x["iteration_s"] for x in r["runs"] if x["algo"] == "ssgd"), None)
+        for x in r["runs"]:
+            hidden = x["hidden_compress_s"] + x["hidden_communicate_s"] + x.get("hidden_other_s", 0.0)
+            lines.append(
+                f"| {r['workers']} | {format_rate(r['bandwidth_bps'])} | `{x['algo']}` | {x['iteration_s'] * 1e3:.0f} | "
+                f"{x['compute_s'] * 1e3:.0f} | {x['compress_s'] * 1e3:.0f} | {x['communicate_s'] * 1e3:.0f} | "
+                f"{(x['update_s'] + x['loop_s']) * 1e3:.0f} | {hidden * 1e3:.0f} | {x['bytes_per_step'] / 1e6:.2f} | "
+                f"{(base / x['iteration_s']) if base else float('nan'):.2f} |")
+    return "\n".join(lines)
+
+
+def noise_line(result: dict) -> str:
+    cvs = [x["compute_cv"] for r in result["records"] for x in r["runs"]]
+    h = result["host"]
+    return (f"torch {h['torch']}, {h['cpus']} CPUs, kernel {h['kernel']}; load average {h['loadavg'][0]:.1f} "
+            f"at the end (other jobs share this machine). Compute time per step varied between steps "
+            f"by a coefficient of variation of {statistics.median(cvs):.0%} (median over runs; "
+            f"max {max(cvs):.0%}).")
+
+
+def parse_algos(text: str) -> list[tuple[str, str | None]]:
+    from ..cli import parse_algos as parse
+
+    return parse(text)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", default="2,4", help="comma-separated worker counts (default: %(default)s)")
+    p.add_argument("--bandwidth", default="100mbit,1gbit,10gbit",
+                   help="comma-separated link rates (bits/s: 100mbit, 1gbit, ...; 'unshaped') (default: %(default)s)")
+    p.add_argument("--latency-ms", default="0",
+                   help="comma-separated one-way worker-to-worker latencies in ms (netem; default: %(default)s)")
+    p.add_argument("--algos", default="ssgd,efsgd@topk:ratio=0.01,bitsgd",
+                   help="methods, METHOD[@CODEC] comma-separated (default: %(default)s)")
+    p.add_argument("--model", default="resnet18:width=32", help="default: %(default)s (2.8M parameters)")
+    p.add_argument("--shape", default="3x32x32", help="synthetic input shape (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help="per worker (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per method (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="steps before them, not measured (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker (default: %(default)s)")
+    p.add_argument("--check-mb", type=float, default=100.0, help="largest shaping-check allreduce (default: %(default)s)")
+    p.add_argument("--out", default="runs/bench-net", help="results.json and logs (default: %(default)s)")
+    p.add_argument("--write", action="store_true", help="update docs/benchmarks.md's 'Emulated network' section")
+    p.add_argument("--from", dest="from_results", metavar="RESULTS",
+                   help="run nothing: print (and with --write, write) the tables of an earlier results.json")
+
+
+def _ints(text: str, what: str, low: int) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < low:
+        raise GradzipError(f"{what} must be comma-separated integers >= {low}, got {text!r}")
+    return values
+
+
+def from_args(args) -> NetBench:
+    latencies = []
+    for v in args.latency_ms.split(","):
+        try:
+            lat = float(v)
+        except ValueError:
+            lat = -1.0
+        if not lat >= 0:
+            raise GradzipError(f"--latency-ms must be comma-separated numbers >= 0, got {args.latency_ms!r}")
+        latencies.append(lat / 1e3)
+    for name, value, low in (("--batch-size", args.batch_size, 1), ("--steps", args.steps, 1),
+                             ("--warmup", args.warmup, 0), ("--threads", args.threads, 1)):
+        if value < low:
+            raise GradzipError(f"{name} must be >= {low}, got {value}")
+    if not args.check_mb > 0:
+        raise GradzipError(f"--check-mb must be > 0, got {args.check_mb}")
+    return NetBench(workers=_ints(args.workers, "--workers", 1),
+                    bandwidths=[parse_rate(b) for b in args.bandwidth.split(",") if b.strip()],
+                    latencies=latencies, algos=parse_algos(args.algos), model=args.model, shape=args.shape,
+                    batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, threads=args.threads,
+                    check_mb=args.check_mb, out=args.out)
+
+
+def command_line(argv: list[str] | None) -> str:
+    return "gradzip bench net " + " ".join(argv if argv is not None else sys.argv[3:])
+
+
+def main(args, argv: list[str] | None = None) -> int:
+    if args.from_results:
+        path = Path(args.from_results)
+        if not path.exists():
+            raise GradzipError(f"--from {path}: no such file; run `gradzip bench net` first")
+        result = json.loads(path.read_text())
+        command = result.get("command", "gradzip bench net (command not recorded)")
+        out = path
+    else:
+        bench = from_args(args)
+        command = command_line(argv)
+        result = bench.run(log=print, command=command)
+        out = Path(bench.out, "results.json")
+    print("### Shaping check\n")
+    print(check_table(result["records"]) + "\n")
+    print("### Time per iteration (ms, median over steps; phases: mean over workers)\n")
+    print(time_table(result["records"]) + "\n")
+    print(noise_line(result))
+    print(f"\nresults: {out}")
+    if args.write:
+        from .report import write_net_section
+
+        write_net_section(result, command)
+    return 0

@@ -1,0 +1,157 @@
+"""``dgc``: Deep Gradient Compression's top-k by a sampled threshold (Lin et al., ICLR 2018).
+
+``dgc:ratio=ρ,sample_ratio=s`` (defaults ρ = 0.001, s = 0.01; spec, "Compressors" and
+"Methods: DGC"). Instead of an exact ``torch.topk`` over the whole tensor, the threshold is
+read off a strided sample (stride ``⌈1/s⌉``, random start), then refined until the
+number of entries at or above it lands in ``[0.8k, 1.3k]`` (``k = max(1, ⌈ρd⌉)``), as the
+reference code (synxlin/deep-gradient-compression) does with its ``compress_lower_bound``
+/ ``compress_upper_bound``. **[choice]** How it refines, so that the common case is one
+pass over the tensor: the first threshold is the sample's magnitude at the rank that
+should select about ``1.5k`` entries (the sample's ``⌈1.5·ρ·sample⌉``-th largest), and the
+pass collects the candidates (indices and magnitudes) at or above it. Too few (under
+``0.8k``, an unlucky sample): the threshold moves down the sorted sample to the rank the
+count calls for (×0.8 beyond the sample) and the pass is repeated. Too many (over
+``1.3k``): the threshold is raised among the candidates alone, to their ``1.05k``-th
+largest magnitude, without touching the tensor again. (The reference instead multiplies
+the threshold by 1.3 or 0.8 and re-scans the whole tensor each time.) After
+:data:`MAX_REFINE` rounds, with ties that no threshold separates, or for a tensor too
+small to sample (fewer than :data:`MIN_SAMPLE` sampled entries, or ``k > d/4``), the exact
+top-k is used instead. So the selection always holds between ``0.8k`` and ``1.3k`` entries
+before the codec trims it to ``k``.
+
+Wire: exactly ``k`` float values + ``k`` int32 indices (``8k`` bytes, the spec's size,
+the same on every worker so packets go through allgather without a size exchange). When
+more than ``k`` entries pass, the ``k`` largest of those candidates are kept (an exact
+top-k over at most ``1.3k`` values, as the reference does); when fewer pass, the slots
+left over are padding: index of the first selected entry, value 0, which adds nothing
+(decoding scatter-*adds*). ``packet.meta["selected"]`` is the number of real entries
+(the achieved density is ``selected / d``); :func:`selected_indices` returns them, which
+is what DGC's momentum factor masking zeroes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import _util
+from ._util import generator, scatter_mean
+from .base import Compressor, Packet, keep_count, require
+from .registry import register
+
+#: Refinement rounds of the sampled threshold before falling back to the exact top-k.
+MAX_REFINE = 20
+#: The achieved selection must land in [LOWER·k, UPPER·k] before truncation to k.
+LOWER, UPPER = 0.8, 1.3
+#: Below this many sampled entries the sample says too little: exact top-k instead.
+MIN_SAMPLE = 64
+#: The first threshold aims at AIM·k entries: more than 1.3k are trimmed among the
+#: candidates without another pass over the tensor, fewer than 0.8k need another pass.
+AIM = 1.5
+
+
+def _candidates(flat: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices, magnitudes) of the entries with ``|x| >= threshold``: one pass, piece by
+    piece on a single-threaded CPU (the temporaries stay in cache)."""
+    numel = flat.numel()
+    piece = _util.CHUNK if _util.piecewise(flat) else max(numel, 1)
+    idx = [torch.nonzero(torch.abs(flat[lo:lo + piece]) >= threshold).view(-1) + lo for lo in range(0, numel, piece)]
+    idx = torch.cat(idx) if len(idx) > 1 else idx[0]
+    return idx, torch.abs(flat.index_select(0, idx))
+
+
+def sampled_threshold_select(flat: torch.Tensor, k: int, sample_ratio: float, seed: int = 0,
+                             stats: dict | None = None) -> torch.Tensor:
+    """Indices (int64, unordered) of between ``0.8k`` and ``1.3k`` entries of ``flat`` of
+    largest magnitude, selected by a threshold estimated on a strided sample and refined
+    (see the module docstring). ``stats`` (optional) receives ``passes`` (full passes over
+    the tensor), ``rounds`` (refinements) and ``exact`` (the fallback was used)."""
+    numel = flat.numel()
+    stride = max(1, math.ceil(1.0 / sample_ratio))
+    start = int(torch.randint(stride, (1,), generator=generator(seed))) if stride > 1 else 0
+    sample = torch.abs(flat[start::stride])
+    lo_count, hi_count = math.ceil(LOWER * k), math.floor(UPPER * k)
+    passes = rounds = 0
+    exact = sample.numel() < MIN_SAMPLE or k >= numel or 4 * k > numel
+    if not exact:
+        # the sample's largest magnitudes, sorted: the threshold at sample rank j selects
+        # about j·numel/sample entries; aim at AIM·k (too many is cheap to fix, too few is not)
+        top = sample.numel() * k / numel
+        ranked = torch.topk(sample, min(sample.numel(), math.ceil(4 * AIM * top) + 16), sorted=True).values
+        j = max(1, min(ranked.numel(), math.ceil(AIM * top)))
+        threshold = float(ranked[j - 1])
+        idx, vals = _candidates(flat, threshold)
+        passes = 1
+        while idx.numel() < lo_count:   # too few: a lower threshold, another pass
+            rounds += 1
+            if rounds > MAX_REFINE or threshold <= 0 or not math.isfinite(threshold):
+                exact = True
+                break
+            j_new = max(j + 1, round(j * AIM * k / max(idx.numel(), 1)))
+            if j_new <= ranked.numel():
+                j, lower = j_new, float(ranked[j_new - 1])
+            else:
+                lower = threshold * LOWER
+            threshold = min(lower, threshold * (1 - 1e-6))
+            idx, vals = _candidates(flat, threshold)
+            passes += 1
+        if not exact and idx.numel() > hi_count:   # too many: raise it among the candidates
+            rounds += 1
+            threshold = float(torch.topk(vals, round(1.05 * k), sorted=False).values.min())
+            idx = idx[vals >= threshold]
+            exact = idx.numel() > hi_count   # ties at the threshold
+    if stats is not None:
+        stats.update(passes=passes, rounds=rounds, exact=exact)
+    if exact:
+        return torch.topk(torch.abs(flat), min(k, numel), sorted=False).indices
+    return idx
+
+
+@register
+@dataclass(frozen=True)
+class DGCCompressor(Compressor):
+    name = "dgc"
+    ratio: float = 0.001
+    sample_ratio: float = 0.01
+
+    def __post_init__(self):
+        for key in ("ratio", "sample_ratio"):
+            value = getattr(self, key)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+            require(ok, f"dgc: {key} must be in (0, 1], got {value!r}")
+
+    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+        flat = tensor.detach().reshape(-1)
+        numel = flat.numel()
+        k = min(keep_count(self.ratio, numel), numel)
+        idx = sampled_threshold_select(flat, k, self.sample_ratio, seed)
+        if idx.numel() > k:   # keep the k largest candidates
+            idx = idx.index_select(0, torch.topk(flat.index_select(0, idx).abs(), k, sorted=False).indices)
+        selected = idx.numel()
+        values = flat.index_select(0, idx)
+        if selected < k:      # pad: index of a selected entry, value 0 (adds nothing)
+            pad = k - selected
+            idx = torch.cat([idx, idx[:1].expand(pad) if selected else idx.new_zeros(pad)])
+            values = torch.cat([values, values.new_zeros(pad)])
+        wire = {"values": values, "indices": idx.to(torch.int32)}
+        return Packet(wire, tensor.shape, tensor.dtype, meta={"selected": selected})
+
+    def decompress(self, packet: Packet) -> torch.Tensor:
+        values = packet.wire["values"]
+        out = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
+        return out.index_add_(0, packet.wire["indices"].long(), values.to(packet.dtype)).view(packet.shape)
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        """One dense buffer, every packet's values index-added, divided by n."""
+        return scatter_mean(packets, lambda p: (p.wire["indices"].long(), p.wire["values"]), packets[0].numel)
+
+    def wire_nbytes(self, shape) -> int:
+        numel = math.prod(shape)
+        return 8 * min(keep_count(self.ratio, numel), numel)
+
+
+def selected_indices(packet: Packet) -> torch.Tensor:
+    """The int64 indices of the entries a ``dgc`` packet really selected (no padding)."""
+    return packet.wire["indices"][: packet.meta["selected"]].long()

@@ -1,0 +1,60 @@
+"""CSEA: compression with error reset every step (Xie et al., NeurIPS 2020)."""
+from __future__ import annotations
+
+import torch
+
+from ..compressors import Compressor
+from .base import DistributedOptimizer, check
+from .cser import DEFAULT_RC, _is_auto, check_rc, codec_for_ratio
+
+
+class CSEA(DistributedOptimizer):
+    """CSEA (CSER slides Alg. 4 and 7; spec "Methods: CSEA")::
+
+        p_i = e_i − η d_i
+        (p'_i, e_new) = PSync(p_i; C1)          # p'_i = mean_j C1(p_j) + e_new
+        x_i ← x_i − e_i + p'_i;   e_i ← e_new
+
+    Unlike EF-SGD, the error is *reset* into the local model: ``x_i − e_i`` is the same on
+    every worker (it moves by ``mean_j C1(p_j)``), while the models ``x_i`` themselves differ
+    by their errors (``replicas_differ``: the harness evaluates their average). With one
+    worker, or with ``compressor="none"``, it is exactly SGD (up to float reassociation),
+    which EF-SGD is not. ``d_i`` carries weight decay and local momentum, never
+    synchronised; ``state[p]["error"]`` holds ``e_i``.
+
+    ``rc``: target R_C = R_C1, giving ``compressor = randblock:in=rc`` (see
+    :mod:`gradzip.optim.cser`); ``"auto"`` without rc is rc = 16 (``randblock:in=16``).
+    """
+
+    replicas_differ = True
+
+    def __init__(self, params, lr, *, compressor: str | Compressor = "auto", rc: float | None = None, **kwargs):
+        name = type(self).__name__
+        rc = check_rc(name, rc)
+        if rc is not None and not _is_auto(compressor):
+            check(False, name, f"give either rc (codec derived from it) or compressor, not both; "
+                               f"got rc={rc:g} and compressor={compressor!r}")
+        super().__init__(params, lr, **kwargs)
+        self.rc = rc
+        codec = codec_for_ratio(DEFAULT_RC if rc is None else rc) if _is_auto(compressor) else compressor
+        self.psync = self.make_psync(codec)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._evaluate(closure)
+        self.steps += 1
+        pairs = self.params_with_grad()
+        params = [p for _, p in pairs]
+        errors, proposals = [], []
+        for group, p in pairs:
+            d = self.local_direction(p, group)
+            e = self.state[p].get("error")
+            errors.append(e)
+            proposals.append(d.mul_(-group["lr"]) if e is None else e.sub(d, alpha=group["lr"]))  # p = e − η d
+        res = self.psync(proposals, self.steps, keys=self.keys(params))
+        for p, e, agg, r in zip(params, errors, res.aggregate, res.residual):
+            if e is not None:
+                p.sub_(e)                                        # x ← x − e + p'
+            p.add_(agg).add_(r)
+            self.state[p]["error"] = r                           # e ← e_new
+        return loss

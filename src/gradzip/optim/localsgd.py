@@ -1,0 +1,51 @@
+"""Local SGD: local steps, the workers' models averaged every H steps."""
+from __future__ import annotations
+
+import torch
+
+from .base import DistributedOptimizer, check
+
+
+def check_period(method: str, H) -> int:
+    """``H`` must be an integer >= 1 (steps H, 2H, ... synchronise)."""
+    check(isinstance(H, int) and not isinstance(H, bool) and H >= 1, method,
+          f"H (the synchronisation period, in steps) must be an integer >= 1, got {H!r}")
+    return H
+
+
+class LocalSGD(DistributedOptimizer):
+    """Local SGD / periodic model averaging (spec, "Methods: Local SGD")::
+
+        x_i ← x_i − η d_i                 # local step (d_i: gradient, weight decay, local momentum)
+        if t mod H == 0:  x_i ← mean_j x_j
+
+    The average is one allreduce of the parameters (PSync with ``none``). Momentum buffers
+    stay local and are never averaged (as in the CSER reference code). Between
+    synchronisations the workers' models differ (``replicas_differ``: the harness evaluates
+    their average). With ``H = 1`` it is S-SGD up to float reassociation. Measured R_C is H.
+    """
+
+    replicas_differ = True
+
+    def __init__(self, params, lr, *, H: int = 8, **kwargs):
+        check_period(type(self).__name__, H)
+        super().__init__(params, lr, **kwargs)
+        self.H = H
+        self.psync = self.make_psync("none")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._evaluate(closure)
+        self.steps += 1
+        pairs = self.params_with_grad()
+        for group, p in pairs:
+            p.sub_(self.local_direction(p, group), alpha=group["lr"])
+        if self.steps % self.H == 0:
+            params = [p for _, p in pairs]
+            result = self.psync(params, self.steps, keys=self.keys(params), residual=False)
+            for p, mean in zip(params, result.aggregate):
+                p.copy_(mean)
+        return loss
+
+    def metrics(self) -> dict[str, float]:
+        return {"H": self.H}

@@ -1,0 +1,129 @@
+"""PowerSGD: rank-r gradient compression by one step of power iteration (Vogels et al., 2019)."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from ..compressors.powersgd import effective_rank, matrix_shape, orthogonalize, random_q, should_compress
+from ..exchange import mix_seed
+from .base import DistributedOptimizer, check
+
+
+class PowerSGD(DistributedOptimizer):
+    """PowerSGD (spec, "Methods: PowerSGD"; PyTorch ``powerSGD_hook``; epfml/powersgd).
+
+    Per matrix-shaped parameter tensor (``rows = shape[0]``, ``cols`` = the rest), rank
+    ``r' = min(rank, rows, cols)``, with a ``Q`` shared by all workers::
+
+        M = g + e                                   # error feedback (use_error_feedback)
+        P = allreduce_mean(M Q);   P̂ = orthogonalize(P)
+        Q = allreduce_mean(Mᵀ P̂)
+        M̂ = P̂ Qᵀ;   e = M − M̂
+        x ← GlobalOpt(x, M̂)                         # momentum SGD + weight decay, after the reduction
+
+    Tensors with one dimension, and matrices not worth compressing
+    (``(rows + cols)·r'·min_compression_rate >= rows·cols``, PyTorch's rule), go dense
+    through a plain allreduce-mean; so do all tensors during the first ``start_iter`` steps
+    (PyTorch's ``start_powerSGD_iter``: as many plain-allreduce steps as PyTorch runs).
+    ``Q`` starts as an orthonormalised standard normal draw seeded by ``(seed, tensor)``,
+    the same on every worker; with ``warm_start`` it is reused from the previous step,
+    else redrawn every step from ``(seed, step, tensor)``. Tensors of the same shape are
+    batched (one ``bmm``). ``e`` and ``Q`` live in ``state[p]["error"]`` / ``state[p]["q"]``,
+    so they checkpoint with ``state_dict()``.
+
+    Communication per step: the dense tensors' allreduce is launched first and waited for
+    last, so it overlaps the whole P/Q exchange; all ``P`` go in one fused allreduce (of up
+    to ``bucket_bytes`` per collective), then all ``Q`` in one. The two rounds are
+    inherently sequential (``Q`` needs ``P̂``).
+
+    Differences from PyTorch's ``powerSGD_hook`` (which the DDP hook
+    :func:`gradzip.ddp.powersgd_hook` reproduces exactly):
+
+    * state per parameter tensor, not per DDP bucket; ``Q`` drawn per tensor from gradzip's
+      seeds instead of one numpy-seeded draw per bucket;
+    * PyTorch re-orthogonalises the warm-started ``Q`` before ``P = M Q``: this changes
+      ``P`` by a right factor ``R⁻¹`` (upper triangular, positive diagonal), which Gram-Schmidt
+      removes again, so ``P̂`` is the same in exact arithmetic (only rounding differs);
+    * PyTorch also keeps an "error" for the dense tensors of a bucket (``M − mean_j M_j``,
+      which sums to zero over the workers); here the dense tensors carry no error;
+    * momentum and weight decay act on the reduced gradient here (the spec); with DDP they
+      are whatever optimizer runs after the hook.
+    """
+
+    def __init__(self, params, lr, *, rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
+                 warm_start: bool = True, use_error_feedback: bool = True,
+                 orthogonalization_epsilon: float = 0.0, **kwargs):
+        name = "PowerSGD"
+        check(isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1, name,
+              f"rank must be an integer >= 1, got {rank!r}")
+        check(isinstance(start_iter, int) and not isinstance(start_iter, bool) and start_iter >= 0, name,
+              f"start_iter must be an integer >= 0, got {start_iter!r}")
+        check(isinstance(min_compression_rate, (int, float)) and min_compression_rate >= 0, name,
+              f"min_compression_rate must be >= 0, got {min_compression_rate!r}")
+        check(orthogonalization_epsilon >= 0, name,
+              f"orthogonalization_epsilon must be >= 0, got {orthogonalization_epsilon!r}")
+        super().__init__(params, lr, **kwargs)
+        self.rank, self.start_iter = rank, start_iter
+        self.min_compression_rate = float(min_compression_rate)
+        self.warm_start, self.use_error_feedback = bool(warm_start), bool(use_error_feedback)
+        self.epsilon = float(orthogonalization_epsilon)
+        self.dense = self.make_psync("none", salt=0)
+        self.p_round = self.make_psync("none", salt=1)
+        self.q_round = self.make_psync("none", salt=2)
+
+    def _initial_q(self, p: torch.Tensor, cols: int, r: int, step: int) -> torch.Tensor:
+        key = self.keys([p])[0]
+        seed = mix_seed(self.seed, key) if self.warm_start else mix_seed(self.seed, step, key)
+        return random_q(cols, r, seed, torch.promote_types(p.dtype, torch.float32), p.device)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._evaluate(closure)
+        self.steps += 1
+        t = self.steps
+        pairs = self.params_with_grad()
+        compress = t > self.start_iter
+        low_rank = [(g, p) for g, p in pairs
+                    if compress and should_compress(p.shape, self.rank, self.min_compression_rate)]
+        chosen = {p for _, p in low_rank}
+        dense = [(g, p) for g, p in pairs if p not in chosen]
+        pending_dense = self.dense.start([p.grad for _, p in dense], t, residual=False) if dense else None
+
+        if low_rank:
+            # M = g + e, batched by shape: (batch, rows, cols), Q: (batch, cols, r)
+            batches: dict[tuple, list] = defaultdict(list)
+            for group, p in low_rank:
+                batches[(*matrix_shape(p.shape), effective_rank(p.shape, self.rank))].append((group, p))
+            ms, qs = [], []
+            for (rows, cols, r), members in batches.items():
+                mats, qlist = [], []
+                for _, p in members:
+                    st = self.state[p]
+                    m = p.grad.reshape(rows, cols).to(torch.promote_types(p.dtype, torch.float32))
+                    if self.use_error_feedback and "error" in st:
+                        m = m + st["error"].view(rows, cols)
+                    mats.append(m)
+                    q = st.get("q") if self.warm_start else None
+                    qlist.append(q if q is not None else self._initial_q(p, cols, r, t))
+                ms.append(torch.stack(mats))
+                qs.append(torch.stack(qlist))
+            ps = [torch.bmm(m, q) for m, q in zip(ms, qs)]
+            p_mean = self.p_round([p.reshape(-1) for p in ps], t, residual=False).aggregate
+            ps = [orthogonalize(pm.view_as(p).clone(), self.epsilon) for pm, p in zip(p_mean, ps)]
+            qs = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(ms, ps)]
+            q_mean = self.q_round([q.reshape(-1) for q in qs], t, residual=False).aggregate
+            for ((rows, cols, r), members), m, p_hat, qm, q in zip(batches.items(), ms, ps, q_mean, qs):
+                q_new = qm.view_as(q)
+                approx = torch.bmm(p_hat, q_new.transpose(1, 2))
+                for i, (group, p) in enumerate(members):
+                    st = self.state[p]
+                    if self.use_error_feedback:
+                        st["error"] = (m[i] - approx[i]).reshape(p.shape)
+                    if self.warm_start:
+                        st["q"] = q_new[i].clone()
+                    self.global_update(p, approx[i].reshape(p.shape).to(p.dtype), group)
+        if pending_dense is not None:
+            for (group, p), agg in zip(dense, pending_dense.wait().aggregate):
+                self.global_update(p, agg, group)
+        return loss

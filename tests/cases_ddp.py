@@ -1,0 +1,230 @@
+"""Worker functions for the DDP hook tests (importable by spawned gloo processes)."""
+from __future__ import annotations
+
+import io
+import pickle
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class Net(nn.Module):
+    """Conv (4-d), same-shape linears (batching), biases (dense), several DDP buckets."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3)
+        self.conv2 = nn.Conv2d(8, 8, 3)
+        self.fc1 = nn.Linear(128, 32)
+        self.fc2 = nn.Linear(32, 32)
+        self.fc3 = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv2(F.relu(self.conv1(x))))
+        x = F.relu(self.fc1(x.flatten(1)))
+        x = F.relu(self.fc3(F.relu(self.fc2(x))))
+        return self.out(x)
+
+
+def batch(rank: int, step: int, size: int = 16):
+    g = torch.Generator().manual_seed(7919 * step + 31 * rank + 1)
+    return torch.randn(size, 1, 8, 8, generator=g), torch.randint(0, 10, (size,), generator=g)
+
+
+def make_ddp(bucket_cap_mb: float = 0.005):
+    torch.manual_seed(0)
+    net = Net()
+    return net, DDP(net, bucket_cap_mb=bucket_cap_mb)
+
+
+def train(comm, ddp, opt, steps, first=0, accumulate=1):
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            x, y = batch(comm.rank, step * accumulate + micro)
+            if micro + 1 < accumulate:
+                with ddp.no_sync():
+                    F.cross_entropy(ddp(x), y).backward()
+            else:
+                F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+
+def params(net):
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def serialized(hook):
+    """PyTorch's hook, each bucket finished before the next starts. Unwrapped, its chained
+    allreduces are issued from future callbacks, in an order that can differ between
+    ranks, and gloo aborts ("Received data size doesn't match expected size"); waiting
+    here changes no number, only the timing."""
+    def run(state, bucket):
+        fut = hook(state, bucket)
+        fut.wait()
+        return fut
+    return run
+
+
+def powersgd_vs_torch_many(comm, configs):
+    """:func:`powersgd_vs_torch` for each ``(args, kwargs)`` in ``configs`` (one spawn)."""
+    return [powersgd_vs_torch(comm, *args, **kwargs) for args, kwargs in configs]
+
+
+def powersgd_vs_torch(comm, rank, steps=20, batch_same_shape=False, start=2, overlap=True, seed=0, torch_seed=None):
+    """The same model, data, bucket layout and options under PyTorch's powerSGD_hook and
+    gradzip's powersgd_hook; parameters after ``steps`` steps of momentum SGD."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+
+    import gradzip.ddp
+
+    out = {}
+    for impl in ("torch", "gradzip"):
+        net, ddp = make_ddp()
+        if impl == "torch":
+            state = torch_psgd.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=start,
+                                             min_compression_rate=2,
+                                             random_seed=seed if torch_seed is None else torch_seed,
+                                             batch_tensors_with_same_shape=batch_same_shape)
+            ddp.register_comm_hook(state, serialized(torch_psgd.powerSGD_hook))
+        else:
+            state = gradzip.ddp.PowerSGDState(rank=rank, start_iter=start, min_compression_rate=2, random_seed=seed,
+                                              batch_tensors_with_same_shape=batch_same_shape, model=ddp,
+                                              overlap=overlap)
+            ddp.register_comm_hook(state, gradzip.ddp.powersgd_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        train(comm, ddp, opt, steps)
+        out[impl] = params(net)
+    return out
+
+
+def none_vs_default(comm, steps=8, accumulate=1):
+    import gradzip.ddp
+
+    out = {}
+    for impl in ("default", "none"):
+        net, ddp = make_ddp()
+        if impl == "none":
+            ddp.register_comm_hook(gradzip.ddp.hook("none", model=ddp), gradzip.ddp.codec_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        train(comm, ddp, opt, steps, accumulate=accumulate)
+        out[impl] = params(net)
+    return out
+
+
+def _new_state(kind, ddp, model_keys=True):
+    import gradzip.ddp
+
+    model = ddp if model_keys else None
+    if kind == "powersgd":
+        return gradzip.ddp.PowerSGDState(rank=2, start_iter=1, model=model), gradzip.ddp.powersgd_hook
+    return gradzip.ddp.hook(kind, error_feedback=True, model=model), gradzip.ddp.codec_hook
+
+
+def checkpoint_resume(comm, kind, steps=6, model_keys=True, via="state_dict"):
+    """Train ``2·steps`` steps straight; and ``steps`` steps, checkpoint (model, optimizer,
+    hook state), a NEW DDP instance restored from it, ``steps`` more. Both parameter lists."""
+    import gradzip.ddp
+
+    net, ddp = make_ddp()
+    state, fn = _new_state(kind, ddp, model_keys)
+    ddp.register_comm_hook(state, fn)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    train(comm, ddp, opt, steps)
+    blob = io.BytesIO()
+    hook_state = pickle.dumps(state) if via == "pickle" else state.state_dict()
+    torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "hook": hook_state}, blob)
+    train(comm, ddp, opt, steps, first=steps)
+    straight = params(net)
+    residual_keys = sorted((state.errors if kind == "powersgd" else state.residuals).keys())
+
+    blob.seek(0)
+    ckpt = torch.load(blob, weights_only=False)
+    torch.manual_seed(123)           # a different initialisation, overwritten by the checkpoint
+    net2 = Net()
+    net2.load_state_dict(ckpt["model"])
+    ddp2 = DDP(net2, bucket_cap_mb=0.005)
+    if via == "pickle":
+        state2 = pickle.loads(ckpt["hook"])
+        if model_keys:
+            state2.bind(ddp2)
+        fn2 = gradzip.ddp.powersgd_hook if kind == "powersgd" else gradzip.ddp.codec_hook
+    else:
+        state2, fn2 = _new_state(kind, ddp2, model_keys)
+        state2.load_state_dict(ckpt["hook"])
+    ddp2.register_comm_hook(state2, fn2)
+    opt2 = torch.optim.SGD(ddp2.parameters(), lr=0.05, momentum=0.9)
+    opt2.load_state_dict(ckpt["opt"])
+    train(comm, ddp2, opt2, steps, first=steps)
+    # control: the same restore without the hook state (fresh residuals) must differ
+    torch.manual_seed(123)
+    net3 = Net()
+    net3.load_state_dict(ckpt["model"])
+    ddp3 = DDP(net3, bucket_cap_mb=0.005)
+    state3, fn3 = _new_state(kind, ddp3, model_keys)
+    state3.iter = steps   # same phase and seeds: only the residuals / errors and Q are lost
+    ddp3.register_comm_hook(state3, fn3)
+    opt3 = torch.optim.SGD(ddp3.parameters(), lr=0.05, momentum=0.9)
+    opt3.load_state_dict(ckpt["opt"])
+    train(comm, ddp3, opt3, steps, first=steps)
+    return {"straight": straight, "resumed": params(net2), "fresh": params(net3), "keys": residual_keys,
+            "bytes": state.bytes_sent}
+
+
+def every_codec(comm, steps=2):
+    """Each registered codec through the generic hook (error feedback on): final params."""
+    import gradzip.ddp
+    from gradzip.compressors import names
+
+    out = {}
+    for name in names():
+        net, ddp = make_ddp()
+        state = gradzip.ddp.hook(name, model=ddp)
+        ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        train(comm, ddp, opt, steps)
+        out[name] = (params(net), state.bytes_sent, state.iter)
+    return out
+
+
+def overflow_keeps_state(comm):
+    """An overflowed step (inf / NaN gradients, as GradScaler skips) leaves the hook state."""
+    import gradzip.ddp
+
+    out = {}
+    for kind in ("topk:ratio=0.1", "powersgd"):
+        net, ddp = make_ddp()
+        if kind == "powersgd":
+            state = gradzip.ddp.PowerSGDState(rank=1, start_iter=0, model=ddp)
+            ddp.register_comm_hook(state, gradzip.ddp.powersgd_hook)
+            memory = lambda: {**{("e", k): v.clone() for k, v in state.errors.items()},
+                              **{("q", k): v.clone() for k, v in state.qs.items()}}
+        else:
+            state = gradzip.ddp.hook(kind, model=ddp)
+            ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
+            memory = lambda: {k: v.clone() for k, v in state.residuals.items()}
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        train(comm, ddp, opt, 2)
+        before = memory()
+        x, y = batch(comm.rank, 99)
+        opt.zero_grad()
+        (F.cross_entropy(ddp(x), y) * float("inf")).backward()
+        after = memory()
+        out[kind] = (len(before) > 0 and before.keys() == after.keys()
+                     and all(torch.equal(before[k], after[k]) for k in before))
+    return out
+
+
+def ddp_suite(comm):
+    """Everything test_ddp checks on real processes, in one spawn (CI time)."""
+    return {
+        "none": none_vs_default(comm, steps=6),
+        "none_accumulate": none_vs_default(comm, steps=3, accumulate=2),
+        "ckpt_topk_pickle": checkpoint_resume(comm, "topk:ratio=0.1", 4, True, "pickle"),
+        "ckpt_powersgd_first_seen": checkpoint_resume(comm, "powersgd", 4, False, "state_dict"),
+        "codecs": every_codec(comm),
+        "overflow": overflow_keeps_state(comm),
+    }
