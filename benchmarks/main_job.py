@@ -30,7 +30,7 @@ def main() -> None:
         summaries = json.loads((Path(out) / "summary.json").read_text())
     printed = "\n".join(line for line in proc.stdout.strip().splitlines() if not line.startswith("wrote "))
     shown = "gradzip compare " + " ".join(["--out", "runs/compare", *args.extra])
-    text = (f"`{shown}` (defaults: digits, mlp, 4 gloo worker processes, 10 epochs, "
+    text = (f"`{shown}` (defaults: digits, mlp, 4 gloo worker processes, {summaries[0]['epochs']} epochs, "
             f"{len(summaries)} methods) took **{wall:.1f} s** wall time end to end, measured by "
             f"`python benchmarks/main_job.py --write`. Its printed table:\n\n```\n{printed}\n```\n")
     print(text)

@@ -59,10 +59,10 @@ def main() -> None:
                      fontsize=10, loc="left")
     axes[-1, 0].set_xlabel("ms")
     handles = [matplotlib.patches.Patch(color=c, label=n) for n, c in COLORS.items()]
-    fig.legend(handles=handles, loc="upper right", ncol=len(COLORS), fontsize=8)
+    fig.legend(handles=handles, loc="lower center", ncol=len(COLORS), fontsize=8)
     if args.title:
         fig.suptitle(args.title, x=0.01, ha="left", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.tight_layout(rect=(0, 0.05, 1, 0.95))
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
 

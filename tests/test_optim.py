@@ -181,3 +181,13 @@ def test_loading_another_methods_state_is_refused():
     state = SSGD(model.parameters(), lr=0.1).state_dict()
     with pytest.raises(GradzipError, match="saved by SSGD"):
         EFSGD(model.parameters(), lr=0.1).load_state_dict(state)
+
+
+def test_efsgd_rc_derives_the_error_reset_methods_codec():
+    params = cases.tiny_model().parameters()
+    assert str(EFSGD(params, lr=0.1).psync.compressor) == "topk:ratio=0.01"
+    assert EFSGD(cases.tiny_model().parameters(), lr=0.1, rc=64).psync.compressor.in_ == 64
+    with pytest.raises(GradzipError, match="either rc"):
+        EFSGD(cases.tiny_model().parameters(), lr=0.1, rc=64, compressor="topk:ratio=0.1")
+    with pytest.raises(GradzipError, match="rc"):
+        EFSGD(cases.tiny_model().parameters(), lr=0.1, rc=0)

@@ -341,7 +341,7 @@ def host_ceilings(measured: dict[str, Any]) -> dict[int, float]:
 def validate(measured: dict[str, Any], alpha_s: float, host_Bps: float | None = None) -> list[dict[str, Any]]:
     """Predicted vs measured iteration time for every shaped run of a ``bench net``
     results file. Compute, codec and update come from the run itself (the slowest
-    worker's local work per step, median over steps); the network time from the model,
+    worker's local work per step, mean over steps); the network time from the model,
     with the collectives the method's own ``step()`` issues on a recording group. The link
     rate is capped at ``host_Bps``, by default what an unshaped run of as many workers
     achieved (:func:`host_ceilings`): this host's own limit."""

@@ -98,7 +98,7 @@ def write_model_sections(result: dict[str, Any], measured: dict[str, Any] | None
         worst = max((abs(r["error"]) for r in rows), default=0.0)
         body = f"""The timeline model (`gradzip.bench.model`) beside the emulated runs of the section
 above. The model takes the local work of each step from the run itself (the slowest
-worker's compute + codec + update, median over steps) and adds the alpha-beta network time
+worker's compute + codec + update, mean over steps) and adds the alpha-beta network time
 of the collectives the method issues (ring allreduce `2(n-1)α + 2(n-1)/n·S/B`, ring
 allgather `(n-1)α + (n-1)·S/B`, α = {result['validation_alpha_s'] * 1e6:g} µs per message step, B = the link
 rate, capped at the host ceiling that the unshaped run of as many workers measured).

@@ -104,6 +104,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for psync in self._exchanges:
             psync.tracer = tracer
 
+    def begin_step(self, closure: Callable[[], Any] | None):
+        """What every ``step()`` starts with: evaluate the closure, count the step (from 1),
+        and list the parameters that have gradients. Returns ``(loss, pairs, params)`` with
+        ``pairs`` the ``(group, param)`` of :meth:`params_with_grad`."""
+        loss = self._evaluate(closure)
+        self.steps += 1
+        pairs = self.params_with_grad()
+        return loss, pairs, [p for _, p in pairs]
+
     def params_with_grad(self) -> list[tuple[dict, torch.Tensor]]:
         """``(group, param)`` for every parameter with a gradient, in a fixed order."""
         return [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]

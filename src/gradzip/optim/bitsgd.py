@@ -29,10 +29,7 @@ class BitSGD(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = self._evaluate(closure)
-        self.steps += 1
-        pairs = self.params_with_grad()
-        params = [p for _, p in pairs]
+        loss, pairs, params = self.begin_step(closure)
         carried = []
         for _, p in pairs:
             residual = self.state[p].get("residual")

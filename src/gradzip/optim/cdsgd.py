@@ -66,9 +66,7 @@ class CDSGD(DistributedOptimizer):
     # -- the algorithm box ---------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        loss = self._evaluate(closure)
-        self.steps += 1
-        pairs = self.params_with_grad()
+        loss, pairs, _ = self.begin_step(closure)
         if self.steps <= self.warmup_steps:  # plain S-SGD, momentum after the reduction
             self._exchange(pairs, [p.grad for _, p in pairs], self.full, self.steps, globals_=None)
             return loss

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from ..compressors import Compressor
-from .base import DistributedOptimizer, check
-from .cser import DEFAULT_RC, _is_auto, check_rc, codec_for_ratio
+from .base import DistributedOptimizer
+from .cser import DEFAULT_RC, codec_for_ratio, single_codec
 
 
 class CSEA(DistributedOptimizer):
@@ -29,22 +29,13 @@ class CSEA(DistributedOptimizer):
     replicas_differ = True
 
     def __init__(self, params, lr, *, compressor: str | Compressor = "auto", rc: float | None = None, **kwargs):
-        name = type(self).__name__
-        rc = check_rc(name, rc)
-        if rc is not None and not _is_auto(compressor):
-            check(False, name, f"give either rc (codec derived from it) or compressor, not both; "
-                               f"got rc={rc:g} and compressor={compressor!r}")
+        codec, self.rc = single_codec(type(self).__name__, compressor, rc, codec_for_ratio(DEFAULT_RC))
         super().__init__(params, lr, **kwargs)
-        self.rc = rc
-        codec = codec_for_ratio(DEFAULT_RC if rc is None else rc) if _is_auto(compressor) else compressor
         self.psync = self.make_psync(codec)
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = self._evaluate(closure)
-        self.steps += 1
-        pairs = self.params_with_grad()
-        params = [p for _, p in pairs]
+        loss, pairs, params = self.begin_step(closure)
         errors, proposals = [], []
         for group, p in pairs:
             d = self.local_direction(p, group)

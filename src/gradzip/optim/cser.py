@@ -60,6 +60,18 @@ def codec_for_ratio(R: float) -> str:
     return "none" if blocks == 1 else f"randblock:in={blocks}"
 
 
+def single_codec(method: str, compressor, rc, default: str) -> tuple[object, float | None]:
+    """The codec of a one-codec method and its validated ``rc``: ``compressor`` as given,
+    or, left at ``"auto"``, the codec sending 1/rc of every tensor (``default`` without rc).
+    Giving both an explicit codec and rc is an error."""
+    rc = check_rc(method, rc)
+    if not _is_auto(compressor):
+        check(rc is None, method, f"give either rc (codec derived from it) or compressor, not both; "
+                                  f"got rc={rc} and compressor={compressor!r}")
+        return compressor, rc
+    return (default if rc is None else codec_for_ratio(rc)), rc
+
+
 def _pow2(x: float, rounding) -> int:
     return 2 ** int(rounding(math.log2(x))) if x > 1 else 1
 
@@ -151,10 +163,7 @@ class CSER(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = self._evaluate(closure)
-        self.steps += 1
-        pairs = self.params_with_grad()
-        params = [p for _, p in pairs]
+        loss, pairs, params = self.begin_step(closure)
         keys = self.keys(params)
         directions = [self.local_direction(p, group) for group, p in pairs]
         errors = [self._error(p) for p in params]

@@ -94,11 +94,9 @@ class DGC(DistributedOptimizer):
     # -- the box --------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        loss = self._evaluate(closure)
-        self.steps += 1
+        loss, pairs, _ = self.begin_step(closure)
         t = self.steps
         rho, scale = self.density(t), self.lr_scale(t)
-        pairs = self.params_with_grad()
         grads = {p: p.grad for _, p in pairs}
         if self.clip_norm > 0 and pairs:                       # local clipping, n^-1/2
             limit = self.clip_norm * self.comm.world_size ** -0.5

@@ -4,6 +4,9 @@ from __future__ import annotations
 import torch
 
 from .base import DistributedOptimizer
+from .cser import single_codec
+
+DEFAULT_CODEC = "topk:ratio=0.01"
 
 
 class EFSGD(DistributedOptimizer):
@@ -16,18 +19,20 @@ class EFSGD(DistributedOptimizer):
     model is identical on all workers. With the identity codec it is S-SGD; with one
     worker and a lossy codec it is not SGD (the error delays updates). 1-bit SGD is
     ``EFSGD(compressor="1bit")``, EF-signSGD ``EFSGD(compressor="scaled_sign")``.
+
+    ``compressor="auto"`` is ``topk:ratio=0.01``; or give ``rc``, a target R_C = R_C1, for
+    the random-block codec sending 1/rc of every tensor (as CSEA; :mod:`gradzip.optim.cser`),
+    so that ``gradzip compare --rc`` treats EF-SGD like the error-reset methods.
     """
 
-    def __init__(self, params, lr, *, compressor="topk:ratio=0.01", **kwargs):
+    def __init__(self, params, lr, *, compressor: str = "auto", rc: float | None = None, **kwargs):
+        codec, self.rc = single_codec(type(self).__name__, compressor, rc, DEFAULT_CODEC)
         super().__init__(params, lr, **kwargs)
-        self.psync = self.make_psync(compressor)
+        self.psync = self.make_psync(codec)
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = self._evaluate(closure)
-        self.steps += 1
-        pairs = self.params_with_grad()
-        params = [p for _, p in pairs]
+        loss, pairs, params = self.begin_step(closure)
         corrected = []
         for group, p in pairs:
             d = self.local_direction(p, group)

@@ -35,9 +35,7 @@ class LocalSGD(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = self._evaluate(closure)
-        self.steps += 1
-        pairs = self.params_with_grad()
+        loss, pairs, _ = self.begin_step(closure)
         for group, p in pairs:
             p.sub_(self.local_direction(p, group), alpha=group["lr"])
         if self.steps % self.H == 0:

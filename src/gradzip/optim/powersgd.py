@@ -79,10 +79,8 @@ class PowerSGD(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = self._evaluate(closure)
-        self.steps += 1
+        loss, pairs, _ = self.begin_step(closure)
         t = self.steps
-        pairs = self.params_with_grad()
         compress = t > self.start_iter
         low_rank = [(g, p) for g, p in pairs
                     if compress and should_compress(p.shape, self.rank, self.min_compression_rate)]

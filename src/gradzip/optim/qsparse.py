@@ -48,9 +48,7 @@ class QSparseLocalSGD(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = self._evaluate(closure)
-        self.steps += 1
-        pairs = self.params_with_grad()
+        loss, pairs, _ = self.begin_step(closure)
         for group, p in pairs:
             state = self.state[p]
             if "synced" not in state:

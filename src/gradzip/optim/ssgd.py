@@ -23,10 +23,7 @@ class SSGD(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = self._evaluate(closure)
-        self.steps += 1
-        pairs = self.params_with_grad()
-        params = [p for _, p in pairs]
+        loss, pairs, params = self.begin_step(closure)
         directions = [self.local_direction(p, g) for g, p in pairs]
         result = self.psync(directions, self.steps, keys=self.keys(params), residual=False)
         for (group, p), agg in zip(pairs, result.aggregate):
