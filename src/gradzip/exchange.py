@@ -135,7 +135,7 @@ class PSync:
         """Compress ``tensors`` and launch their collectives; ``keys`` identify each tensor
         across steps (default: its position) for the shared random seeds."""
         keys = range(len(tensors)) if keys is None else keys
-        codec, n = self.compressor, self.comm.world_size
+        codec = self.compressor
         began = time.perf_counter()
         packets = [codec.compress(t.detach(), self._seed(step, key)) for t, key in zip(tensors, keys)]
         residuals = None
@@ -161,13 +161,12 @@ class PSync:
         summand for allreduce, the raw bytes of its wire tensors for allgather, whichever
         puts fewer bytes on the wire for this world size (ties: allreduce)."""
         codec, n = self.compressor, self.comm.world_size
-        as_bytes = [w.reshape(-1).view(torch.uint8) for w in packet.wire.values()]
         if codec.sum_dtype(n) is not None:
             summand = codec.summand(packet, n).reshape(-1)
             sum_bytes = summand.numel() * summand.element_size()
             if allreduce_wire_bytes(sum_bytes, n) <= allgather_wire_bytes(packet.nbytes, n):
                 return "allreduce", [summand]
-        return "allgather", as_bytes
+        return "allgather", [w.reshape(-1).view(torch.uint8) for w in packet.wire.values()]
 
     def _launch(self, packets: list[Packet]) -> list[_Bucket]:
         open_buckets: dict[tuple, _Bucket] = {}
