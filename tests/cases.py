@@ -93,6 +93,30 @@ def train_method(comm, method: str, options: dict, steps: int = 5):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def train_with_resume(comm, method: str, options: dict, steps: int, split: int | None):
+    """``train_method``, but at step ``split`` the model and optimizer are saved and training
+    continues in fresh ones loaded from that state; (final parameters, final state_dict)."""
+    import copy
+
+    import gradzip
+
+    model = tiny_model()
+    make = lambda m: gradzip.optim.METHODS[method](m.parameters(), comm=comm, **options)
+    opt = make(model)
+    for t in range(1, steps + 1):
+        if t == split:
+            saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+            model = tiny_model()
+            model.load_state_dict(saved_model)
+            opt = make(model)
+            opt.load_state_dict(saved_opt)
+        x, y = regression_batch(t, comm.rank, comm.world_size)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()], opt.state_dict()
+
+
 METHOD_RUNS = {
     "ssgd": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
     "ssgd-sign": {"lr": 0.01, "compressor": "sign"},

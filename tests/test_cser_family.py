@@ -1,5 +1,4 @@
 """LocalSGD, QSparse-local-SGD, CSEA, CSER, CSER-PL (issue 5; spec "Methods")."""
-import copy
 import math
 
 import pytest
@@ -325,25 +324,8 @@ def test_in_blocks_send_one_over_R_of_a_small_tensor_in_expectation():
     ("cserpl", dict(lr=0.1, rc=8, momentum=0.9, nesterov=True), ["error"]),
 ])
 def test_state_dict_resume_is_exact(method, options, keys):
-    def go(comm, split):
-        model = cases.tiny_model()
-        make = lambda m: METHODS[method](m.parameters(), comm=comm, **options)
-        opt = make(model)
-        for t in range(1, 9):
-            if t == split:
-                saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-                model = cases.tiny_model()
-                model.load_state_dict(saved_model)
-                opt = make(model)
-                opt.load_state_dict(saved_opt)
-            x, y = cases.regression_batch(t, comm.rank, comm.world_size)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-        return [p.detach() for p in model.parameters()], opt.state_dict()
-
-    straight = gradzip.simulate(2, lambda c: go(c, None))
-    resumed = gradzip.simulate(2, lambda c: go(c, 5))
+    straight = gradzip.simulate(2, lambda c: cases.train_with_resume(c, method, options, 8, split=None))
+    resumed = gradzip.simulate(2, lambda c: cases.train_with_resume(c, method, options, 8, split=5))
     for (pa, sa), (pb, sb) in zip(straight, resumed):
         for a, b in zip(pa, pb):
             assert torch.equal(a, b)

@@ -1,4 +1,3 @@
-import copy
 
 import pytest
 import torch
@@ -121,25 +120,8 @@ def test_replicas_bitwise_identical_and_agree_with_threads_on_gloo():
     ("ssgd", dict(lr=0.1, compressor="qsgd", momentum=0.9)),
 ])
 def test_state_dict_resume_is_exact(method, options):
-    def run(comm, split):
-        model = cases.tiny_model()
-        make = lambda m: gradzip.optim.METHODS[method](m.parameters(), comm=comm, **options)
-        opt = make(model)
-        for t in range(1, 7):
-            if t == split:  # save, then continue in a fresh model + optimizer
-                saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-                model = cases.tiny_model()
-                model.load_state_dict(saved_model)
-                opt = make(model)
-                opt.load_state_dict(saved_opt)
-            x, y = cases.regression_batch(t, comm.rank, comm.world_size)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-        return [p.detach() for p in model.parameters()], opt.state_dict()
-
-    straight = gradzip.simulate(2, lambda c: run(c, split=None))
-    resumed = gradzip.simulate(2, lambda c: run(c, split=4))
+    straight = gradzip.simulate(2, lambda c: cases.train_with_resume(c, method, options, 6, split=None))
+    resumed = gradzip.simulate(2, lambda c: cases.train_with_resume(c, method, options, 6, split=4))
     for (pa, sa), (pb, _) in zip(straight, resumed):
         for a, b in zip(pa, pb):
             assert torch.equal(a, b)
