@@ -59,8 +59,10 @@ def test_failing_worker_releases_its_peers_and_is_reraised():
 def test_peer_that_never_arrives_times_out_naming_it():
     groups = make_group(2, timeout_s=0.2)
     work = groups[0].allreduce(torch.ones(1), async_op=True)
-    with pytest.raises(PeerFailure, match=r"rank\(s\) \[1\]"):
+    with pytest.raises(PeerFailure, match=r"rank 0: peer rank 1 is stuck: it did not start allreduce #0") as info:
         work.wait()
+    assert info.value.lost == (1,) and info.value.rank == 0
+    assert "timeout 0.2 s; change it with --timeout or timeout_s=" in str(info.value)
 
 
 def test_mismatched_collectives_are_an_error():

@@ -6,13 +6,21 @@ automatically), sets torchrun's environment variables in each, initialises
 :class:`~gradzip.comm.TorchGroup`; it returns the ``n`` results in rank order. ``fn`` must
 be importable (a module-level function). If any worker raises, the others are stopped
 and the first failure is re-raised here with the worker's traceback attached; a worker
-that dies without a word (killed, segfault) is reported by rank and exit code.
+that dies without a word (killed, segfault) is reported by rank and signal, together with
+what the survivors reported (their :class:`~gradzip.comm.PeerFailure` naming it: they are
+given up to ``SETTLE_S`` to notice).
+
+Like torchrun's agent, this parent process hosts the c10d store the workers rendezvous
+on (``TORCHELASTIC_USE_AGENT_STORE``), so the store, and with it the workers' heartbeats,
+outlive the death of any worker, rank 0 included.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -20,10 +28,17 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from .comm.base import PeerFailure, check_timeout
 from .errors import GradzipError
 
 #: Seconds the other workers get to finish after one failed, before they are terminated.
 GRACE_S = 5.0
+#: Once a worker died or gave up on a peer, seconds the others get to report their own view
+#: (a peer dies: they notice it at once on this machine, within STALE_S elsewhere).
+SETTLE_S = 5.0
+#: Host the c10d store in this (parent) process, as torchrun's agent does; False: rank 0
+#: hosts it (plain env:// rendezvous), and its death takes the store with it.
+HOST_STORE_IN_PARENT = True
 
 
 class WorkerError(RuntimeError):
@@ -37,13 +52,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, timeout_s: float, results, fn, args) -> None:
+def _worker(rank: int, world_size: int, port: int, agent_store: bool, timeout_s: float, results,
+            fn, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                      TORCHELASTIC_USE_AGENT_STORE=str(agent_store))
     import torch
     import torch.distributed as dist
 
     from .comm import init_from_env
+    from .comm.liveness import announce_failure
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
@@ -52,6 +70,7 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, results, fn
         # plain pickle: tensors travel by value, not as shared memory that dies with us
         results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        announce_failure(exc)  # the peers' errors then name this rank and exc
         try:
             results.put((rank, "error", pickle.dumps((exc, traceback.format_exc()))))
         except Exception:  # the exception does not pickle
@@ -63,42 +82,110 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, results, fn
 
 def run_processes(world_size: int, fn: Callable[..., Any], *args: Any,
                   timeout_s: float = 300.0) -> list[Any]:
-    """Run ``fn(comm, *args)`` on ``world_size`` gloo processes; results in rank order."""
+    """Run ``fn(comm, *args)`` on ``world_size`` gloo processes; results in rank order.
+
+    ``timeout_s`` bounds every collective: a worker that dies or hangs makes the others
+    raise :class:`~gradzip.comm.PeerFailure` naming it (at once for a death, after about
+    ``timeout_s`` for a hang), and this call raises :class:`WorkerError` (a worker's own
+    :class:`~gradzip.errors.GradzipError` is re-raised as it is)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise GradzipError(f"the number of worker processes must be an integer >= 1, got {world_size!r}")
+    timeout_s = check_timeout(timeout_s)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, results, fn, args),
+    store = None
+    if HOST_STORE_IN_PARENT:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        port = store.port
+    else:
+        port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, store is not None, timeout_s, results,
+                                               fn, args),
                          name=f"gradzip-rank{r}", daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}
-    failure: tuple[int, BaseException | None, str] | None = None
+    reports: dict[int, tuple[BaseException | None, str]] = {}  # rank -> (exception, traceback)
+    deaths: dict[int, int] = {}  # rank -> exit code, for workers gone without reporting
+    failed_at = None
     try:
-        while len(outputs) < world_size and failure is None:
-            try:
-                rank, status, payload = results.get(timeout=0.2)
+        while True:
+            exited = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode is not None}
+            try:  # drain what arrived (a worker reports before it exits)
+                wait = 0.1
+                while True:
+                    rank, status, payload = results.get(timeout=wait)
+                    wait = 0.0
+                    if status == "ok":
+                        outputs[rank] = pickle.loads(payload)
+                    else:
+                        reports[rank] = pickle.loads(payload)
             except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in outputs]
-                if dead:
-                    r, code = dead[0]
-                    failure = (r, None, f"worker rank {r} exited with code {code} without reporting")
+                pass
+            for r, code in exited.items():
+                if r not in outputs and r not in reports and r not in deaths:
+                    deaths[r] = code
+            if not reports and not deaths:
+                if len(outputs) == world_size:
+                    return [outputs[r] for r in range(world_size)]
                 continue
-            if status == "ok":
-                outputs[rank] = pickle.loads(payload)
-            else:
-                failure = (rank, *pickle.loads(payload))
-        if failure is not None:
-            rank, exc, tb = failure
-            if isinstance(exc, GradzipError):
-                raise exc
-            raise WorkerError(f"worker rank {rank} failed:\n{tb}") from exc
-        return [outputs[r] for r in range(world_size)]
+            failed_at = failed_at or time.monotonic()
+            if any(not isinstance(exc, PeerFailure) for exc, _ in reports.values()):
+                break  # a worker's own error: the root cause is known
+            accounted = set(outputs) | set(reports) | set(deaths)
+            # a rank the others blame and that is still running is stuck (a dead one shows
+            # up as a death on the next round)
+            accounted |= {r for exc, _ in reports.values() for r in exc.lost
+                          if 0 <= r < world_size and procs[r].exitcode is None}
+            if len(accounted) >= world_size or time.monotonic() - failed_at >= SETTLE_S:
+                break
+        _raise_failure(reports, deaths, [r for r, p in enumerate(procs) if p.is_alive()])
     finally:
         for p in procs:
-            p.join(timeout=GRACE_S if failure is None else 0.5)
+            p.join(timeout=GRACE_S if failed_at is None else 0.5)
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=1)
+            if p.is_alive():  # ignores SIGTERM, or stopped (SIGSTOP): left, it would hang our exit
+                p.kill()
                 p.join(timeout=2)
+        del store  # after the workers: they must not see it go
+
+
+def _raise_failure(reports: dict, deaths: dict, running: list[int]) -> None:
+    """Raise the failure of a run: a worker's own error first, then a death, then the
+    survivors' :class:`PeerFailure`; the others' views follow, one line each."""
+    own = [r for r, (exc, _) in reports.items() if not isinstance(exc, PeerFailure)]
+    if own:
+        exc, tb = reports[own[0]]
+        if isinstance(exc, GradzipError):
+            raise exc
+        raise WorkerError(f"worker rank {own[0]} failed:\n{tb}") from exc
+    views = [f"  rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(reports.items())]
+    stuck = [r for r in running if r not in reports]
+    tail = f"\nstill running, terminated: rank(s) {stuck}" if stuck else ""
+    if deaths:
+        r, code = next(iter(deaths.items()))
+        others = [f"  rank {q}: {_exit_text(c)} without reporting" for q, c in deaths.items() if q != r]
+        text = f"worker rank {r} {_exit_text(code)} without reporting"
+        if views or others:
+            text += "; the others reported:\n" + "\n".join(views + others)
+        raise WorkerError(text + tail)
+    r = next(iter(reports))
+    exc, tb = reports[r]
+    text = f"worker rank {r} failed:\n{tb}"
+    if len(views) > 1:
+        text += "the others reported:\n" + "\n".join(v for v in views if not v.startswith(f"  rank {r}:"))
+    raise WorkerError(text + tail) from exc
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -2,13 +2,15 @@
 
 * :class:`TorchGroup`: a ``torch.distributed`` process group (gloo / NCCL);
 * :class:`ThreadGroup`: N workers on threads of this process (:func:`simulate`).
+
+Both raise :class:`PeerFailure` (one class) when a peer dies, leaves or is stuck, naming it.
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from .base import Group, Work, allgather_wire_bytes, allreduce_wire_bytes
-from .threads import PeerFailure, ThreadGroup, make_group, simulate
+from .base import PeerFailure, Group, Work, allgather_wire_bytes, allreduce_wire_bytes
+from .threads import ThreadGroup, make_group, simulate
 from .torchdist import TorchGroup, init_from_env
 
 

@@ -15,9 +15,43 @@ A world of one sends nothing. Empty tensors are not communicated at all.
 from __future__ import annotations
 
 import abc
+import numbers
+import threading
 from typing import Any, Callable
 
 import torch
+
+from ..errors import GradzipError
+
+#: Where a collective's timeout is set; every timeout message ends with this hint.
+TIMEOUT_HINT = "change it with --timeout or timeout_s="
+
+
+class PeerFailure(RuntimeError):
+    """A peer of this worker died, left, or is stuck, so a collective cannot complete.
+
+    The message names this worker's rank, the lost peer(s), the collective and the timeout.
+    ``rank`` is the rank that raised it, ``lost`` the ranks it blames (empty when it could
+    not tell) and ``collective`` the collective that failed (e.g. ``"allreduce #57"``).
+    Raised by every :class:`Group` implementation (threads and ``torch.distributed``).
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, lost: tuple[int, ...] = (),
+                 collective: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.lost = tuple(lost)
+        self.collective = collective
+
+
+def check_timeout(timeout_s: Any) -> float:
+    """``timeout_s`` as a float, or :class:`GradzipError` unless it is a number of seconds
+    in ``(0, threading.TIMEOUT_MAX]`` (the same rule as :func:`~gradzip.comm.make_group`)."""
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)
+            or not 0 < timeout_s <= threading.TIMEOUT_MAX):
+        raise GradzipError(f"timeout_s must be a number of seconds > 0 and <= {threading.TIMEOUT_MAX:g}, "
+                           f"got {timeout_s!r}")
+    return float(timeout_s)
 
 
 class Work:
@@ -88,6 +122,13 @@ class Group(abc.ABC):
 
     def barrier(self) -> None:
         self.allreduce(torch.zeros(1))
+
+    def allgather_control(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A small allgather that coordinates the workers (settings digests, "is any
+        gradient non-finite?") rather than exchanging a method's data. Bytes count in
+        ``bytes_sent`` like any collective; a group that only models traffic (the
+        timeline model's recording group) may answer it locally."""
+        return self.allgather(tensor)
 
     def new_group(self) -> "Group":
         """A new group of the same workers with its own collective order, e.g. for

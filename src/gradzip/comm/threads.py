@@ -6,23 +6,30 @@ never blocks, so collectives are asynchronous like ``async_op=True`` in torch); 
 worker to arrive computes the result, summing in rank order, so every worker gets the
 same bits. A worker that fails (raises) breaks the group: every peer waiting on it gets a
 :class:`PeerFailure` naming the lost rank instead of hanging, and ``simulate`` re-raises
-the original error.
+the original error. A worker whose function returns while its peers still wait for it
+releases them the same way; one that is stuck (never arrives within ``timeout_s``) is
+named, with what it last did and where it is, by the peers that waited for it.
 """
 from __future__ import annotations
 
+import queue
+import sys
+import sysconfig
 import threading
+import time
+import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..errors import GradzipError
-from .base import Group, Work
+from .base import TIMEOUT_HINT, Group, PeerFailure, Work
 
 DEFAULT_TIMEOUT_S = 300.0
-
-
-class PeerFailure(RuntimeError):
-    """A peer of this worker failed or never arrived at a collective."""
+#: Seconds ``simulate`` waits for the other workers once one failed; a worker still running
+#: then (stuck outside any collective) is left behind as a daemon thread.
+GRACE_S = 2.0
 
 
 class _Slot:
@@ -45,11 +52,26 @@ class _Hub:
         self.cond = threading.Condition()
         self.slots: dict[int, _Slot] = {}
         self.failure: tuple[int, BaseException] | None = None
+        self.left: set[int] = set()  # ranks whose worker function returned
+        # per rank: (seq, kind, monotonic time, thread id) of its latest collective
+        self.last: list[tuple[int, str, float, int] | None] = [None] * world_size
+        self.children: list[_Hub] = []  # groups made by new_group(): they fail with this one
 
     def fail(self, rank: int, exc: BaseException) -> None:
         with self.cond:
             if self.failure is None:
                 self.failure = (rank, exc)
+            self.cond.notify_all()
+            children = list(self.children)
+        for child in children:
+            child.fail(rank, exc)
+
+    def leave(self, rank: int) -> None:
+        """Rank ``rank`` will issue no more collectives (its worker function returned).
+        Not passed on to groups made by ``new_group()``: a background thread may still be
+        finishing an exchange there."""
+        with self.cond:
+            self.left.add(rank)
             self.cond.notify_all()
 
     def deposit(self, seq: int, rank: int, kind: str, value: Any,
@@ -64,6 +86,7 @@ class _Hub:
                 )
             slot.inputs[rank] = value
             slot.arrived += 1
+            self.last[rank] = (seq, kind, time.monotonic(), threading.get_ident())
             if slot.arrived == self.world_size:
                 slot.result = combine(slot.inputs)
                 slot.inputs = None
@@ -71,17 +94,28 @@ class _Hub:
             return slot
 
     def collect(self, seq: int, rank: int, slot: _Slot) -> Any:
+        def missing() -> list[int]:
+            return [r for r, v in enumerate(slot.inputs) if v is None]
+
         with self.cond:
             self.cond.wait_for(
-                lambda: slot.inputs is None or self.failure is not None, self.timeout_s
+                lambda: slot.inputs is None or self.failure is not None
+                or any(r in self.left for r in missing()), self.timeout_s
             )
             if slot.inputs is not None:
                 self._check_failure(rank)
-                missing = [r for r, v in enumerate(slot.inputs) if v is None]
+                what = f"{slot.kind} #{seq}"
+                gone = [r for r in missing() if r in self.left]
+                if gone:
+                    raise PeerFailure(
+                        f"rank {rank}: peer {_ranks(gone)} returned from its worker function "
+                        f"without joining {what}", rank=rank, lost=gone, collective=what)
+                stuck = missing()
                 raise PeerFailure(
-                    f"rank {rank} waited {self.timeout_s:.0f} s in collective #{seq} "
-                    f"({slot.kind}) for rank(s) {missing}, which never arrived"
-                )
+                    f"rank {rank}: peer {_ranks(stuck)} is stuck: it did not start {what} within "
+                    f"the timeout ({'; '.join(self._doing(r) for r in stuck)}) "
+                    f"(timeout {self.timeout_s:g} s; {TIMEOUT_HINT})",
+                    rank=rank, lost=stuck, collective=what)
             slot.fetched += 1
             if slot.fetched == self.world_size:
                 del self.slots[seq]
@@ -90,7 +124,40 @@ class _Hub:
     def _check_failure(self, rank: int) -> None:
         if self.failure is not None and self.failure[0] != rank:
             lost, exc = self.failure
-            raise PeerFailure(f"rank {rank}: peer rank {lost} failed ({type(exc).__name__}: {exc})")
+            if isinstance(exc, PeerFailure) and exc.lost and rank not in exc.lost:
+                # the peer gave up on someone else: blame the same rank(s)
+                found = str(exc).removeprefix(f"rank {lost}: ")
+                raise PeerFailure(f"rank {rank}: rank {lost} found that {found}",
+                                  rank=rank, lost=exc.lost, collective=exc.collective)
+            raise PeerFailure(f"rank {rank}: peer rank {lost} failed ({type(exc).__name__}: {exc})",
+                              rank=rank, lost=(lost,))
+
+    def _doing(self, rank: int) -> str:
+        """What worker ``rank`` was last seen doing (called with ``cond`` held)."""
+        last = self.last[rank]
+        if last is None:
+            return f"rank {rank} has not started any collective of this group"
+        seq, kind, began, ident = last
+        text = f"rank {rank}'s last collective, {kind} #{seq}, began {time.monotonic() - began:.1f} s ago"
+        frame = sys._current_frames().get(ident)
+        if frame is None:
+            return text + "; its thread has ended"
+        return text + f"; it is now at {_where(frame)}"
+
+
+def _where(frame) -> str:
+    """``file:line in function`` of the innermost frame of ``frame``'s stack outside the
+    standard library (a thread waiting on an Event is shown where it called ``wait``)."""
+    stack = traceback.extract_stack(frame)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    outside = [f for f in stack if not f.filename.startswith(stdlib)] or stack
+    where = outside[-1]
+    return f"{Path(where.filename).name}:{where.lineno} in {where.name}"
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _sum_in_rank_order(inputs: list[torch.Tensor]) -> torch.Tensor:
@@ -117,9 +184,14 @@ class ThreadGroup(Group):
         return Work(lambda: finish(self._hub.collect(seq, self.rank, slot)), nbytes)
 
     def new_group(self) -> "ThreadGroup":
-        timeout = self._hub.timeout_s
-        work = self._launch("new_group", True, 0, lambda _: _Hub(self.world_size, timeout),
-                            lambda hub: ThreadGroup(hub, self.rank))
+        parent = self._hub
+
+        def make(_):
+            child = _Hub(self.world_size, parent.timeout_s)
+            parent.children.append(child)  # called with parent.cond held
+            return child
+
+        work = self._launch("new_group", True, 0, make, lambda hub: ThreadGroup(hub, self.rank))
         return work.wait()
 
     def _allreduce(self, tensor, nbytes):
@@ -135,8 +207,12 @@ class ThreadGroup(Group):
 
 def make_group(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[ThreadGroup]:
     """The ``world_size`` worker handles of one new in-process group."""
-    if not isinstance(world_size, int) or world_size < 1:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise GradzipError(f"the number of workers must be an integer >= 1, got {world_size!r}")
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) \
+            or not 0 < timeout_s <= threading.TIMEOUT_MAX:
+        raise GradzipError(f"timeout_s must be a number of seconds > 0 and <= {threading.TIMEOUT_MAX:g}, "
+                           f"got {timeout_s!r}")
     hub = _Hub(world_size, timeout_s)
     return [ThreadGroup(hub, r) for r in range(world_size)]
 
@@ -144,26 +220,48 @@ def make_group(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Th
 def simulate(world_size: int, fn: Callable[[ThreadGroup], Any], *,
              timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
     """Run ``fn(comm)`` for ranks ``0..n-1`` on threads of this process; their results in
-    rank order. If a worker raises, its peers are released and its exception re-raised."""
+    rank order. If a worker raises, its peers are released and its exception re-raised
+    (the root cause, not the peers' :class:`PeerFailure`). Never hangs on a stuck worker:
+    its peers time out after ``timeout_s`` naming it, and ``GRACE_S`` after the first failure
+    the workers still running are left behind (daemon threads) and the error is raised."""
     groups = make_group(world_size, timeout_s)
+    if not callable(fn):
+        raise GradzipError(f"simulate() runs fn(comm) on every worker: fn must be callable, got {fn!r}")
     results: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
+
+    finished: queue.SimpleQueue[int] = queue.SimpleQueue()
 
     def run(group: ThreadGroup) -> None:
         try:
             results[group.rank] = fn(group)
+            group._hub.leave(group.rank)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             errors[group.rank] = exc
             group._hub.fail(group.rank, exc)
+        finally:
+            finished.put(group.rank)
 
     threads = [threading.Thread(target=run, args=(g,), name=f"gradzip-rank{g.rank}", daemon=True)
                for g in groups]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    running, give_up_at = set(range(world_size)), None
+    while running:
+        try:
+            wait = None if give_up_at is None else max(0.0, give_up_at - time.monotonic())
+            running.discard(finished.get(timeout=wait))
+        except queue.Empty:
+            break
+        if give_up_at is None and any(e is not None for e in errors):
+            give_up_at = time.monotonic() + GRACE_S
     root_causes = [e for e in errors if e is not None and not isinstance(e, PeerFailure)]
-    first = root_causes[0] if root_causes else next((e for e in errors if e is not None), None)
+    origin = groups[0]._hub.failure  # the first to fail: the others may relay its PeerFailure
+    first = root_causes[0] if root_causes else origin[1] if origin is not None else \
+        next((e for e in errors if e is not None), None)
     if first is not None:
+        if running and hasattr(first, "add_note"):
+            first.add_note(f"simulate: {_ranks(running)} still running {GRACE_S:g} s after the first "
+                           "failure; left behind (daemon threads)")
         raise first
     return results

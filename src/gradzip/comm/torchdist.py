@@ -3,24 +3,40 @@
 Launch with ``torchrun`` (or ``gradzip train --workers N``, which spawns local processes)
 and initialise with :func:`init_from_env`; ``TorchGroup()`` then wraps the default group
 (or any process group you pass). Collectives use ``async_op=True`` under the hood.
+
+**Lost peers.** Every collective waits at most the group's timeout (``timeout_s`` of
+:func:`init_from_env`; groups made by :meth:`TorchGroup.new_group` inherit it). When one
+fails (gloo reports a closed connection as soon as a peer process dies, or a timeout when
+a peer is alive but stuck), :class:`~gradzip.comm.PeerFailure` is raised naming the lost
+rank(s), as found by :mod:`gradzip.comm.liveness`.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import re
 
 import torch
 import torch.distributed as dist
 
 from ..errors import GradzipError
-from .base import Group, Work
+from .base import TIMEOUT_HINT, Group, PeerFailure, Work, check_timeout
+from .liveness import Heartbeat, Verdict, sequence
 
 # all_gather_single is the newer name of all_gather_into_tensor (same signature).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+DEFAULT_TIMEOUT_S = 300.0
+# gloo / c10d errors that mean "the other side went away or did not answer in time"
+_COMM_ERROR = re.compile(r"timed? ?out|timeout|connection|closed|reset by peer|broken pipe|socket|"
+                         r"unreachable|no route|peer|abort", re.I)
+
 
 class TorchGroup(Group):
-    """This process's handle on a ``torch.distributed`` group (the default one if None)."""
+    """This process's handle on a ``torch.distributed`` group (the default one if None).
+
+    ``timeout_s`` is the group's collective timeout (read from the process group);
+    collectives that fail because a peer is lost raise :class:`PeerFailure`."""
 
     def __init__(self, group: "dist.ProcessGroup | None" = None):
         super().__init__()
@@ -32,34 +48,118 @@ class TorchGroup(Group):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        pg = group if group is not None else dist.group.WORLD
+        self.timeout_s = _pg_timeout(pg)
+        self.name = str(pg.group_name)
+        self._is_default = group is None or group is dist.group.WORLD
+        self._global_ranks = dist.get_process_group_ranks(pg)
+        self._heartbeat = Heartbeat.ensure()
+        self._seq = sequence(self.name)
 
     def new_group(self) -> "TorchGroup":
-        ranks = list(range(self.world_size)) if self.group is None else dist.get_process_group_ranks(self.group)
-        return TorchGroup(dist.new_group(ranks=ranks))
+        # torch's new_group does not inherit the default group's timeout (it defaults to 30 min)
+        return TorchGroup(dist.new_group(ranks=list(self._global_ranks),
+                                         timeout=datetime.timedelta(seconds=self.timeout_s)))
 
     def _allreduce(self, tensor, nbytes):
-        handle = dist.all_reduce(tensor, group=self.group, async_op=True)
-        return Work(lambda: (handle.wait(), tensor)[1], nbytes)
+        return self._issue("allreduce", lambda: dist.all_reduce(tensor, group=self.group, async_op=True),
+                           lambda: tensor, nbytes)
 
     def _allgather(self, tensor, nbytes):
         flat = tensor.contiguous().reshape(-1)
         out = flat.new_empty(self.world_size * flat.numel())
-        handle = _all_gather_flat(out, flat, group=self.group, async_op=True)
-        return Work(lambda: (handle.wait(), out.view(self.world_size, *tensor.shape))[1], nbytes)
+        return self._issue("allgather", lambda: _all_gather_flat(out, flat, group=self.group, async_op=True),
+                           lambda: out.view(self.world_size, *tensor.shape), nbytes)
 
     def _broadcast(self, tensor, src, nbytes):
-        handle = dist.broadcast(tensor, src=_global_rank(self.group, src), group=self.group, async_op=True)
-        return Work(lambda: (handle.wait(), tensor)[1], nbytes)
+        root = _global_rank(self.group, src)
+        return self._issue(f"broadcast(src={src})",
+                           lambda: dist.broadcast(tensor, src=root, group=self.group, async_op=True),
+                           lambda: tensor, nbytes)
+
+    # -- failures ------------------------------------------------------------------------
+    def _issue(self, kind: str, launch, result, nbytes: int) -> Work:
+        seq = self._seq.next(kind)
+        try:
+            handle = launch()
+        except RuntimeError as exc:
+            failure = self._translate(kind, seq, exc)
+            if failure is None:
+                raise
+            raise failure from exc
+
+        def wait():
+            try:
+                handle.wait()
+            except RuntimeError as exc:
+                failure = self._translate(kind, seq, exc)
+                if failure is None:
+                    raise
+                raise failure from exc
+            return result()
+
+        return Work(wait, nbytes)
+
+    def _translate(self, kind: str, seq: int, exc: RuntimeError) -> PeerFailure | None:
+        """The :class:`PeerFailure` for a failed collective; None if ``exc`` is not a
+        communication failure (a bad argument, say), which is then raised as it is."""
+        if isinstance(exc, PeerFailure) or not (
+                isinstance(exc, getattr(dist, "DistNetworkError", ())) or _COMM_ERROR.search(str(exc))):
+            return None
+        me = dist.get_rank() if dist.is_initialized() else self.rank
+        what = f"{kind} #{seq}"
+        where = what if self._is_default else f"{what} (process group {self.name})"
+        peers = [r for r in self._global_ranks if r != me]
+        hb = self._heartbeat
+        if hb is not None and hb is Heartbeat.current:
+            verdict = hb.diagnose(peers, self.name, seq)
+        else:
+            verdict = Verdict("a peer was lost or is stuck (no heartbeat store to tell which)", ())
+        backend, said = _gloo_says(exc)
+        message = (f"rank {me}: {verdict.text} during {where}; {backend}: {said} "
+                   f"(timeout {self.timeout_s:g} s; {TIMEOUT_HINT})")
+        if hb is not None:
+            hb.announce("failed", message, verdict.lost)
+        return PeerFailure(message, rank=me, lost=verdict.lost, collective=what)
 
 
 def _global_rank(group, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def init_from_env(timeout_s: float = 300.0) -> TorchGroup:
+def _pg_timeout(pg) -> float:
+    """The collective timeout of process group ``pg``, in seconds."""
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except Exception:  # noqa: BLE001 - private API, or no backend for that device
+            pass
+    return _init_timeout_s if _init_timeout_s is not None else 1800.0  # torch's default
+
+
+def _gloo_says(exc: BaseException) -> tuple[str, str]:
+    """(backend name, the first sentence of its error without source paths and advice)."""
+    text = str(exc).strip()
+    backend = "gloo" if "gloo" in text.lower() else "nccl" if "nccl" in text.lower() else "torch.distributed"
+    text = text.splitlines()[0] if text else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*:\d+\]\s*", "", text)
+    text = text.split(" This is typically caused")[0].strip()
+    return backend, text[:300]
+
+
+_init_timeout_s: float | None = None
+
+
+def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> TorchGroup:
     """Initialise the default group from torchrun's environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT): gloo for CPU tensors, plus NCCL for CUDA tensors when CUDA
-    is available. Returns the group's handle; a no-op if already initialised."""
+    is available. Returns the group's handle; a no-op if already initialised.
+
+    ``timeout_s`` bounds every collective (and groups made by ``new_group()``): a peer
+    that died or is stuck makes this process raise :class:`PeerFailure` naming it within
+    about ``timeout_s`` (at once for a peer whose process died)."""
+    global _init_timeout_s
+    timeout_s = check_timeout(timeout_s)
     if not dist.is_initialized():
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
@@ -70,5 +170,24 @@ def init_from_env(timeout_s: float = 300.0) -> TorchGroup:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **_attempt_store(timeout_s))
+        _init_timeout_s = timeout_s
     return TorchGroup()
+
+
+def _attempt_store(timeout_s: float) -> dict:
+    """Under torchrun, the store and rank arguments of ``init_process_group`` for this
+    restart attempt. torchrun's agent keeps one store for all attempts (its rendezvous
+    store, shared since torch 2.4) and env:// adds no per-attempt prefix, so after a restart
+    gloo can read a dead worker's address left by the previous attempt and fail with
+    "connectFullMesh ... Connection refused" (seen here in about half the restarts). Keys
+    under ``gradzip/attempt_<n>/`` cannot be stale. Empty outside torchrun (env:// then)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"gradzip/attempt_{attempt}/", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+
+

@@ -1,0 +1,228 @@
+"""Dead or slow peers: a worker that dies or hangs mid-run makes the others fail within the
+timeout with a PeerFailure naming it (real gloo processes and in-process threads).
+
+Wall-clock bounds are generous on purpose (a noisy shared machine): the point is "fails
+promptly, does not hang", not a latency figure."""
+import json
+import os
+import pickle
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+import gradzip
+from gradzip import launch
+from gradzip.comm import PeerFailure, init_from_env, make_group, simulate
+from gradzip.comm import base, liveness, threads, torchdist
+from gradzip.errors import GradzipError
+from gradzip.launch import WorkerError, run_processes
+
+import cases
+import cases_faults
+
+SLACK_S = 20.0
+HINT = "change it with --timeout or timeout_s="
+
+
+def _views(tmp_path):
+    """(the victim's note, {rank: the PeerFailure a survivor recorded})."""
+    victim = json.loads((tmp_path / "victim.json").read_text())
+    views = {int(p.stem[4:]): json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")}
+    return victim, views
+
+
+# -- real processes ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_killed_worker_is_named_by_every_survivor_at_once(tmp_path):
+    with pytest.raises(WorkerError, match=r"^worker rank 2 was killed by SIGKILL \(exit code -9\) "
+                                          r"without reporting; the others reported:") as info:
+        run_processes(3, cases_faults.allreduce_until, 2, "kill", str(tmp_path))
+    victim, views = _views(tmp_path)
+    assert sorted(views) == [0, 1]
+    for r, view in views.items():
+        assert view["rank"] == r and view["lost"] == [2]
+        assert re.match(rf"rank {r}: peer rank 2 is gone \(its process \d+ exited.*\) during allreduce #\d+; "
+                        rf"gloo: .*\(timeout 300 s; {HINT}\)$", view["message"]), view["message"]
+        assert view["t"] - victim["t"] < SLACK_S  # not the 300 s timeout: the death is seen at once
+        assert f"rank {r}: PeerFailure: {view['message']}" in str(info.value)
+
+
+@pytest.mark.slow
+def test_stuck_worker_is_named_after_the_timeout_on_a_new_group(tmp_path):
+    # new_group() must inherit the 3 s timeout (torch's own default there is 30 minutes)
+    timeout = 3
+    with pytest.raises(WorkerError, match=r"^worker rank [02] failed:") as info:
+        run_processes(3, cases_faults.allreduce_until, 1, "hang", str(tmp_path), 1.0, True, timeout_s=timeout)
+    assert "still running, terminated: rank(s) [1]" in str(info.value)
+    victim, views = _views(tmp_path)
+    assert sorted(views) == [0, 2]
+    for r, view in views.items():
+        assert view["lost"] == [1]
+        m = re.match(rf"rank {r}: peer rank 1 is alive but stuck: it has not started this collective "
+                     rf"\(its last one, allreduce #(\d+), began [\d.]+ s ago\) during allreduce #(\d+) "
+                     rf"\(process group \d+\); gloo: .*\(timeout 3 s; {HINT}\)$", view["message"])
+        assert m and int(m[2]) == int(m[1]) + 1, view["message"]
+        assert timeout - 0.5 < view["t"] - victim["t"] < timeout + SLACK_S
+
+
+@pytest.mark.slow
+def test_frozen_worker_is_named_unresponsive_and_killed_at_the_end(tmp_path):
+    # SIGSTOP: its heartbeat stops too, yet its process is there; SIGTERM cannot end it
+    timeout = 2
+    with pytest.raises(WorkerError, match=r"^worker rank 0 failed:"):
+        run_processes(2, cases_faults.allreduce_until, 1, "freeze", str(tmp_path), timeout_s=timeout)
+    victim, views = _views(tmp_path)
+    assert list(views) == [0] and views[0]["lost"] == [1]
+    m = re.match(rf"rank 0: peer rank 1 is unresponsive \(its process (\d+) is alive but its heartbeat stopped "
+                 rf"[\d.]+ s ago\) during allreduce #\d+; gloo: .*\(timeout 2 s; {HINT}\)$", views[0]["message"])
+    assert m, views[0]["message"]
+    assert timeout - 0.5 < views[0]["t"] - victim["t"] < timeout + liveness.STALE_S + SLACK_S
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not left to hang our exit
+        os.kill(int(m[1]), 0)
+
+
+@pytest.mark.slow
+def test_rank0_death_is_named_from_the_background_exchange_thread(tmp_path):
+    # CD-SGD runs its exchanges on a thread of their own, on a group of their own
+    with pytest.raises(WorkerError, match=r"^worker rank 0 was killed by SIGKILL"):
+        run_processes(2, cases_faults.cdsgd_until, 0, str(tmp_path))
+    victim, views = _views(tmp_path)
+    assert list(views) == [1] and views[1]["lost"] == [0]
+    assert re.match(r"rank 1: peer rank 0 is gone \(its process \d+ exited.*\) during \w+ #\d+ \(process group \d+\)",
+                    views[1]["message"]), views[1]["message"]
+    assert views[1]["t"] - victim["t"] < SLACK_S
+
+
+@pytest.mark.slow
+def test_rank0_death_when_rank0_hosts_the_store(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "HOST_STORE_IN_PARENT", False)  # plain env:// rendezvous
+    with pytest.raises(WorkerError, match=r"^worker rank 0 was killed by SIGKILL"):
+        run_processes(2, cases_faults.allreduce_until, 0, "kill", str(tmp_path))
+    victim, views = _views(tmp_path)
+    assert list(views) == [1] and views[1]["lost"] == [0]
+    message = views[1]["message"]
+    # the pid check names it; had it not learnt rank 0's pid yet, the dead store does
+    assert (re.match(r"rank 1: peer rank 0 is gone \(its process \d+ exited, and with it the c10d store it "
+                     r"hosted at 127\.0\.0\.1:\d+\)", message)
+            or re.match(r"rank 1: the c10d store at 127\.0\.0\.1:\d+ is unreachable .*: its host, rank 0, "
+                        r"is probably gone", message)), message
+    assert views[1]["t"] - victim["t"] < SLACK_S
+
+
+@pytest.mark.slow
+def test_death_of_a_peer_on_another_machine_is_told_by_its_heartbeat(tmp_path):
+    # without the pid check, a dead peer is the one whose heartbeat stopped for STALE_S
+    with pytest.raises(WorkerError, match=r"^worker rank 1 was killed by SIGKILL"):
+        run_processes(2, cases_faults.allreduce_until, 1, "kill", str(tmp_path), 1.0, False, True)
+    victim, views = _views(tmp_path)
+    assert list(views) == [0] and views[0]["lost"] == [1]
+    assert re.match(r"rank 0: peer rank 1 is gone \(its heartbeat stopped [\d.]+ s ago\) during allreduce #\d+",
+                    views[0]["message"]), views[0]["message"]
+    assert liveness.STALE_S - 0.5 < views[0]["t"] - victim["t"] < liveness.STALE_S + SLACK_S
+
+
+# -- threads -------------------------------------------------------------------------------
+def _loop_until(victim, fall, seen, steps=1000):
+    def fn(comm):
+        try:
+            for step in range(steps):
+                if comm.rank == victim and step == 5:
+                    fall()
+                comm.allreduce(torch.ones(3))
+        except PeerFailure as exc:
+            if comm.rank != victim:  # (a released victim fails too, later)
+                seen[comm.rank] = exc
+            raise
+    return fn
+
+
+def test_thread_that_dies_is_named_by_every_survivor():
+    seen = {}
+
+    def die():
+        raise RuntimeError("rank 2 died")
+
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 2 died"):  # the root cause, not a PeerFailure
+        simulate(3, _loop_until(2, die, seen), timeout_s=60)
+    assert time.monotonic() - began < SLACK_S
+    assert sorted(seen) == [0, 1]
+    for r, exc in seen.items():
+        assert exc.lost == (2,) and exc.rank == r
+        assert str(exc) == f"rank {r}: peer rank 2 failed (RuntimeError: rank 2 died)"
+
+
+def test_stuck_thread_is_named_after_the_timeout_and_simulate_does_not_hang():
+    seen, release = {}, threading.Event()
+    timeout = 1.0
+    began = time.monotonic()
+    try:
+        with pytest.raises(PeerFailure, match=r"^rank [01]: (rank [01] found that )?peer rank 2 is stuck") as info:
+            simulate(3, _loop_until(2, lambda: release.wait(60), seen), timeout_s=timeout)
+        elapsed = time.monotonic() - began
+    finally:
+        release.set()
+    assert elapsed < timeout + threads.GRACE_S + SLACK_S
+    assert sorted(seen) == [0, 1]
+    for r, exc in seen.items():
+        assert exc.lost == (2,)
+        # the first to time out says so; a peer it releases may relay that instead
+        assert re.match(rf"rank {r}: (rank [01] found that )?peer rank 2 is stuck: it did not start allreduce #5 within the timeout "
+                        rf"\(rank 2's last collective, allreduce #4, began [\d.]+ s ago; it is now at "
+                        rf"test_faults\.py:\d+ in <lambda>\) \(timeout 1 s; {HINT}\)$", str(exc)), str(exc)
+    assert any("rank 2 still running" in note for note in info.value.__notes__)
+
+
+def test_thread_that_returns_early_releases_its_peers_at_once():
+    def fn(comm):
+        for _ in range(2 if comm.rank == 1 else 3):
+            comm.allreduce(torch.ones(2))
+
+    began = time.monotonic()
+    with pytest.raises(PeerFailure, match=r"^rank [02]: peer rank 1 returned from its worker function without "
+                                          r"joining allreduce #2$") as info:
+        simulate(3, fn, timeout_s=60)
+    assert time.monotonic() - began < SLACK_S and info.value.lost == (1,)
+
+
+def test_thread_failure_releases_background_exchanges_on_a_new_group():
+    # CD-SGD's exchange thread waits on a group made by new_group(): a peer's failure must
+    # release it too, not leave it waiting for the timeout
+    def fn(comm):
+        x = torch.nn.Parameter(cases.quadratic_start())
+        A, b = cases.quadratic_problem(comm.rank)
+        opt = gradzip.optim.METHODS["cdsgd"]([x], comm=comm, lr=0.05, k=3, overlap=True)
+        for step in range(20):
+            if comm.rank == 2 and step == 4:
+                raise RuntimeError("rank 2 died")
+            opt.zero_grad()
+            (0.5 * (A @ x - b).pow(2).sum()).backward()
+            opt.step()
+        opt.synchronize()
+
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 2 died"):
+        simulate(3, fn, timeout_s=60)
+    assert time.monotonic() - began < SLACK_S
+
+
+# -- the timeout setting -------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "30", True, None])
+def test_bad_timeouts_are_rejected(bad):
+    for call in (lambda: simulate(2, lambda comm: None, timeout_s=bad),
+                 lambda: make_group(2, timeout_s=bad),
+                 lambda: run_processes(2, cases.collectives, timeout_s=bad),
+                 lambda: init_from_env(timeout_s=bad)):
+        with pytest.raises(GradzipError, match=r"timeout_s must be a number of seconds > 0"):
+            call()
+
+
+def test_peer_failure_is_one_class_and_keeps_its_fields_through_pickle():
+    assert gradzip.comm.PeerFailure is base.PeerFailure is threads.PeerFailure is torchdist.PeerFailure
+    exc = PeerFailure("rank 0: peer rank 2 is gone", rank=0, lost=(2,), collective="allreduce #5")
+    back = pickle.loads(pickle.dumps(exc))
+    assert (str(back), back.rank, back.lost, back.collective) == (str(exc), 0, (2,), "allreduce #5")
+    assert isinstance(back, RuntimeError)
