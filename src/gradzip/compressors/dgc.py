@@ -69,7 +69,9 @@ def sampled_threshold_select(flat: torch.Tensor, k: int, sample_ratio: float, se
     (see the module docstring). ``stats`` (optional) receives ``passes`` (full passes over
     the tensor), ``rounds`` (refinements) and ``exact`` (the fallback was used)."""
     numel = flat.numel()
-    stride = max(1, math.ceil(1.0 / sample_ratio))
+    # capped at numel + 1 (a sample of at most one entry: the exact path either way), so a
+    # tiny sample_ratio (1/s beyond int64, or inf) cannot overflow randint
+    stride = max(1, math.ceil(min(1.0 / sample_ratio, numel + 1)))
     start = int(torch.randint(stride, (1,), generator=generator(seed))) if stride > 1 else 0
     sample = torch.abs(flat[start::stride])
     lo_count, hi_count = math.ceil(LOWER * k), math.floor(UPPER * k)

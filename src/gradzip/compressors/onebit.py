@@ -43,14 +43,14 @@ class OneBit(Compressor):
         pos_n = torch.zeros(cols, dtype=torch.int64, device=flat.device)
 
         def codes_of(part: torch.Tensor) -> torch.Tensor:
-            m = part.view(-1, cols)
+            m = part.view(-1, cols) if cols else part.view(0, 0)  # (d0, 0, ...): nothing to code
             nonneg = (m >= 0).view(torch.uint8)
             sums[0] += m.clamp(min=0).sum(0, dtype=torch.float32)  # zeros add nothing
             sums[1] += m.clamp(max=0).sum(0, dtype=torch.float32)
             pos_n.add_(nonneg.sum(0, dtype=torch.int32))
             return nonneg
 
-        piece_rows = max(8, _util.CHUNK // cols // 8 * 8)
+        piece_rows = max(8, _util.CHUNK // max(cols, 1) // 8 * 8)  # cols = 0: an empty tensor
         bits = encode_chunks(flat, 1, codes_of, chunk=piece_rows * cols)
         means = torch.stack([sums[0] / pos_n.clamp(min=1), sums[1] / (rows - pos_n).clamp(min=1)])
         return Packet({"bits": bits, "means": means}, tensor.shape, tensor.dtype)

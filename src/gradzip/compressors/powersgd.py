@@ -97,7 +97,8 @@ class PowerSGDCompressor(Compressor):
     def __post_init__(self):
         require(isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 1,
                 f"powersgd: rank must be an integer >= 1, got {self.rank!r}")
-        ok = isinstance(self.min_compression_rate, (int, float)) and self.min_compression_rate >= 0
+        rate = self.min_compression_rate
+        ok = isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate >= 0  # NaN fails
         require(ok, f"powersgd: min_compression_rate must be >= 0, got {self.min_compression_rate!r}")
 
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:

@@ -38,6 +38,11 @@ from .base import Compressor, Packet, keep_count, require
 from .registry import register
 
 
+#: Largest ``in`` / ``out`` / ``layer`` of ``randblock``: more parts than a tensor can have
+#: entries (fewer than 2**31, see above) change nothing, and the draws need int64 bounds.
+MAX_PARTS = 2**31
+
+
 def _check_ratio(codec: str, ratio) -> None:
     ok = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1
     require(ok, f"{codec}: ratio must be in (0, 1], got {ratio!r}")
@@ -173,8 +178,9 @@ class RandBlock(Compressor):
             return
         for key, value in blocks.items():
             require(
-                value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
-                f"randblock: {key} must be an integer >= 1, got {value!r}",
+                value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                  and 1 <= value <= MAX_PARTS),
+                f"randblock: {key} must be an integer >= 1 and <= 2**31, got {value!r}",
             )
         for field in ("in_", "out", "layer"):
             if getattr(self, field) is None:

@@ -1,6 +1,8 @@
 """BIT-SGD: MXNet's 2-bit compression with a residual on the raw gradient."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..compressors import build
@@ -22,8 +24,10 @@ class BitSGD(DistributedOptimizer):
     """
 
     def __init__(self, params, lr, *, threshold: float | None = None, **kwargs):
+        ok = threshold is None or (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+                                   and math.isfinite(threshold) and threshold > 0)
+        check(ok, "BitSGD", f"threshold must be > 0 and finite, got {threshold!r}")
         spec = "2bit" if threshold is None else f"2bit:threshold={threshold}"
-        check(threshold is None or threshold > 0, "BitSGD", f"threshold must be > 0, got {threshold!r}")
         super().__init__(params, lr, **kwargs)
         self.psync = self.make_psync(build(spec))
 

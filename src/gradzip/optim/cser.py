@@ -41,6 +41,10 @@ from .localsgd import check_period
 #: The rc used for options left at "auto" when no rc is given.
 DEFAULT_RC = 16.0
 
+#: Largest rc: the codecs derived from it (``randblock:in=round(2·rc)`` at most) stay within
+#: randblock's limit of 2**31 blocks.
+MAX_RC = 2**30
+
 #: The paper's ImageNet grid, spec naming: R_C -> (R_C2, R_C1, H).
 CSER_GRID = {32: (64, 4, 16), 256: (512, 16, 32), 1024: (2048, 8, 256)}
 
@@ -48,9 +52,9 @@ CSER_GRID = {32: (64, 4, 16), 256: (512, 16, 32), 1024: (2048, 8, 256)}
 def check_rc(method: str, rc) -> float | None:
     if rc is None:
         return None
-    ok = isinstance(rc, (int, float)) and not isinstance(rc, bool) and math.isfinite(rc) and rc >= 1
+    ok = isinstance(rc, (int, float)) and not isinstance(rc, bool) and 1 <= rc <= MAX_RC  # NaN fails
     check(ok, method, f"rc (target overall compression ratio, dense bytes / sent bytes) must be a "
-                      f"number >= 1, got {rc!r}")
+                      f"number >= 1 and <= 2**30, got {rc!r}")
     return float(rc)
 
 

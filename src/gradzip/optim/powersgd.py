@@ -59,10 +59,12 @@ class PowerSGD(DistributedOptimizer):
               f"rank must be an integer >= 1, got {rank!r}")
         check(isinstance(start_iter, int) and not isinstance(start_iter, bool) and start_iter >= 0, name,
               f"start_iter must be an integer >= 0, got {start_iter!r}")
-        check(isinstance(min_compression_rate, (int, float)) and min_compression_rate >= 0, name,
-              f"min_compression_rate must be >= 0, got {min_compression_rate!r}")
-        check(orthogonalization_epsilon >= 0, name,
-              f"orthogonalization_epsilon must be >= 0, got {orthogonalization_epsilon!r}")
+        for key, value in (("min_compression_rate", min_compression_rate),
+                           ("orthogonalization_epsilon", orthogonalization_epsilon)):
+            check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, name,
+                  f"{key} must be a number >= 0, got {value!r}")  # NaN fails too
+        for key, value in (("warm_start", warm_start), ("use_error_feedback", use_error_feedback)):
+            check(isinstance(value, bool), name, f"{key} must be True or False, got {value!r}")
         super().__init__(params, lr, **kwargs)
         self.rank, self.start_iter = rank, start_iter
         self.min_compression_rate = float(min_compression_rate)

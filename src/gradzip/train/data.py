@@ -390,10 +390,15 @@ def _download(urls: list[str], dest: Path, md5: str | None) -> None:
     raise OSError("; ".join(errors))
 
 
+def _one_line(exc: BaseException) -> str:
+    """An exception's text on one line (some, e.g. pickle's, span several)."""
+    return " ".join(str(exc).split())
+
+
 def _not_found(name: str, where: list[Path], files: list[str], reason: str) -> GradzipError:
     dirs = " or ".join(str(d) for d in dict.fromkeys(where))
     return GradzipError(f"{name} files were not found in {dirs} and could not be downloaded "
-                        f"({reason}); place these files there: {', '.join(files)}.")
+                        f"({' '.join(reason.split())}); place these files there: {', '.join(files)}.")
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -401,7 +406,7 @@ def _read_bytes(path: Path) -> bytes:
     try:
         raw = path.read_bytes()
     except OSError as exc:
-        raise GradzipError(f"cannot read {path} ({exc.strerror or exc}); check the file and "
+        raise GradzipError(f"cannot read {path} ({exc.strerror or _one_line(exc)}); check the file and "
                            f"its permissions.") from None
     if raw[:2] != b"\x1f\x8b":
         if path.suffix == ".gz":
@@ -411,7 +416,7 @@ def _read_bytes(path: Path) -> bytes:
     try:
         return gzip.decompress(raw)
     except (OSError, EOFError, zlib.error) as exc:
-        raise GradzipError(f"{path} is a corrupt or truncated gzip file ({exc}); delete it "
+        raise GradzipError(f"{path} is a corrupt or truncated gzip file ({_one_line(exc)}); delete it "
                            f"and download it again.") from None
 
 
@@ -556,6 +561,9 @@ def _load_mnist_like(name: str, root: Path, download: bool) -> Dataset:
         if lab.ndim != 1:
             raise GradzipError(f"{lpath} has {lab.ndim} dimensions, expected 1; replace it "
                                f"with an IDX label file.")
+        if 0 in img.shape:
+            raise GradzipError(f"{ipath} holds no image data (shape {img.shape}); replace it "
+                               f"with the {name} image file.")
         if len(img) != len(lab):
             raise GradzipError(f"{ipath} holds {len(img)} images but {lpath} holds "
                                f"{len(lab)} labels; the files do not belong together: "
@@ -609,7 +617,7 @@ def _parse_cifar_batch(raw: bytes, where: str):
     try:
         obj = _SafeUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except Exception as exc:  # any unpickling failure means a corrupt or foreign file
-        raise GradzipError(f"{where} is not a CIFAR-10 batch ({type(exc).__name__}: {exc}); "
+        raise GradzipError(f"{where} is not a CIFAR-10 batch ({type(exc).__name__}: {_one_line(exc)}); "
                            f"replace it with the file from {_CIFAR_TAR}.") from None
     if not isinstance(obj, dict):
         raise GradzipError(f"{where} is not a CIFAR-10 batch (not a dict); replace it.")
@@ -619,7 +627,13 @@ def _parse_cifar_batch(raw: bytes, where: str):
             or data.shape[1] != 3072 or labels is None:
         raise GradzipError(f"{where} has no uint8 (N, 3072) 'data' with 'labels'; it is not a "
                            f"CIFAR-10 batch: replace it.")
-    labels = np.asarray(labels, dtype=np.int64)
+    if len(data) == 0:
+        raise GradzipError(f"{where} holds no images; the file is corrupt: replace it.")
+    try:
+        labels = np.asarray(labels, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise GradzipError(f"{where} has 'labels' that are not integers; it is not a CIFAR-10 "
+                           f"batch: replace it.") from None
     if labels.shape != (len(data),):
         raise GradzipError(f"{where} holds {len(data)} images but {labels.size} labels; the "
                            f"file is corrupt: replace it.")
@@ -682,7 +696,7 @@ def _load_cifar10(root: Path, download: bool) -> Dataset:
                                            f"CIFAR-10 python archive: replace it.")
                     batches[b] = _parse_cifar_batch(fobj.read(), f"{path}:{member}")
         except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
-            raise GradzipError(f"{path} is a corrupt or truncated archive ({exc}); delete it "
+            raise GradzipError(f"{path} is a corrupt or truncated archive ({_one_line(exc)}); delete it "
                                f"and download it again.") from None
 
     train = [batches[b] for b in _CIFAR_BATCHES[:-1]]
