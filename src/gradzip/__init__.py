@@ -3,10 +3,11 @@
 ``gradzip.compressors.build("topk:ratio=0.01")``, ``gradzip.optim.EFSGD(...)``,
 ``gradzip.simulate(n, fn)``; see DESIGN.md for the architecture.
 """
+__version__ = "0.1.0"
+
 from . import comm, compressors, exchange, optim
 from .comm import simulate
 from .errors import GradzipError
 from .exchange import PSync
 
-__version__ = "0.1.0"
 __all__ = ["comm", "compressors", "exchange", "optim", "simulate", "PSync", "GradzipError", "__version__"]

@@ -125,6 +125,16 @@ class PSync:
         self.bytes_sent = 0     # what this worker put on the wire, all exchanges so far
         self.payload_bytes = 0  # its compressed packets (sum of packet.nbytes)
 
+    def counters(self) -> dict:
+        """Bytes and seconds so far (for a checkpoint): ``load_counters`` restores them."""
+        return {"bytes_sent": self.bytes_sent, "payload_bytes": self.payload_bytes,
+                "timings": dataclasses.asdict(self.timings)}
+
+    def load_counters(self, counters: dict) -> None:
+        self.bytes_sent = int(counters["bytes_sent"])
+        self.payload_bytes = int(counters["payload_bytes"])
+        self.timings = Timings(**counters["timings"])
+
     # -- the public calls ---------------------------------------------------------------
     def __call__(self, tensors: Sequence[torch.Tensor], step: int, *,
                  keys: Sequence[int] | None = None, residual: bool = True) -> Result:

@@ -134,6 +134,11 @@ class RecordingGroup(Group):
         self.calls.append(("broadcast", tensor.numel() * tensor.element_size()))
         return self._done(tensor, nbytes)
 
+    def allgather_control(self, tensor):
+        """Answered locally, unrecorded: the model leaves out the few bytes and the latency
+        of a method's coordination (settings digest, non-finite agreement)."""
+        return tensor.unsqueeze(0).expand(self.world_size, *tensor.shape).clone()
+
 
 @dataclass
 class MethodProfile:

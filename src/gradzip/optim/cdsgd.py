@@ -26,6 +26,7 @@ an LR scheduler the default follows the current ``lr``.
 """
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -45,10 +46,14 @@ class CDSGD(DistributedOptimizer):
     def __init__(self, params, lr, *, compressor: str = "2bit", k: int = 5, local_lr: float | None = None,
                  warmup_steps: int = 0, overlap: bool = True, **kwargs):
         name = type(self).__name__
-        check(isinstance(k, int) and k >= 1, name, f"k must be an integer >= 1, got {k!r}")
-        check(local_lr is None or local_lr >= 0, name, f"local_lr must be >= 0, got {local_lr!r}")
-        check(isinstance(warmup_steps, int) and warmup_steps >= 0, name,
+        check(isinstance(k, int) and not isinstance(k, bool) and k >= 1, name,
+              f"k must be an integer >= 1, got {k!r}")
+        check(local_lr is None or (isinstance(local_lr, (int, float)) and not isinstance(local_lr, bool)
+                                   and math.isfinite(local_lr) and local_lr >= 0), name,
+              f"local_lr must be a finite number >= 0 (or None: lr / world_size), got {local_lr!r}")
+        check(isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool) and warmup_steps >= 0, name,
               f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        check(isinstance(overlap, bool), name, f"overlap must be True or False, got {overlap!r}")
         super().__init__(params, lr, local_lr=local_lr, **kwargs)
         self.k = k
         self.warmup_steps = warmup_steps
@@ -163,8 +168,9 @@ class CDSGD(DistributedOptimizer):
                     p.copy_(value)
 
     def __del__(self):
+        # no waiting: the collector may run this on the exchange thread itself
         if getattr(self, "_pool", None) is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=False)
 
 
 class ODSGD(CDSGD):

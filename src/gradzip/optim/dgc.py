@@ -61,7 +61,7 @@ class DGC(DistributedOptimizer):
         for key, value in (("warmup_steps", warmup_steps), ("lr_warmup_steps", lr_warmup_steps)):
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name,
                   f"{key} must be an integer >= 0, got {value!r}")
-        check(isinstance(clip_norm, (int, float)) and clip_norm >= 0, name,
+        check(isinstance(clip_norm, (int, float)) and not isinstance(clip_norm, bool) and clip_norm >= 0, name,
               f"clip_norm must be >= 0 (0 = no clipping), got {clip_norm!r}")
         check(not kwargs.get("nesterov", False), name, "nesterov=True is not supported (use nesterov=False)")
         super().__init__(params, lr, **kwargs)
@@ -159,11 +159,14 @@ class DGC(DistributedOptimizer):
         out = super().state_dict()
         out["gradzip"]["dgc"] = {"selected": self._selected, "entries": self._entries,
                                  "selected_total": self._selected_total, "entries_total": self._entries_total,
-                                 "target_sum": self._target_sum, "target_steps": self._target_steps}
+                                 "target_sum": self._target_sum, "target_steps": self._target_steps,
+                                 "densities": list(self._sparse)}
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         extra = state_dict.get("gradzip", {}).get("dgc")
+        for density in (extra or {}).get("densities", []):  # the same exchanges, seeds and counters
+            self._psync_for(density)
         super().load_state_dict(state_dict)
         if extra is not None:
             self._selected, self._entries = extra["selected"], extra["entries"]

@@ -1,0 +1,71 @@
+"""Do all workers run the same configuration? One small collective answers it.
+
+Workers launched separately (``torchrun`` on several nodes, each parsing its own command
+line, each with its own installed version) can disagree on a setting: a different codec
+spec, period or learning rate makes a run diverge silently, a different parameter shape
+makes collectives hang or fail with a size error that names nothing. :func:`verify`
+compares a digest of the settings across the group: one 8-byte allgather when they agree;
+when they do not, every worker gathers every worker's settings (two more small
+collectives) and raises the same :class:`InconsistentWorkers`, naming the first field
+that differs and its value on each worker.
+
+The collectives go through :meth:`Group.allgather_control` (coordination traffic, not a
+method's exchange).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Mapping
+
+import torch
+
+from .errors import GradzipError
+
+
+class InconsistentWorkers(GradzipError):
+    """Workers of one group run with different settings."""
+
+
+def _canonical(fields: Mapping[str, Any]) -> bytes:
+    return json.dumps({k: str(v) for k, v in fields.items()}, sort_keys=True).encode()
+
+
+def verify(comm, fields: Mapping[str, Any], what: str = "configuration") -> None:
+    """Raise :class:`InconsistentWorkers` on every worker unless every worker passed equal
+    ``fields`` (compared by ``str(value)``). Collective: every worker must call it."""
+    if comm is None or comm.world_size == 1:
+        return
+    blob = _canonical(fields)
+    digest = int.from_bytes(hashlib.sha256(blob).digest()[:8], "little", signed=True)
+    digests = comm.allgather_control(torch.tensor([digest], dtype=torch.int64)).reshape(-1).tolist()
+    if len(set(digests)) == 1:
+        return
+    sizes = comm.allgather_control(torch.tensor([len(blob)], dtype=torch.int64)).reshape(-1).tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    rows = comm.allgather_control(padded)
+    everyone = [json.loads(bytes(rows[r, :sizes[r]].tolist()).decode()) for r in range(comm.world_size)]
+    raise InconsistentWorkers(describe_difference(everyone, what))
+
+
+def describe_difference(everyone: list[dict[str, str]], what: str = "configuration") -> str:
+    """The message for workers whose settings differ: the first differing field (in sorted
+    order) with each worker's value, grouped by value."""
+    names = sorted(set().union(*everyone))
+    for name in names:
+        values = [w.get(name, "<not set>") for w in everyone]
+        if len(set(values)) > 1:
+            by_value: dict[str, list[int]] = {}
+            for rank, value in enumerate(values):
+                by_value.setdefault(value, []).append(rank)
+            listed = "; ".join(f"{_ranks(r)}: {v}" for v, r in by_value.items())
+            others = sum(1 for n in names if len({w.get(n, '<not set>') for w in everyone}) > 1) - 1
+            more = f" (and {others} more field{'s' * (others > 1)})" if others else ""
+            return (f"workers run with different {what}: {name!r} differs{more} — {listed}. "
+                    "Start every worker with the same settings and gradzip version.")
+    return f"workers run with different {what} (digests differ)"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))

@@ -1,0 +1,98 @@
+"""NaN / Inf gradients (issue 7, part 3; optim/base.py ``nonfinite``): detected before
+anything is compressed or sent; ``skip`` skips the step on every worker leaving residuals,
+momentum and counters as if the step never happened; ``raise`` stops the run naming the
+worker and parameter."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cases
+import gradzip
+from gradzip.errors import GradzipError
+from gradzip.launch import run_processes
+from gradzip.optim.base import NonFiniteGradient
+
+
+def _same_except_skip_count(skipped, dropped, method):
+    (p_skip, s_skip), (p_drop, s_drop) = skipped, dropped
+    assert s_skip["gradzip"].pop("skipped_steps") == 1 and s_drop["gradzip"].pop("skipped_steps") == 0
+    cases.assert_bitwise_equal(p_skip, p_drop, f"{method} parameters")
+    cases.assert_bitwise_equal(s_skip, s_drop, f"{method} state")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_skip_is_the_step_left_out_for_every_method_on_threads(value):
+    def pairs(comm):
+        return {m: (cases.train_with_bad_gradient(comm, m, dict(o, nonfinite="skip"), value=value),
+                    cases.train_with_bad_gradient(comm, m, o, drop=True)) for m, o in cases.SHORT_RUNS.items()}
+    for rank_out in gradzip.simulate(3, pairs):
+        assert set(rank_out) == set(gradzip.optim.METHODS)
+        for method, (skipped, dropped) in rank_out.items():
+            _same_except_skip_count(skipped, dropped, method)
+
+
+@pytest.mark.slow
+def test_skip_is_the_step_left_out_for_every_method_on_gloo():
+    for rank_out in run_processes(2, cases.bad_gradient_pairs):
+        for method, (skipped, dropped) in rank_out.items():
+            _same_except_skip_count(skipped, dropped, method)
+
+
+def test_raise_names_the_rank_and_parameter_and_changes_nothing():
+    with pytest.raises(NonFiniteGradient, match=r"EFSGD step 3: non-finite gradient .* on rank 1, "
+                                                r"parameter #0 \(shape \(6, 4\)\).*--nonfinite skip"):
+        gradzip.simulate(2, cases.raise_on_bad_gradient)
+    # state untouched by the failed step: a world of one, checked before and after
+    model = cases.tiny_model()
+    opt = gradzip.optim.EFSGD(model.parameters(), lr=0.05, compressor="topk:ratio=0.3")
+    for t in (1, 2):
+        x, y = cases.regression_batch(t, 0, 1)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if t == 2:
+            before = ([p.detach().clone() for p in model.parameters()], opt.state_dict())
+            next(model.parameters()).grad[0, 0] = float("nan")
+            with pytest.raises(NonFiniteGradient):
+                opt.step()
+            after = ([p.detach().clone() for p in model.parameters()], opt.state_dict())
+            cases.assert_bitwise_equal(before, after)
+        else:
+            opt.step()
+
+
+@pytest.mark.slow
+def test_raise_on_gloo_reaches_the_launcher_as_the_root_cause():
+    with pytest.raises(GradzipError, match="non-finite gradient .* on rank 1"):
+        run_processes(2, cases.raise_on_bad_gradient)
+
+
+def test_off_lets_the_nan_through():
+    p, state = cases.train_with_bad_gradient(gradzip.comm.make_group(1)[0], "ssgd", {"nonfinite": "off"},
+                                             bad_rank=0)
+    assert torch.isnan(p[0]).any()
+
+
+def test_bad_policy_is_refused():
+    with pytest.raises(GradzipError, match="nonfinite must be one of raise, skip, off, got 'ignore'"):
+        gradzip.optim.SSGD(cases.tiny_model().parameters(), lr=0.1, nonfinite="ignore")
+
+
+def test_cli_skip_counts_skipped_steps():
+    # every gradient finite: nothing skipped, and the summary says so
+    from gradzip.train.loop import RunConfig, run_worker
+
+    cfg = RunConfig(epochs=1, progress=False, nonfinite="skip")
+    out = gradzip.simulate(2, lambda c: run_worker(c, cfg))[0]
+    assert out["summary"]["skipped_steps"] == 0 and out["summary"]["steps"] == 22
+
+
+def test_a_sum_that_overflows_is_not_taken_for_a_nan():
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = gradzip.optim.SSGD([p], lr=0.1)
+    p.grad = torch.tensor([3e38, 3e38, 0.0, 1.0])  # finite values whose float32 sum is inf
+    opt.step()
+    assert opt.steps == 1 and torch.isfinite(p).all()
+    p.grad = torch.tensor([float("inf"), float("-inf"), 0.0, 1.0])  # a sum of NaN
+    with pytest.raises(NonFiniteGradient, match="parameter #0"):
+        opt.step()
