@@ -191,3 +191,134 @@ def delayed_overlap_and_sync(comm):
 def same(a, b) -> bool:
     """Bitwise equal tensors, or both None."""
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+# -- reliability: exact resume, non-finite gradients (issue 7) ---------------------------
+#: Every method, with periods that do not line up with the checkpoints (every 8 steps) or
+#: the interruption (after step 27): 22 steps per epoch with 2 workers on digits.
+RESUME_RUNS = {
+    "ssgd": {}, "efsgd": {}, "bitsgd": {"threshold": 0.02}, "localsgd": {"H": 5},
+    "qsparse": {"H": 5}, "csea": {}, "cser": {"H": 6}, "cserpl": {"H": 6},
+    "dgc": {"warmup_steps": 10, "ratio": 0.01}, "powersgd": {"start_iter": 10, "rank": 2},
+    "odsgd": {"warmup_steps": 5}, "cdsgd": {"warmup_steps": 5, "k": 3}, "cpsgd": {"k": 4},
+}
+INTERRUPT_AFTER = 27
+
+
+class Interrupted(Exception):
+    """Raised by every rank after the same step: the run stops as if preempted."""
+
+
+def interrupt_after(steps: int):
+    def hook(done: int) -> None:
+        if done == steps:
+            raise Interrupted(done)
+    return hook
+
+
+def resume_runs(comm, root: str, methods=tuple(RESUME_RUNS), epochs: int = 2):
+    """Per method: an uninterrupted run writing checkpoints into ``root/<m>-whole``, and a
+    run interrupted after :data:`INTERRUPT_AFTER` steps then resumed in
+    ``root/<m>-resumed``; their histories and the resumed run's ``resumed_from_step``."""
+    from gradzip.train.loop import RunConfig, run_worker
+
+    out = {}
+    for name in methods:
+        base = RunConfig(algo=name, options=RESUME_RUNS[name], epochs=epochs, momentum=0.5,
+                         weight_decay=1e-4, lr=0.05, progress=False, checkpoint_every=8)
+        whole = run_worker(comm, RunConfig(**{**vars(base), "checkpoint_dir": f"{root}/{name}-whole"}))
+        cut = RunConfig(**{**vars(base), "checkpoint_dir": f"{root}/{name}-resumed", "resume": True})
+        try:
+            run_worker(comm, cut, after_step=interrupt_after(INTERRUPT_AFTER))
+            raise AssertionError("the interruption did not happen")
+        except Interrupted:
+            pass
+        resumed = run_worker(comm, cut)
+        out[name] = {"whole": whole["history"], "resumed": resumed["history"],
+                     "resumed_from": resumed["summary"]["resumed_from_step"],
+                     "steps": (whole["summary"]["steps"], resumed["summary"]["steps"])}
+    return out
+
+
+def assert_bitwise_equal(a, b, where="state"):
+    """Nested dicts / lists / tensors equal bit for bit, clock readings left out
+    (``gradzip.train.checkpoint.differences``)."""
+    from gradzip.train.checkpoint import differences
+
+    diff = differences(a, b, where)
+    assert not diff, f"differ at {', '.join(diff[:5])}" + (f" and {len(diff) - 5} more" if len(diff) > 5 else "")
+
+
+#: Options for every method on the regression task, with short periods so that a 6-step
+#: run crosses synchronisations, warm-ups and corrections.
+SHORT_RUNS = {
+    "ssgd": {"momentum": 0.9}, "efsgd": {"compressor": "topk:ratio=0.3"}, "bitsgd": {"threshold": 0.05},
+    "localsgd": {"H": 2}, "qsparse": {"H": 2, "compressor": "topk:ratio=0.3"},
+    "csea": {"compressor": "topk:ratio=0.3"}, "cser": {"H": 2, "c1": "topk:ratio=0.3", "c2": "topk:ratio=0.5"},
+    "cserpl": {"H": 2, "c1": "topk:ratio=0.3"}, "dgc": {"warmup_steps": 2, "ratio": 0.3, "momentum": 0.9},
+    "powersgd": {"start_iter": 2, "momentum": 0.9}, "odsgd": {"warmup_steps": 1},
+    "cdsgd": {"warmup_steps": 1, "k": 2, "compressor": "2bit:threshold=0.05"}, "cpsgd": {"k": 3},
+}
+
+
+def train_with_bad_gradient(comm, method: str, options: dict, *, bad_step: int = 3, bad_rank: int = 1,
+                            value: float = float("nan"), drop: bool = False, steps: int = 6):
+    """``steps`` steps of ``method`` on the regression task where rank ``bad_rank``'s
+    gradient at ``bad_step`` holds ``value`` in one coordinate; ``drop=True``: that step
+    is left out altogether instead. (final parameters, final state_dict)."""
+    import gradzip
+
+    model = tiny_model()
+    opt = gradzip.optim.METHODS[method](model.parameters(), comm=comm, lr=0.05, **options)
+    for t in range(1, steps + 1):
+        if drop and t == bad_step:
+            continue
+        x, y = regression_batch(t, comm.rank, comm.world_size)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if t == bad_step and comm.rank == bad_rank:
+            next(model.parameters()).grad.view(-1)[1] = value
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt.state_dict()
+
+
+def bad_gradient_pairs(comm, methods=tuple(SHORT_RUNS)):
+    """Per method: (run skipping the bad step, run without that step)."""
+    return {m: (train_with_bad_gradient(comm, m, dict(SHORT_RUNS[m], nonfinite="skip")),
+                train_with_bad_gradient(comm, m, SHORT_RUNS[m], drop=True)) for m in methods}
+
+
+def raise_on_bad_gradient(comm, method: str = "efsgd"):
+    """A NaN on rank 1 under nonfinite='raise': rank 1 raises; its state before the step
+    is returned by the others' error path (they see a PeerFailure)."""
+    return train_with_bad_gradient(comm, method, SHORT_RUNS[method])
+
+
+def different_settings(comm, field: str):
+    """An optimizer whose ``field`` differs on rank 1 (lr, compressor, shapes, world...)."""
+    import gradzip
+
+    options = dict(SHORT_RUNS["efsgd"])
+    model = tiny_model()
+    if field == "lr":
+        lr = 0.1 if comm.rank != 1 else 0.2
+    else:
+        lr = 0.1
+    if field == "compressor" and comm.rank == 1:
+        options["compressor"] = "topk:ratio=0.5"
+    if field == "shape" and comm.rank == 1:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+    opt = gradzip.optim.METHODS["efsgd"](model.parameters(), comm=comm, lr=lr, **options)
+    x, y = regression_batch(1, comm.rank, comm.world_size)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    return "stepped"
+
+
+def repeat_runs(comm, root: str, tag: str, methods=("efsgd", "cdsgd", "powersgd", "dgc", "cser")):
+    """One 1-epoch run per method, checkpoint at the end in ``root/<tag>-<method>``; the
+    histories."""
+    from gradzip.train.loop import RunConfig, run_worker
+
+    return {m: run_worker(comm, RunConfig(algo=m, options=RESUME_RUNS[m], epochs=1, progress=False, momentum=0.5,
+                                          checkpoint_dir=f"{root}/{tag}-{m}"))["history"] for m in methods}

@@ -7,7 +7,7 @@ import torch
 import gradzip
 from gradzip.errors import GradzipError
 from gradzip.launch import run_processes
-from gradzip.optim import CSEA, CSER, CSERPL, LocalSGD, METHODS, QSparseLocalSGD, SSGD
+from gradzip.optim import CSEA, CSER, CSERPL, LocalSGD, METHODS, QSparseLocalSGD
 from gradzip.optim.cser import codec_for_ratio, derive_cser, derive_periodic
 
 import cases

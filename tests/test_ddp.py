@@ -66,7 +66,7 @@ def test_every_codec_through_the_hook(suite):
     names = gradzip.compressors.names()
     assert list(suite[0]["codecs"]) == names
     for name in names:
-        (p0, b0, it0), (p1, b1, it1) = suite[0]["codecs"][name], suite[1]["codecs"][name]
+        (p0, b0, it0), (p1, _, it1) = suite[0]["codecs"][name], suite[1]["codecs"][name]
         assert it0 == it1 == 2
         assert b0 > 0
         for a, b in zip(p0, p1):

@@ -32,7 +32,7 @@ def _checked(kind, test, what):
     def convert(raw: str):
         try:
             value = kind(raw)
-        except ValueError:
+        except (ValueError, TypeError, KeyError, OverflowError):
             raise argparse.ArgumentTypeError(f"expected {what}, got {raw!r}") from None
         if not test(value):
             raise argparse.ArgumentTypeError(f"expected {what}, got {raw!r}")
@@ -41,9 +41,12 @@ def _checked(kind, test, what):
 
 
 positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1")
-non_negative = _checked(float, lambda v: v >= 0 and v == v, "a number >= 0")
+# Written so that NaN fails every test (every comparison with NaN is False). The upper bound
+# is float32's largest value: the models train in float32, where anything above is inf.
+non_negative = _checked(float, lambda v: 0 <= v <= 3.4028234663852886e38, "a number >= 0 and finite (<= 3.4e38)")
 fraction = _checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
-positive = _checked(float, lambda v: v > 0, "a number > 0")
+positive = _checked(float, lambda v: 0 < v <= 3.4028234663852886e38, "a number > 0 and finite (<= 3.4e38)")
+seconds = _checked(float, lambda v: 0 < v <= 365 * 86400, "seconds > 0 (at most a year)")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -72,6 +75,22 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-on", choices=["auto", "average", "local"], default="auto",
                    help="evaluate rank 0's model (local), the workers' average, or auto: the average "
                         "for methods whose replicas differ (default: %(default)s)")
+    r = p.add_argument_group("reliability")
+    r.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="write checkpoints here: one file per worker, written atomically (compare: "
+                        "one subdirectory per method)")
+    r.add_argument("--checkpoint-every", type=positive_int, metavar="STEPS",
+                   help="steps between checkpoints (default: at the end of every epoch)")
+    r.add_argument("--resume", metavar="DIR",
+                   help="continue from the newest checkpoint in DIR, bit for bit, and keep writing "
+                        "checkpoints there; starts from scratch if DIR holds none (so the same "
+                        "command serves torchrun --max-restarts)")
+    r.add_argument("--nonfinite", choices=["raise", "skip", "off"], default="raise",
+                   help="a NaN/Inf gradient on any worker: raise (stop every worker), skip the step "
+                        "on every worker (one small extra collective per step), or off (default: %(default)s)")
+    r.add_argument("--timeout", type=seconds, default=300.0, metavar="SECONDS",
+                   help="how long a worker waits for a lost or stuck peer before failing with its "
+                        "rank named (default: %(default)s)")
     o = p.add_argument_group("output")
     o.add_argument("--out", help="directory for metrics.jsonl, summary.json and accuracy.png")
     o.add_argument("--no-plot", action="store_true", help="skip accuracy.png")
@@ -81,9 +100,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     o.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 _FLAG_TYPES = {int: int, float: float, str: str,
-               bool: _checked(lambda r: {"true": True, "1": True, "false": False, "0": False}[r.lower()],
-                              lambda v: True, "true or false")}
+               bool: _checked(lambda r: _BOOLS[r.strip().lower()], lambda v: True, "true or false")}
 
 
 def _method_flags(p: argparse.ArgumentParser, optim, compressors) -> None:
@@ -134,13 +153,16 @@ def parse_algos(text: str) -> list[tuple[str, str | None]]:
     A comma starts a new method only when a bare word (a method name) follows it."""
     from . import optim
 
-    items = [s.strip() for s in re.split(r",(?=\s*[A-Za-z_]\w*\s*(?:@|,|$))", text) if s.strip()]
-    if not items:
+    if not isinstance(text, str) or not text.strip():
         raise GradzipError("--algos is empty; give e.g. ssgd,efsgd@topk:ratio=0.01")
+    items = [s.strip() for s in re.split(r",(?=\s*[A-Za-z_]\w*\s*(?:@|,|$))", text) if s.strip()]
     out = []
     for item in items:
         algo, _, codec = item.partition("@")
         algo = algo.strip().lower()
+        if not re.fullmatch(r"[a-z_]\w*", algo):  # '', 'ssgd,,' (stray commas), '@@', ...
+            raise GradzipError(f"bad entry {item!r} in --algos: expected METHOD or METHOD@CODEC, comma-separated "
+                               f"(e.g. ssgd,efsgd@topk:ratio=0.01); valid methods: {', '.join(optim.METHODS)}")
         if algo not in optim.METHODS:
             raise GradzipError(f"unknown method {algo!r} in --algos; valid methods: {', '.join(optim.METHODS)}")
         out.append((algo, codec.strip() or None))
@@ -154,7 +176,8 @@ def _configs(args) -> list:
     common = dict(dataset=args.dataset, data_dir=args.data_dir, download=args.download, model=args.model, epochs=args.epochs,
                   batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
                   weight_decay=args.weight_decay, seed=args.seed, eval_on=args.eval_on,
-                  trace=bool(args.trace), progress=not args.quiet)
+                  nonfinite=args.nonfinite, trace=bool(args.trace), progress=not args.quiet,
+                  **_checkpointing(args))
     given = _given_options(args)
     if args.command == "train":
         label = args.algo + (f"@{given['compressor']}" if "compressor" in given else "")
@@ -166,11 +189,37 @@ def _configs(args) -> list:
         if codec is not None:
             options["compressor"] = codec
         used |= set(options)
-        cfgs.append(RunConfig(algo=algo, options=options, label=algo + (f"@{codec}" if codec else ""), **common))
+        label = algo + (f"@{codec}" if codec else "")
+        run = dict(common)
+        if run["checkpoint_dir"]:  # one subdirectory per method
+            run["checkpoint_dir"] = str(Path(run["checkpoint_dir"]) / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label))
+        cfgs.append(RunConfig(algo=algo, options=options, label=label, **run))
     unused = sorted(set(given) - used)
     if unused:
         raise GradzipError(f"no method in --algos takes --{', --'.join(u.replace('_', '-') for u in unused)}")
     return cfgs
+
+
+def _checkpointing(args) -> dict[str, Any]:
+    """``--checkpoint-dir`` / ``--checkpoint-every`` / ``--resume`` as RunConfig fields."""
+    if args.resume and args.checkpoint_dir and Path(args.resume) != Path(args.checkpoint_dir):
+        raise GradzipError("--resume DIR continues writing checkpoints into DIR; give --checkpoint-dir "
+                           "the same directory or leave it out")
+    directory = args.resume or args.checkpoint_dir
+    if args.checkpoint_every and not directory:
+        raise GradzipError("--checkpoint-every needs a directory: add --checkpoint-dir DIR (or --resume DIR)")
+    if directory and Path(directory).exists() and not Path(directory).is_dir():
+        raise GradzipError(f"checkpoint directory {directory} exists and is not a directory")
+    return {"checkpoint_dir": directory, "checkpoint_every": args.checkpoint_every or 0,
+            "resume": bool(args.resume)}
+
+
+def _writable_directory(path: str, flag: str) -> None:
+    """Create ``path`` now, so that a bad ``--out`` fails before training, not after."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise GradzipError(f"{flag} {path}: cannot create this directory ({exc.strerror or exc})") from None
 
 
 def _validate(cfgs, workers: int) -> None:
@@ -193,7 +242,7 @@ def _under_torchrun(workers: int | None) -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and workers is None
 
 
-def _run(cfgs, workers: int | None, backend: str) -> list[list[dict]]:
+def _run(cfgs, workers: int | None, backend: str, timeout_s: float) -> list[list[dict]]:
     """Every worker's results (rank order; under torchrun, this process's only)."""
     from .comm import init_from_env, simulate
     from .launch import run_processes
@@ -202,16 +251,21 @@ def _run(cfgs, workers: int | None, backend: str) -> list[list[dict]]:
     if _under_torchrun(workers):
         import torch.distributed as dist
 
+        from .comm.liveness import announce_failure
+
         try:
-            return [run_many(init_from_env(), cfgs)]
+            return [run_many(init_from_env(timeout_s=timeout_s), cfgs)]
+        except BaseException as exc:
+            announce_failure(exc)  # the peers' errors then name this rank and its error
+            raise
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
     n = workers or 1
     _validate(cfgs, n)
     if backend == "threads":
-        return simulate(n, lambda comm: run_many(comm, cfgs))
-    return run_processes(n, run_many, cfgs)
+        return simulate(n, lambda comm: run_many(comm, cfgs), timeout_s=timeout_s)
+    return run_processes(n, run_many, cfgs, timeout_s=timeout_s)
 
 
 def _write_traces(path: str, per_worker: list[list[dict]]) -> list[Path]:
@@ -248,17 +302,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args, argv) -> int:
+    from .comm import PeerFailure
+    from .launch import WorkerError
+
     try:
         if args.command == "bench":
             from .bench.cli import run as run_bench
             return run_bench(args, argv)
         cfgs = _configs(args)
+        if args.out:
+            _writable_directory(args.out, "--out")
         if args.command == "compare" and args.workers is None and "RANK" not in os.environ:
             args.workers = 4
-        per_worker = _run(cfgs, args.workers, args.backend)
+        per_worker = _run(cfgs, args.workers, args.backend, args.timeout)
     except GradzipError as exc:
         print(f"gradzip: error: {exc}", file=sys.stderr)
         return 2
+    except (PeerFailure, WorkerError) as exc:  # a run that failed, not bad input: exit 1
+        print(f"gradzip: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("gradzip: interrupted", file=sys.stderr)
         return 130

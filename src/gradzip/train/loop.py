@@ -13,19 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import time
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from .. import optim
+from .. import __version__, consistency, optim
 from ..comm import Group
 from ..errors import GradzipError
 from ..trace import Tracer, maybe_span
-from . import data, models
+from . import checkpoint, data, models
 
 
 @dataclass
@@ -48,6 +49,10 @@ class RunConfig:
     seed: int = 0
     trace: bool = False           # record a timeline (gradzip.trace) of every step
     eval_on: str = "auto"         # "local" model, the workers' "average", or "auto" (average where they differ)
+    nonfinite: str = "raise"      # a NaN/Inf gradient: "raise", "skip" the step on every worker, or "off"
+    checkpoint_dir: str | None = None   # write checkpoints here (per rank, atomically)
+    checkpoint_every: int = 0     # steps between checkpoints; 0: at the end of every epoch
+    resume: bool = False          # continue from the newest checkpoint in checkpoint_dir, if any
     progress: bool = True
 
     @property
@@ -69,7 +74,18 @@ def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOpti
             f"{', '.join(sorted(accepted)) or 'none'}"
         )
     return cls(params, lr=cfg.lr, comm=comm, momentum=cfg.momentum, nesterov=cfg.nesterov,
-               weight_decay=cfg.weight_decay, seed=cfg.seed, **cfg.options)
+               weight_decay=cfg.weight_decay, seed=cfg.seed, nonfinite=cfg.nonfinite, **cfg.options)
+
+
+#: RunConfig fields that do not change a run's numbers: they may differ between workers and
+#: between a run and its resumption (a resumed run may also train for more epochs).
+_FREE_FIELDS = ("label", "data_dir", "download", "trace", "progress", "checkpoint_dir", "checkpoint_every", "resume")
+
+
+def trajectory_fields(cfg: RunConfig) -> dict[str, Any]:
+    """The settings that determine a run's numbers (compared across workers and against a
+    checkpoint)."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _FREE_FIELDS}
 
 
 @torch.no_grad()
@@ -124,33 +140,59 @@ def _phase_times(compute_s: float, step_s: float, t) -> list[float]:
             max(0.0, step_s - t.wait_s - t.inline_compress_s)]
 
 
-def run_worker(comm: Group, cfg: RunConfig) -> dict[str, Any]:
+def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Train ``cfg`` on this worker; ``{"summary": ..., "history": [...]}``. Wall time
     counts from the first step (set-up, i.e. data loading and the first collective, is
-    ``setup_time_s``)."""
+    ``setup_time_s``).
+
+    Before training, the workers compare their settings (:mod:`gradzip.consistency`). With
+    ``cfg.checkpoint_dir`` the run writes checkpoints (:mod:`gradzip.train.checkpoint`):
+    model, optimizer (residuals, errors, global/local models, momentum, counters), data
+    position, random generators and the records so far; with ``cfg.resume`` it continues
+    from the newest one every rank holds, and ends with the same bits as a run never
+    interrupted. ``after_step(steps_done)`` is called after every step (tests inject faults
+    with it)."""
     setup_began = time.perf_counter()
     ds = data.load(cfg.dataset, cfg.data_dir, seed=cfg.seed, download=cfg.download)
     model = models.build(cfg.model, ds.input_shape, ds.num_classes, seed=cfg.seed)
+    consistency.verify(comm, {**trajectory_fields(cfg), "gradzip version": __version__,
+                              "world size": comm.world_size, "training samples": len(ds.train_x),
+                              "parameter shapes": [tuple(p.shape) for p in model.parameters()]},
+                       what="run settings")
     for p in model.parameters():  # identical start on every worker, whatever built it
         comm.broadcast(p.data, src=0)
     opt = make_optimizer(cfg, model.parameters(), comm)
+    opt.verify_consistent()
     steps_per_epoch = len(ds.train_x) // comm.world_size // cfg.batch_size
     if steps_per_epoch < 1:
         raise GradzipError(
             f"{cfg.dataset} has {len(ds.train_x)} training samples, fewer than one batch of "
             f"{cfg.batch_size} per worker for {comm.world_size} workers; lower --batch-size"
         )
+    total = steps_per_epoch * cfg.epochs
+    loop = {"done": 0, "history": [], "loss_sum": torch.zeros(()), "compute_s": 0.0, "step_s": 0.0,
+            "previous": [0.0] * len(PHASES), "diverged": False, "wall_time_s": 0.0}
+    # the global generators (dropout, augmentation in user code) start from the run's seed
+    # and this rank, whatever launched the process; a resume restores their saved state
+    torch.manual_seed(cfg.seed * 1_000_003 + comm.rank)
+    random.seed(cfg.seed * 1_000_003 + comm.rank)
+    resumed_from = _resume(comm, cfg, model, opt, loop)
     tracer = Tracer(comm.rank) if cfg.trace else None
     opt.tracer = tracer
-    bar = _progress(cfg, comm, steps_per_epoch)
+    bar = _progress(cfg, comm, total, loop["done"])
     comm.barrier()  # start every worker's clock together
-    began = time.perf_counter()
-    compute_s = step_s = 0.0
-    history, diverged, previous = [], False, [0.0] * len(PHASES)
-    for epoch in range(1, cfg.epochs + 1):
+    began = time.perf_counter() - loop["wall_time_s"]
+    history = loop["history"]
+
+    def save_checkpoint() -> None:
+        loop["wall_time_s"] = time.perf_counter() - began
+        _save(comm, cfg, model, opt, loop)
+
+    done = loop["done"]
+    first_epoch, first_batch = done // steps_per_epoch + 1, done % steps_per_epoch
+    for epoch in range(first_epoch, cfg.epochs + 1):
         order = data.shard(len(ds.train_x), comm.rank, comm.world_size, epoch, cfg.seed)
-        loss_sum = torch.zeros(())
-        for b in range(steps_per_epoch):
+        for b in range(first_batch if epoch == first_epoch else 0, steps_per_epoch):
             idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
@@ -159,36 +201,47 @@ def run_worker(comm: Group, cfg: RunConfig) -> dict[str, Any]:
             t1 = time.perf_counter()
             opt.step()
             t2 = time.perf_counter()
-            compute_s += t1 - t0
-            step_s += t2 - t1
+            loop["compute_s"] += t1 - t0
+            loop["step_s"] += t2 - t1
             if tracer is not None:
                 tracer.add("compute", t0, t1, step=opt.steps)
                 tracer.add("step", t1, t2, cat="optimizer", step=opt.steps)
-            loss_sum += loss.detach()
+            loop["loss_sum"] += loss.detach()
+            loop["done"] = done = done + 1
             if bar is not None:
                 bar.update(1)
+            if after_step is not None:
+                after_step(done)
+            if cfg.checkpoint_dir and cfg.checkpoint_every and done % cfg.checkpoint_every == 0 \
+                    and b < steps_per_epoch - 1:
+                save_checkpoint()
         # one small allreduce per epoch: the train loss and this epoch's phase times, averaged
-        phases = _phase_times(compute_s, step_s, opt.timings)
-        epoch_stats = torch.tensor([loss_sum.item() / steps_per_epoch,
-                                    *(a - b for a, b in zip(phases, previous))], dtype=torch.float64)
-        previous = phases
+        phases = _phase_times(loop["compute_s"], loop["step_s"], opt.timings)
+        epoch_stats = torch.tensor([loop["loss_sum"].item() / steps_per_epoch,
+                                    *(a - b for a, b in zip(phases, loop["previous"]))], dtype=torch.float64)
+        loop["previous"], loop["loss_sum"] = phases, torch.zeros(())
         epoch_stats = comm.allreduce(epoch_stats).div_(comm.world_size).tolist()
         train_loss = epoch_stats[0]
-        diverged = diverged or not math.isfinite(train_loss)
-        record = {"algo": cfg.name, "epoch": epoch, "step": opt.steps, "train_loss": train_loss,
-                  "bytes_sent_per_worker": opt.bytes_sent, "wall_time_s": time.perf_counter() - began,
-                  **{f"time_{k}_s": v for k, v in zip(PHASES, epoch_stats[1:])}, **opt.metrics()}
+        loop["diverged"] = loop["diverged"] or not math.isfinite(train_loss)
+        wall = time.perf_counter() - began
         with maybe_span(tracer, "evaluate", cat="harness"):
-            evaluated = evaluation_model(model, opt, comm, cfg.eval_on)
+            evaluated = evaluation_model(model, opt, comm, cfg.eval_on)  # waits for a background exchange
+            record = {"algo": cfg.name, "epoch": epoch, "step": opt.steps, "train_loss": train_loss,
+                      "bytes_sent_per_worker": opt.bytes_sent, "wall_time_s": wall,
+                      **{f"time_{k}_s": v for k, v in zip(PHASES, epoch_stats[1:])},
+                      "skipped_steps": opt.skipped_steps, **opt.metrics()}
             if comm.rank == 0:
                 record["test_accuracy"], record["test_loss"] = evaluate(evaluated, ds.test_x, ds.test_y)
             if bar is not None:
                 bar.set_postfix(loss=f"{train_loss:.3f}", acc=f"{record['test_accuracy']:.3f}")
         history.append(record)
+        if cfg.checkpoint_dir and (done == total or not cfg.checkpoint_every or done % cfg.checkpoint_every == 0):
+            save_checkpoint()
     if bar is not None:
         bar.close()
-    mine = torch.tensor(_phase_times(compute_s, step_s, opt.timings), dtype=torch.float64)
+    mine = torch.tensor(_phase_times(loop["compute_s"], loop["step_s"], opt.timings), dtype=torch.float64)
     per_worker = comm.allgather(mine)  # one row of phase times per worker
+    wall = time.perf_counter() - began
     summary = {
         "algo": cfg.name,
         "method": cfg.algo,
@@ -202,17 +255,19 @@ def run_worker(comm: Group, cfg: RunConfig) -> dict[str, Any]:
         "momentum": cfg.momentum,
         "seed": cfg.seed,
         "steps": opt.steps,
-        "final_test_accuracy": history[-1].get("test_accuracy"),
-        "best_test_accuracy": max((h.get("test_accuracy") or 0.0) for h in history),
-        "diverged": diverged,
+        "skipped_steps": opt.skipped_steps,
+        "resumed_from_step": resumed_from,
+        "final_test_accuracy": history[-1].get("test_accuracy") if history else None,
+        "best_test_accuracy": max((h.get("test_accuracy") or 0.0) for h in history) if history else None,
+        "diverged": loop["diverged"],
         "bytes_sent_per_worker": opt.bytes_sent,
         "compression_ratio": opt.compression_ratio,
         "parameters": sum(p.numel() for p in model.parameters()),
         "eval_on": cfg.eval_on,
         **opt.metrics(),
-        "wall_time_s": time.perf_counter() - began,
-        "setup_time_s": began - setup_began,
-        "time_per_step_s": (time.perf_counter() - began) / max(opt.steps, 1),
+        "wall_time_s": wall,
+        "setup_time_s": began + loop["wall_time_s"] - setup_began,  # this process's set-up
+        "time_per_step_s": wall / max(loop["done"], 1),
         # phase times: mean over workers, and every worker's own row
         **{f"time_{k}_s": per_worker[:, i].mean().item() for i, k in enumerate(PHASES)},
         "time_per_worker_s": {k: per_worker[:, i].tolist() for i, k in enumerate(PHASES)},
@@ -221,15 +276,71 @@ def run_worker(comm: Group, cfg: RunConfig) -> dict[str, Any]:
             "trace": tracer.events if tracer is not None else None}
 
 
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _save(comm: Group, cfg: RunConfig, model, opt, loop: dict[str, Any]) -> None:
+    """This rank's checkpoint at ``loop["done"]`` steps; once every rank has written it (a
+    barrier), the earlier ones are deleted."""
+    step = loop["done"]
+    checkpoint.save(cfg.checkpoint_dir, step, comm.rank, comm.world_size, {
+        "format": 1, "gradzip_version": __version__, "config": trajectory_fields(cfg),
+        "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": _rng_state(),
+        "loop": {k: (list(v) if isinstance(v, list) else v) for k, v in loop.items()},
+    })
+    comm.barrier()
+    checkpoint.prune(cfg.checkpoint_dir, comm.rank, comm.world_size, keep_from=step)
+
+
+def _resume(comm: Group, cfg: RunConfig, model, opt, loop: dict[str, Any]) -> int | None:
+    """Load the newest checkpoint every rank holds into ``model``, ``opt`` and ``loop``;
+    the step resumed from, or None. Collective."""
+    if not cfg.checkpoint_dir:
+        return None
+    step = checkpoint.newest_common(comm, cfg.checkpoint_dir)
+    if step is None:
+        return None
+    if not cfg.resume:
+        raise GradzipError(
+            f"{cfg.checkpoint_dir} already holds a checkpoint (step {step}); continue that run with "
+            "--resume DIR, or write checkpoints to an empty directory"
+        )
+    saved = checkpoint.load(cfg.checkpoint_dir, step, comm.rank, comm.world_size)
+    now = trajectory_fields(cfg)
+    for name in sorted((set(now) | set(saved["config"])) - set(_FREE_FIELDS)):
+        if name != "epochs" and saved["config"].get(name) != now.get(name):
+            raise GradzipError(
+                f"cannot resume from {cfg.checkpoint_dir}: it was written with {name}="
+                f"{saved['config'].get(name)!r}, this run has {name}={now.get(name)!r}; resume with "
+                "the same settings (only the number of epochs may change), or start in a new directory"
+            )
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    loop.update(saved["loop"])
+    _set_rng_state(saved["rng"])
+    return step
+
+
 def run_many(comm: Group, cfgs: list[RunConfig]) -> list[dict[str, Any]]:
     """Several runs in the same group, one after the other (``gradzip compare``)."""
     return [run_worker(comm, cfg) for cfg in cfgs]
 
 
-def _progress(cfg: RunConfig, comm: Group, steps_per_epoch: int):
+def _progress(cfg: RunConfig, comm: Group, total: int, done: int):
     if not cfg.progress or comm.rank != 0:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=steps_per_epoch * cfg.epochs, desc=f"{cfg.name} ({comm.world_size} workers)",
+    return tqdm(total=total, initial=done, desc=f"{cfg.name} ({comm.world_size} workers)",
                 unit="step", leave=False, dynamic_ncols=True)
