@@ -29,6 +29,13 @@ def run_cli(*args):
     (["compare", "--algos", "ssgd,foo"], "unknown method 'foo'"),
     (["compare", "--algos", "ssgd,efsgd", "--threshold", "0.1"], "no method in --algos takes --threshold"),
     (["train", "--algo", "bitsgd", "--threshold", "-1"], "threshold must be > 0"),
+    (["train", "--checkpoint-every", "10"], "--checkpoint-every needs a directory"),
+    (["train", "--resume", "a", "--checkpoint-dir", "b"], "give --checkpoint-dir the same directory"),
+    (["train", "--nonfinite", "ignore"], "invalid choice"),
+    (["train", "--timeout", "0"], "--timeout: expected seconds > 0"),
+    (["train", "--out", "/proc/version/x"], "--out /proc/version/x: cannot create"),
+    (["train", "--lr", "1e30", "--epochs", "1", "--quiet", "--backend", "threads", "--workers", "2"],
+     "non-finite gradient (NaN or Inf) on rank"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message, capsys):
     with pytest.raises(SystemExit) as exc_info:
@@ -139,3 +146,17 @@ def test_trace_has_one_track_per_worker_and_a_span_per_phase(tmp_path):
         assert all(a[1] <= b[0] for a, b in zip(computes, computes[1:]))  # no overlap without overlap
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {"worker 0", "worker 1"}
+
+
+def test_checkpoint_resume_and_skip_through_the_cli(tmp_path, capsys):
+    common = ["train", "--algo", "cdsgd", "--quiet", "--no-plot", "--backend", "threads", "--workers", "2",
+              "--checkpoint-every", "10", "--nonfinite", "skip"]
+    assert main([*common, "--epochs", "1", "--resume", str(tmp_path / "ck"), "--out", str(tmp_path / "a")]) == 0
+    assert main([*common, "--epochs", "2", "--resume", str(tmp_path / "ck"), "--out", str(tmp_path / "b")]) == 0
+    first = json.loads((tmp_path / "a" / "summary.json").read_text())
+    second = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert first["resumed_from_step"] is None and second["resumed_from_step"] == first["steps"] == 22
+    assert second["steps"] == 44 and second["skipped_steps"] == 0
+    assert second["bytes_sent_per_worker"] > first["bytes_sent_per_worker"]  # counters carried on
+    records = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2]  # the first epoch's record came with the checkpoint
