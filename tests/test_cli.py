@@ -160,3 +160,12 @@ def test_checkpoint_resume_and_skip_through_the_cli(tmp_path, capsys):
     assert second["bytes_sent_per_worker"] > first["bytes_sent_per_worker"]  # counters carried on
     records = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2]  # the first epoch's record came with the checkpoint
+
+
+def test_table_shows_skips_and_resumes_only_when_there_are_some():
+    from gradzip.train import report
+
+    plain = {"algo": "ssgd", "skipped_steps": 0, "resumed_from_step": None}
+    assert "skipped" not in report.table([plain]) and "resumed" not in report.table([plain])
+    text = report.table([plain, {"algo": "efsgd", "skipped_steps": 3, "resumed_from_step": 20}])
+    assert "skipped" in text and "resumed at" in text and text.splitlines()[-1].split()[-2:] == ["3", "20"]

@@ -32,10 +32,15 @@ def _cell(summary: dict[str, Any], key: str, fmt: str) -> str:
     return fmt.format(value)
 
 
+#: Shown only when some run has a value other than 0 / None for it.
+OCCASIONAL = [("skipped", "skipped_steps", "{}"), ("resumed at", "resumed_from_step", "{}")]
+
+
 def table(summaries: Sequence[dict[str, Any]]) -> str:
     """A plain-text table of the runs, one row each."""
-    rows = [[h for h, _, _ in COLUMNS]] + [[_cell(s, k, f) for _, k, f in COLUMNS] for s in summaries]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    columns = COLUMNS + [c for c in OCCASIONAL if any(s.get(c[1]) for s in summaries)]
+    rows = [[h for h, _, _ in columns]] + [[_cell(s, k, f) for _, k, f in columns] for s in summaries]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
