@@ -93,6 +93,20 @@ def train_method(comm, method: str, options: dict, steps: int = 5):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def simulate_method(n: int, method: str, options: dict, steps: int = 5):
+    """:func:`train_method` on ``n`` in-process workers: every rank's final parameters."""
+    import gradzip
+
+    return gradzip.simulate(n, lambda c: train_method(c, method, options, steps=steps))
+
+
+def assert_same_runs(outs_a, outs_b, rtol: float = 1e-6, atol: float = 1e-6):
+    """Every rank's parameters of two runs equal up to float32 reassociation."""
+    for a_params, b_params in zip(outs_a, outs_b):
+        for a, b in zip(a_params, b_params):
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
 def train_with_resume(comm, method: str, options: dict, steps: int, split: int | None):
     """``train_method``, but at step ``split`` the model and optimizer are saved and training
     continues in fresh ones loaded from that state; (final parameters, final state_dict)."""

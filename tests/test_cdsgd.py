@@ -82,10 +82,8 @@ def test_k1_equals_odsgd_exactly():
 
 def test_warmup_covering_the_run_is_ssgd():
     opts = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
-    cd = gradzip.simulate(2, lambda c: cases.train_method(c, "cdsgd", dict(opts, warmup_steps=10), steps=6))
-    ss = gradzip.simulate(2, lambda c: cases.train_method(c, "ssgd", opts, steps=6))
-    for a, b in zip(cd[0], ss[0]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    cases.assert_same_runs(cases.simulate_method(2, "cdsgd", dict(opts, warmup_steps=10), steps=6),
+                           cases.simulate_method(2, "ssgd", opts, steps=6))
 
 
 def test_overlap_changes_no_number_on_threads():

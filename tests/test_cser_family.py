@@ -17,13 +17,11 @@ MOMENTUM = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
 
 
 def run(n, method, options, steps=6):
-    return gradzip.simulate(n, lambda c: cases.train_method(c, method, options, steps=steps))
+    return cases.simulate_method(n, method, options, steps)
 
 
 def assert_same(outs_a, outs_b, **tol):
-    for a_params, b_params in zip(outs_a, outs_b):
-        for a, b in zip(a_params, b_params):
-            torch.testing.assert_close(a, b, **(tol or TIGHT))
+    cases.assert_same_runs(outs_a, outs_b, **(tol or TIGHT))
 
 
 # -- special cases ------------------------------------------------------------------------

@@ -85,12 +85,10 @@ def test_bad_options():
 
 def test_density_one_equals_momentum_ssgd():
     opts = dict(lr=0.1, momentum=0.9, weight_decay=0.01)
-    dgc = gradzip.simulate(3, lambda c: cases.train_method(c, "dgc", dict(opts, ratio=1.0), steps=8))
-    ssgd = gradzip.simulate(3, lambda c: cases.train_method(c, "ssgd", opts, steps=8))
-    for a, b in zip(dgc[0], ssgd[0]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    ssgd = cases.simulate_method(3, "ssgd", opts, steps=8)
+    cases.assert_same_runs(cases.simulate_method(3, "dgc", dict(opts, ratio=1.0), steps=8), ssgd, atol=1e-7)
     # and the box itself at density 1 would not be (momentum lost): the limit is not trivial
-    low = gradzip.simulate(3, lambda c: cases.train_method(c, "dgc", dict(opts, ratio=0.99), steps=8))
+    low = cases.simulate_method(3, "dgc", dict(opts, ratio=0.99), steps=8)
     assert max((a - b).abs().max().item() for a, b in zip(low[0], ssgd[0])) > 1e-3
 
 

@@ -37,10 +37,8 @@ def test_ssgd_equals_single_process_sgd_on_concatenated_batch(n, options):
 @pytest.mark.parametrize("n", [1, 3])
 def test_efsgd_with_identity_codec_is_ssgd(n):
     opts = dict(lr=0.1, momentum=0.9)
-    ef = gradzip.simulate(n, lambda c: cases.train_method(c, "efsgd", dict(opts, compressor="none")))
-    ss = gradzip.simulate(n, lambda c: cases.train_method(c, "ssgd", opts))
-    for a, b in zip(ef[0], ss[0]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    cases.assert_same_runs(cases.simulate_method(n, "efsgd", dict(opts, compressor="none")),
+                           cases.simulate_method(n, "ssgd", opts), atol=1e-7)
 
 
 def test_efsgd_with_one_worker_and_topk_is_not_sgd_but_conserves_the_error():
