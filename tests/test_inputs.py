@@ -318,7 +318,7 @@ def test_bad_worker_count_in_process(n):
         assert_readable(str(exc.value), "workers")
 
 
-@pytest.mark.parametrize("n", [0, -3, 2.0, "2", None])
+@pytest.mark.parametrize("n", [0, -3, 2.0, "2", None, True])
 def test_bad_worker_count_for_processes_fails_before_spawning(n):
     with pytest.raises(GradzipError) as exc:
         run_processes(n, print)

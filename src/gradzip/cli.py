@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import GradzipError
+from .optim.base import FLOAT32_MAX
 
 DEFAULT_COMPARE = "ssgd,efsgd@topk:ratio=0.01,efsgd@1bit,bitsgd,ssgd@qsgd,ssgd@terngrad"
 
@@ -43,9 +44,9 @@ def _checked(kind, test, what):
 positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1")
 # Written so that NaN fails every test (every comparison with NaN is False). The upper bound
 # is float32's largest value: the models train in float32, where anything above is inf.
-non_negative = _checked(float, lambda v: 0 <= v <= 3.4028234663852886e38, "a number >= 0 and finite (<= 3.4e38)")
+non_negative = _checked(float, lambda v: 0 <= v <= FLOAT32_MAX, "a number >= 0 and finite (<= 3.4e38)")
 fraction = _checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
-positive = _checked(float, lambda v: 0 < v <= 3.4028234663852886e38, "a number > 0 and finite (<= 3.4e38)")
+positive = _checked(float, lambda v: 0 < v <= FLOAT32_MAX, "a number > 0 and finite (<= 3.4e38)")
 seconds = _checked(float, lambda v: 0 < v <= 365 * 86400, "seconds > 0 (at most a year)")
 
 
@@ -192,12 +193,17 @@ def _configs(args) -> list:
         label = algo + (f"@{codec}" if codec else "")
         run = dict(common)
         if run["checkpoint_dir"]:  # one subdirectory per method
-            run["checkpoint_dir"] = str(Path(run["checkpoint_dir"]) / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label))
+            run["checkpoint_dir"] = str(Path(run["checkpoint_dir"]) / _file_safe(label))
         cfgs.append(RunConfig(algo=algo, options=options, label=label, **run))
     unused = sorted(set(given) - used)
     if unused:
         raise GradzipError(f"no method in --algos takes --{', --'.join(u.replace('_', '-') for u in unused)}")
     return cfgs
+
+
+def _file_safe(label: str) -> str:
+    """A method label (``efsgd@topk:ratio=0.01``) as a file or directory name."""
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
 
 
 def _checkpointing(args) -> dict[str, Any]:
@@ -280,7 +286,7 @@ def _write_traces(path: str, per_worker: list[list[dict]]) -> list[Path]:
     for i in range(len(per_worker[0])):
         target = base
         if len(per_worker[0]) > 1:
-            label = re.sub(r"[^A-Za-z0-9_.=-]+", "_", per_worker[0][i]["summary"]["algo"])
+            label = _file_safe(per_worker[0][i]["summary"]["algo"])
             target = base.with_name(f"{base.stem}-{label}{base.suffix or '.json'}")
         written.append(trace.write(target, [worker[i]["trace"] for worker in per_worker]))
     return written

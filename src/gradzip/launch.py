@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from .comm.base import PeerFailure, check_timeout
+from .comm.base import PeerFailure, check_timeout, check_world_size
 from .errors import GradzipError
 
 #: Seconds the other workers get to finish after one failed, before they are terminated.
@@ -88,8 +88,7 @@ def run_processes(world_size: int, fn: Callable[..., Any], *args: Any,
     raise :class:`~gradzip.comm.PeerFailure` naming it (at once for a death, after about
     ``timeout_s`` for a hang), and this call raises :class:`WorkerError` (a worker's own
     :class:`~gradzip.errors.GradzipError` is re-raised as it is)."""
-    if not isinstance(world_size, int) or world_size < 1:
-        raise GradzipError(f"the number of worker processes must be an integer >= 1, got {world_size!r}")
+    check_world_size(world_size, "worker processes")
     timeout_s = check_timeout(timeout_s)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

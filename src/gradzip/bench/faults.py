@@ -8,6 +8,7 @@ its ``RANK`` environment variable), and waits for the job to end.
 """
 from __future__ import annotations
 
+import os
 import signal as signals
 import subprocess
 import time
@@ -62,7 +63,6 @@ def kill_during(command: list[str], checkpoint_dir: str | Path, *, rank: int, wo
                 if victim is not None and job.poll() is None:
                     killed = checkpoint.steps_held(checkpoint_dir, rank, world_size)[-1]
                     try:
-                        import os
                         os.kill(victim, signal)
                     except ProcessLookupError:
                         killed = None

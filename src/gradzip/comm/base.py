@@ -44,9 +44,22 @@ class PeerFailure(RuntimeError):
         self.collective = collective
 
 
+def ranks_text(ranks) -> str:
+    """``"rank 2"`` or ``"ranks 0, 3"``: ranks named in a message."""
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def check_world_size(n: Any, what: str = "workers") -> int:
+    """``n`` unless it is not an integer >= 1 (a bool is not a count): :class:`GradzipError`."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise GradzipError(f"the number of {what} must be an integer >= 1, got {n!r}")
+    return n
+
+
 def check_timeout(timeout_s: Any) -> float:
     """``timeout_s`` as a float, or :class:`GradzipError` unless it is a number of seconds
-    in ``(0, threading.TIMEOUT_MAX]`` (the same rule as :func:`~gradzip.comm.make_group`)."""
+    in ``(0, threading.TIMEOUT_MAX]`` (every group checks its timeout with it)."""
     if (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)
             or not 0 < timeout_s <= threading.TIMEOUT_MAX):
         raise GradzipError(f"timeout_s must be a number of seconds > 0 and <= {threading.TIMEOUT_MAX:g}, "

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .base import PeerFailure
+from .base import PeerFailure, ranks_text
 
 #: Seconds between two heartbeats of a process.
 HEARTBEAT_S = 0.5
@@ -338,10 +338,10 @@ class Heartbeat:
             blamed = sorted({b for r in reported for b in seen[r]["lost"]} - {self.rank})
             if blamed:
                 by = ", ".join(str(r) for r in sorted(reported) if seen[r]["lost"])
-                parts.append(f"peer {_ranks(blamed)} lost, as reported by rank(s) {by}")
+                parts.append(f"peer {ranks_text(blamed)} lost, as reported by rank(s) {by}")
                 lost.extend(blamed)
             elif reported:
-                parts.append(f"peer {_ranks(reported)} gave up on this collective ("
+                parts.append(f"peer {ranks_text(reported)} gave up on this collective ("
                              + "; ".join(seen[r]["why"] for r in sorted(reported)) + ")")
                 lost.extend(sorted(reported))
             else:
@@ -357,9 +357,6 @@ def _present(store, kind: str, ranks: list[int]) -> list[int]:
     return [r for r in ranks if store.check([f"{kind}/{r}"])]
 
 
-def _ranks(ranks) -> str:
-    ranks = sorted(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _first_line(exc: BaseException) -> str:

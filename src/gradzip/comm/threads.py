@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import GradzipError
-from .base import TIMEOUT_HINT, Group, PeerFailure, Work
+from .base import TIMEOUT_HINT, Group, PeerFailure, Work, check_timeout, check_world_size, ranks_text
 
 DEFAULT_TIMEOUT_S = 300.0
 #: Seconds ``simulate`` waits for the other workers once one failed; a worker still running
@@ -108,11 +108,11 @@ class _Hub:
                 gone = [r for r in missing() if r in self.left]
                 if gone:
                     raise PeerFailure(
-                        f"rank {rank}: peer {_ranks(gone)} returned from its worker function "
+                        f"rank {rank}: peer {ranks_text(gone)} returned from its worker function "
                         f"without joining {what}", rank=rank, lost=gone, collective=what)
                 stuck = missing()
                 raise PeerFailure(
-                    f"rank {rank}: peer {_ranks(stuck)} is stuck: it did not start {what} within "
+                    f"rank {rank}: peer {ranks_text(stuck)} is stuck: it did not start {what} within "
                     f"the timeout ({'; '.join(self._doing(r) for r in stuck)}) "
                     f"(timeout {self.timeout_s:g} s; {TIMEOUT_HINT})",
                     rank=rank, lost=stuck, collective=what)
@@ -155,9 +155,6 @@ def _where(frame) -> str:
     return f"{Path(where.filename).name}:{where.lineno} in {where.name}"
 
 
-def _ranks(ranks) -> str:
-    ranks = sorted(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _sum_in_rank_order(inputs: list[torch.Tensor]) -> torch.Tensor:
@@ -207,13 +204,8 @@ class ThreadGroup(Group):
 
 def make_group(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[ThreadGroup]:
     """The ``world_size`` worker handles of one new in-process group."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise GradzipError(f"the number of workers must be an integer >= 1, got {world_size!r}")
-    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) \
-            or not 0 < timeout_s <= threading.TIMEOUT_MAX:
-        raise GradzipError(f"timeout_s must be a number of seconds > 0 and <= {threading.TIMEOUT_MAX:g}, "
-                           f"got {timeout_s!r}")
-    hub = _Hub(world_size, timeout_s)
+    check_world_size(world_size)
+    hub = _Hub(world_size, check_timeout(timeout_s))
     return [ThreadGroup(hub, r) for r in range(world_size)]
 
 
@@ -261,7 +253,7 @@ def simulate(world_size: int, fn: Callable[[ThreadGroup], Any], *,
         next((e for e in errors if e is not None), None)
     if first is not None:
         if running and hasattr(first, "add_note"):
-            first.add_note(f"simulate: {_ranks(running)} still running {GRACE_S:g} s after the first "
+            first.add_note(f"simulate: {ranks_text(running)} still running {GRACE_S:g} s after the first "
                            "failure; left behind (daemon threads)")
         raise first
     return results

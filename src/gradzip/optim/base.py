@@ -58,8 +58,9 @@ def _integer(value) -> bool:
 
 
 class NonFiniteGradient(GradzipError):
-    """A worker's gradient held a NaN or Inf (``nonfinite="raise"``): raised on every worker
-    of the group at the same step, before anything was compressed, sent or updated."""
+    """A worker's gradient held a NaN or Inf (``nonfinite="raise"``): raised on that worker
+    before anything was compressed, sent or updated (its peers then stop with a
+    ``PeerFailure`` naming it)."""
 
 
 class _SkipStep(Exception):

@@ -188,8 +188,8 @@ def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | 
         loop["wall_time_s"] = time.perf_counter() - began
         _save(comm, cfg, model, opt, loop)
 
-    done = loop["done"]
-    first_epoch, first_batch = done // steps_per_epoch + 1, done % steps_per_epoch
+    first_epoch, first_batch = divmod(loop["done"], steps_per_epoch)
+    first_epoch += 1
     for epoch in range(first_epoch, cfg.epochs + 1):
         order = data.shard(len(ds.train_x), comm.rank, comm.world_size, epoch, cfg.seed)
         for b in range(first_batch if epoch == first_epoch else 0, steps_per_epoch):
@@ -207,13 +207,13 @@ def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | 
                 tracer.add("compute", t0, t1, step=opt.steps)
                 tracer.add("step", t1, t2, cat="optimizer", step=opt.steps)
             loop["loss_sum"] += loss.detach()
-            loop["done"] = done = done + 1
+            loop["done"] += 1
             if bar is not None:
                 bar.update(1)
             if after_step is not None:
-                after_step(done)
-            if cfg.checkpoint_dir and cfg.checkpoint_every and done % cfg.checkpoint_every == 0 \
-                    and b < steps_per_epoch - 1:
+                after_step(loop["done"])
+            if cfg.checkpoint_dir and cfg.checkpoint_every and loop["done"] % cfg.checkpoint_every == 0 \
+                    and b < steps_per_epoch - 1:  # at an epoch's end: after its record, below
                 save_checkpoint()
         # one small allreduce per epoch: the train loss and this epoch's phase times, averaged
         phases = _phase_times(loop["compute_s"], loop["step_s"], opt.timings)
@@ -235,7 +235,8 @@ def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | 
             if bar is not None:
                 bar.set_postfix(loss=f"{train_loss:.3f}", acc=f"{record['test_accuracy']:.3f}")
         history.append(record)
-        if cfg.checkpoint_dir and (done == total or not cfg.checkpoint_every or done % cfg.checkpoint_every == 0):
+        if cfg.checkpoint_dir and (loop["done"] == total or not cfg.checkpoint_every
+                                   or loop["done"] % cfg.checkpoint_every == 0):
             save_checkpoint()
     if bar is not None:
         bar.close()
@@ -297,7 +298,7 @@ def _save(comm: Group, cfg: RunConfig, model, opt, loop: dict[str, Any]) -> None
     checkpoint.save(cfg.checkpoint_dir, step, comm.rank, comm.world_size, {
         "format": 1, "gradzip_version": __version__, "config": trajectory_fields(cfg),
         "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": _rng_state(),
-        "loop": {k: (list(v) if isinstance(v, list) else v) for k, v in loop.items()},
+        "loop": loop,
     })
     comm.barrier()
     checkpoint.prune(cfg.checkpoint_dir, comm.rank, comm.world_size, keep_from=step)
