@@ -155,11 +155,51 @@ def test_rates_parse():
     (["bench", "net", "--bandwidth", "fast"], "bad bandwidth"),
     (["bench", "net", "--workers", "0"], "--workers must be"),
     (["bench", "net", "--algos", "nope"], "unknown method"),
+    (["bench", "net", "--workers", "2", "--write"], "python -m benchmarks.network net"),
+    (["bench", "model", "--no-projection", "--write"], "python -m benchmarks.network model"),
+    (["bench", "model", "--no-projection", "--plots", "docs/bench"], "python -m benchmarks.network model"),
 ])
 def test_bench_bad_input_is_one_line(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_run_labels_and_method_lists_come_from_train_config():
+    """One ``algo@codec`` label and one method-list parser for the CLI and the benchmarks."""
+    from gradzip.train.config import method_label, parse_algos
+
+    algos = parse_algos("ssgd,efsgd@topk:ratio=0.1,unbiased=true")
+    assert [method_label(a, c) for a, c in algos] == ["ssgd", "efsgd@topk:ratio=0.1,unbiased=true"]
+    bench = emulated.NetBench(workers=[2], bandwidths=[None], latencies=[0.0], algos=algos)
+    assert [c["label"] for c in bench.configs(2)] == ["ssgd", "efsgd@topk:ratio=0.1,unbiased=true"]
+    with pytest.raises(GradzipError, match="unknown method 'nope'; valid methods"):
+        profiling.profile_method("nope", {}, [(4,)], 2)
+
+
+def test_the_package_reads_no_file_from_benchmarks_or_docs():
+    """The installed package has no benchmarks/ or docs/ next to it: nothing in src/gradzip
+    may load from there (the docs writer and the plots live in benchmarks/)."""
+    src = os.path.dirname(gradzip.__file__)
+    for folder, _, files in os.walk(src):
+        for name in files:
+            if name.endswith(".py"):
+                text = open(os.path.join(folder, name)).read()
+                assert "docs_section" not in text and "parents[3]" not in text, name
+                assert "import matplotlib" not in text or name == "report.py", name  # train/report.py plots runs
+
+
+def test_one_section_writer_replaces_appends_and_marks(tmp_path):
+    from benchmarks.docs_section import replace_marked, replace_section
+
+    doc = tmp_path / "b.md"
+    replace_section("A", "one", doc=doc)
+    replace_section("B", "two", doc=doc)
+    replace_section("A", "three", doc=doc)
+    assert doc.read_text() == "# Benchmarks\n\n## A\n\nthree\n\n## B\n\ntwo\n"
+    replace_marked("<!-- b -->", "<!-- e -->", "body\n", doc)
+    replace_marked("<!-- b -->", "<!-- e -->", "new\n", doc)
+    assert doc.read_text().endswith("two\n\n<!-- b -->\nnew\n<!-- e -->\n")
 
 
 def test_topology_refuses_bad_sizes():
