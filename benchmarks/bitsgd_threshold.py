@@ -5,16 +5,14 @@ gradients (spec, "2-bit threshold quantization"), so its default must be chosen 
 scale. This sweep trains BIT-SGD at several thresholds next to S-SGD on the same task and
 prints a markdown table (and writes it into docs/benchmarks.md with --write).
 
-    python benchmarks/bitsgd_threshold.py --workers 4 --epochs 10
+    python -m benchmarks.bitsgd_threshold --workers 4 --epochs 10
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from docs_section import replace_section  # noqa: E402
+from benchmarks.docs_section import replace_section
 
 import gradzip  # noqa: E402
 from gradzip.train.loop import RunConfig, run_many  # noqa: E402
@@ -56,7 +54,7 @@ def main() -> None:
             rows.append(f"| {task} | {label} | {mean:.4f} | {' '.join(f'{v:.4f}' for v in values)} |")
             print(rows[-1], flush=True)
     table = "\n".join(["| task | method | mean test acc | per seed |", "|---|---|---|---|", *rows])
-    command = "python benchmarks/bitsgd_threshold.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.bitsgd_threshold " + " ".join(sys.argv[1:])
     text = (f"Command: `{command}` ({args.workers} workers on threads, {args.epochs} epochs, "
             f"batch 32 per worker, lr {args.lr}, seeds 0..{args.seeds - 1}).\n\n{table}\n")
     print(text)

@@ -4,7 +4,7 @@ Runs every method on the same task and seeds (4 workers on threads: the same mat
 processes) and prints markdown tables: final test accuracy mean ± std over seeds, bytes
 sent per worker, and CD-SGD at k = 2, 5, 10, 20 (the slides' k-sensitivity study).
 
-    python benchmarks/cdsgd_accuracy.py --write
+    python -m benchmarks.cdsgd_accuracy --write
 """
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from docs_section import replace_section  # noqa: E402
+from benchmarks.docs_section import replace_section
 
 import torch  # noqa: E402
 
@@ -75,7 +74,7 @@ def main() -> None:
                         + "\n".join(row(label) for label, _, _ in main_cfgs) + "\n\n"
                         + f"k-sensitivity (CD-SGD):\n\n{head}\n"
                         + "\n".join(row(f"CD-SGD k={k}") for k in args.k) + "\n")
-    command = "python benchmarks/cdsgd_accuracy.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.cdsgd_accuracy " + " ".join(sys.argv[1:])
     text = (f"Command: `{command}` — {args.workers} workers (threads), batch 32 per worker, lr {args.lr}, "
             f"momentum 0, warm-up {args.warmup_steps} steps of S-SGD for OD-/CD-SGD, 2-bit threshold 0.01 on mean gradients, "
             f"local_lr = lr / workers, seeds 0..{args.seeds - 1}; {time.perf_counter() - began:.0f} s.\n\n"

@@ -5,8 +5,8 @@ measured iteration time / max(compute, compress + communicate).
 Runs ``gradzip bench net`` (real gloo processes in network namespaces, every link shaped
 with tc) into its own output directory, then tabulates its results.json:
 
-    python benchmarks/cdsgd_speed.py --write
-    python benchmarks/cdsgd_speed.py --from runs/cdsgd-net/results.json --write   # tables only
+    python -m benchmarks.cdsgd_speed --write
+    python -m benchmarks.cdsgd_speed --from runs/cdsgd-net/results.json --write   # tables only
 """
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from docs_section import replace_section  # noqa: E402
+from benchmarks.docs_section import replace_section
 
 LABELS = {"ssgd": "S-SGD", "bitsgd": "BIT-SGD", "odsgd": "OD-SGD", "cdsgd": "CD-SGD k=5"}
 
@@ -62,7 +61,7 @@ def main() -> None:
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     source = Path(args.source or Path(args.out) / "results.json")
-    command = f"python benchmarks/cdsgd_speed.py {' '.join(sys.argv[1:])}"
+    command = f"python -m benchmarks.cdsgd_speed {' '.join(sys.argv[1:])}"
     if not args.source:
         subprocess.run([sys.executable, "-m", "gradzip.cli", "bench", "net", "--workers", args.workers,
                         "--bandwidth", args.bandwidth, "--algos", "ssgd,bitsgd,odsgd,cdsgd", "--model", args.model,

@@ -4,7 +4,7 @@ The spec leaves ``local_lr`` free (default lr / n) and the authors warm up with 
 This runs, on mnist-5k / LeNet with 4 workers (threads), S-SGD and CD-SGD (k = 5) with
 warm-up 0 or 60 steps and local_lr ∈ {lr/n, lr, 0}, plus OD-SGD, over seeds.
 
-    python benchmarks/cdsgd_variants.py --write
+    python -m benchmarks.cdsgd_variants --write
 """
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from docs_section import replace_section  # noqa: E402
+from benchmarks.docs_section import replace_section
 
 import torch  # noqa: E402
 
@@ -49,7 +48,7 @@ def main() -> None:
     ref = statistics.mean(results["S-SGD"])
     rows = [f"| {k} | {statistics.mean(v):.2f} ± {statistics.stdev(v) if len(v) > 1 else 0:.2f} | "
             f"{statistics.mean(v) - ref:+.2f} | {' '.join(f'{x:.1f}' for x in v)} |" for k, v in results.items()]
-    text = (f"Command: `python benchmarks/cdsgd_variants.py {' '.join(sys.argv[1:])}` — mnist-5k, LeNet, "
+    text = (f"Command: `python -m benchmarks.cdsgd_variants {' '.join(sys.argv[1:])}` — mnist-5k, LeNet, "
             f"{n} workers (threads), {args.epochs} epochs (31 steps each), lr {lr}, momentum 0, seeds "
             f"0..{args.seeds - 1}.\n\n| variant | test acc % | vs S-SGD | per seed |\n|---|---|---|---|\n"
             + "\n".join(rows) + "\n")

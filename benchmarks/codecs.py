@@ -12,7 +12,7 @@ machine slows all of them alike), and reports
 
 Usage::
 
-    python benchmarks/codecs.py --sizes 1000000 16000000 --repeat 7 --out docs/benchmarks.md
+    python -m benchmarks.codecs --sizes 1000000 16000000 --repeat 7 --out docs/benchmarks.md
 
 Without ``--out`` the markdown is printed; with it, the "## Codecs" section of that file
 is replaced (or appended, or the file created).
@@ -23,13 +23,13 @@ import argparse
 import os
 import pathlib
 import platform
-import re
 import statistics
 import sys
 import time
 
 import torch
 
+from benchmarks.docs_section import replace_section
 from gradzip.compressors import build, names
 
 SPARSE = {"topk", "randomk", "randblock"}
@@ -92,8 +92,6 @@ def measure(size: int, repeat: int, device: torch.device) -> list[dict]:
 
 def markdown(results: dict[tuple[int, int], list[dict]], command: str, device: torch.device) -> str:
     lines = [
-        "## Codecs",
-        "",
         "Compress + decompress of one float32 tensor (median of interleaved repeats), next to",
         "`torch.clone` of the same tensor as the memory-bandwidth reference. GB/s = fp32 input",
         "bytes / median(compress + decompress); × clone = codec throughput / clone throughput;",
@@ -129,17 +127,6 @@ def markdown(results: dict[tuple[int, int], list[dict]], command: str, device: t
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: pathlib.Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    pattern = re.compile(r"^## Codecs\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip("\n") + "\n"
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 16_000_000])
@@ -150,16 +137,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=pathlib.Path, default=None, help="markdown file whose '## Codecs' section to write")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    command = "python benchmarks/codecs.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.codecs " + " ".join(sys.argv[1:] if argv is None else argv)
     results = {}
     for threads in args.threads or [torch.get_num_threads()]:
         torch.set_num_threads(threads)
         for size in args.sizes:
             results[threads, size] = measure(size, args.repeat, device)
     text = markdown(results, command.strip(), device)
-    print(text)
+    print("## Codecs\n\n" + text)
     if args.out:
-        write_section(args.out, text)
+        replace_section("Codecs", text, doc=args.out)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ method: each LR is tried on seed 0, the best (final test accuracy) is then run o
 other seeds; the table shows mean ± std over the seeds at that LR. Derived periods H are
 capped at ``--max-H`` (32, two epochs) so that short runs still synchronise.
 
-    python benchmarks/cser_table.py --write            # the full table: 80 runs of ~1 min on 2 shared cores
-    python benchmarks/cser_table.py --report-only --write   # the table from the runs recorded so far
-    python benchmarks/cser_table.py --epochs 1 --seeds 1 --lrs 0.05 --rcs 1,256   # smoke test
+    python -m benchmarks.cser_table --write            # the full table: 80 runs of ~1 min on 2 shared cores
+    python -m benchmarks.cser_table --report-only --write   # the table from the runs recorded so far
+    python -m benchmarks.cser_table --epochs 1 --seeds 1 --lrs 0.05 --rcs 1,256   # smoke test
 
 Every finished run is appended to ``--results`` (JSON lines) at once, and a rerun with the
 same file skips the runs already there, so an interrupted table resumes; ``--write`` puts
@@ -29,8 +29,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from docs_section import replace_section  # noqa: E402
+from benchmarks.docs_section import replace_marked, replace_section
 
 import gradzip  # noqa: E402
 from gradzip.optim.cser import codec_for_ratio  # noqa: E402
@@ -220,7 +219,7 @@ def main() -> None:
                 for seed in range(1, args.seeds):   # the best LR on the other seeds
                     do(m, rc, *mc, lr, seed)
     order = sorted(rcs, key=lambda r: r if r else math.inf)
-    cmd = "python benchmarks/cser_table.py " + " ".join(
+    cmd = "python -m benchmarks.cser_table " + " ".join(
         a for a in sys.argv[1:] if a not in ("--report-only",))
     body = (f"Measured by `{cmd.strip()}` ({args.workers} workers in-process, LeNet, MNIST-5k, "
             f"{args.epochs} epochs of {4000 // args.workers // args.batch_size} steps, batch {args.batch_size} "
@@ -229,12 +228,7 @@ def main() -> None:
             + table(done, args, lrs, order) + "\n\nSettings:\n\n" + settings(args, order) + "\n")
     print(body)
     if args.write:
-        text = DOC.read_text() if DOC.exists() else f"# CSER family\n\n{BEGIN}\n{END}\n"
-        if BEGIN not in text:
-            text = text.rstrip() + f"\n\n{BEGIN}\n{END}\n"
-        pre, rest = text.split(BEGIN, 1)
-        post = rest.split(END, 1)[1]
-        DOC.write_text(pre + BEGIN + "\n" + body + END + post)
+        replace_marked(BEGIN, END, body, DOC, title="# CSER family")
         replace_section("CSER accuracy table", (
             "The small-scale reproduction of the CSER paper's accuracy table (SGD, EF-SGD, QSparse-local-SGD, "
             "CSEA, CSER, CSER-PL at R_C = 1, 16, 256, 1024; 8 workers, LeNet on MNIST-5k) is in "

@@ -12,7 +12,7 @@ Reported per method: final and best test accuracy (mean over seeds), the compres
 ratio R_C (dense fp32 gradient bytes / payload bytes, over the whole run, warm-ups
 included, and the bytes on the wire per worker), and DGC's achieved density.
 
-    python benchmarks/dgc_powersgd_accuracy.py --data-dir /work/shared/data/mnist-5k --write
+    python -m benchmarks.dgc_powersgd_accuracy --data-dir /work/shared/data/mnist-5k --write
 """
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from docs_section import replace_section  # noqa: E402
+from benchmarks.docs_section import replace_section
 
 import gradzip  # noqa: E402
 from gradzip.train import data  # noqa: E402
@@ -93,7 +92,7 @@ def main() -> None:
     header = ("| method | final test acc | best test acc | final per seed | R_C (payload, whole run) | "
               "wire bytes S-SGD / method (whole run) | same, last epoch (after the warm-ups) | DGC achieved density |")
     table = "\n".join([header, "|---|---|---|---|---|---|---|---|", *rows])
-    command = "python benchmarks/dgc_powersgd_accuracy.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.dgc_powersgd_accuracy " + " ".join(sys.argv[1:])
     text = (f"Command: `{command}` ({args.dataset} from `{Path(args.data_dir).name}` ({train_size} training "
             f"images), {args.model}, {args.workers} workers on threads, {args.epochs} epochs = "
             f"{args.epochs * steps_per_epoch} steps, batch {args.batch_size} per worker, lr {args.lr}, "

@@ -11,7 +11,7 @@ is shared, so rounds alternate the methods and the median is reported):
 
 It prints a markdown table (``--write``: into docs/benchmarks.md).
 
-    python benchmarks/dgc_threshold.py --threads 1 2 --write
+    python -m benchmarks.dgc_threshold --threads 1 2 --write
 """
 from __future__ import annotations
 
@@ -20,10 +20,8 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from docs_section import replace_section  # noqa: E402
+from benchmarks.docs_section import replace_section
 
 import torch  # noqa: E402
 
@@ -82,7 +80,7 @@ def main() -> None:
     header = ("| threads | elements | density | torch.topk Melem/s | gradzip topk Melem/s | dgc select Melem/s "
               "| dgc codec Melem/s | select speed-up vs torch.topk | codec speed-up | selected / k | passes over the tensor |")
     table = "\n".join([header, "|" + "---|" * 11, *rows])
-    command = "python benchmarks/dgc_threshold.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.dgc_threshold " + " ".join(sys.argv[1:])
     text = (f"Command: `{command}` (CPU, float32 normal data, median of {args.rounds} interleaved rounds; "
             "throughput = elements / time). \"dgc select\" returns the threshold's candidates "
             "(between 0.8k and 1.3k of them: a first pass aims at 1.5k, the excess is trimmed among the "

@@ -8,7 +8,7 @@ detect within ``--timeout``). The job must complete, and its final checkpoint mu
 bit for bit, that of the same run never interrupted. It prints (``--write``: into
 docs/reliability.md) one row per run and the totals.
 
-    python benchmarks/fault_campaign.py --repeats 3 --write
+    python -m benchmarks.fault_campaign --repeats 3 --write
 """
 from __future__ import annotations
 
@@ -22,8 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from docs_section import replace_section  # noqa: E402
+from benchmarks.docs_section import replace_section
+from benchmarks.faults import kill_during
+from gradzip.cli import main as gradzip_main
+from gradzip.train import checkpoint
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 METHODS = ["efsgd", "cdsgd", "powersgd", "cser", "dgc", "localsgd"]
@@ -43,10 +45,6 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-
-    from gradzip.bench.faults import kill_during
-    from gradzip.cli import main as gradzip_main
-    from gradzip.train import checkpoint
 
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     rng = random.Random(args.seed)
@@ -78,7 +76,7 @@ def main() -> None:
                          run.stderr.count("exitcode"), run.returncode, identical,
                          named.group(1).strip() if named else "-", round(run.seconds, 1)))
             print(rows[-1], flush=True)
-    lines = [f"`python benchmarks/fault_campaign.py --methods {args.methods} --repeats {args.repeats} "
+    lines = [f"`python -m benchmarks.fault_campaign --methods {args.methods} --repeats {args.repeats} "
              f"--stops {args.stops} --timeout {args.timeout:g} --seed {args.seed}` "
              f"({len(rows)} jobs, {time.perf_counter() - began:.0f} s in all):", "",
              "| method | signal | rank | after checkpoint | + delay (s) | newest checkpoint at the fault "

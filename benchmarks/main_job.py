@@ -1,7 +1,7 @@
 """Wall time of the main job: ``gradzip compare`` on digits, 4 worker processes, the
 default methods, timed end to end as a user runs it (process start-up included).
 
-    python benchmarks/main_job.py --write
+    python -m benchmarks.main_job --write
 """
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from docs_section import replace_section  # noqa: E402
+from benchmarks.docs_section import replace_section
 
 
 def main() -> None:
@@ -32,7 +31,7 @@ def main() -> None:
     shown = "gradzip compare " + " ".join(["--out", "runs/compare", *args.extra])
     text = (f"`{shown}` (defaults: digits, mlp, 4 gloo worker processes, {summaries[0]['epochs']} epochs, "
             f"{len(summaries)} methods) took **{wall:.1f} s** wall time end to end, measured by "
-            f"`python benchmarks/main_job.py --write`. Its printed table:\n\n```\n{printed}\n```\n")
+            f"`python -m benchmarks.main_job --write`. Its printed table:\n\n```\n{printed}\n```\n")
     print(text)
     if args.write:
         replace_section("Main job wall time", text)

@@ -26,7 +26,7 @@ compressed steps each) and counts the runs gloo aborts ("Received data size does
 expected size": its callbacks issue collectives in a different order on the two ranks,
 see gradzip.ddp).
 
-    python benchmarks/powersgd_vs_torch.py --ranks 1 2 4 --write
+    python -m benchmarks.powersgd_vs_torch --ranks 1 2 4 --write
 """
 from __future__ import annotations
 
@@ -34,10 +34,8 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from docs_section import replace_section  # noqa: E402
+from benchmarks.docs_section import replace_section
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -174,7 +172,7 @@ def main() -> None:
                   + f" | gradzip / {ref} | gradzip-sync / {ref} | overlap effect: gradzip / gradzip-sync |")
         sections.append(f"**{layout}** ({buckets.get(layout, '?')} DDP buckets per step)\n\n"
                         + "\n".join([header, "|" + "---|" * (len(impls) + 4), *rows]))
-    command = "python benchmarks/powersgd_vs_torch.py " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.powersgd_vs_torch " + " ".join(sys.argv[1:])
     text = (f"Command: `{command}` (2 gloo processes on this 2-core machine, 1 torch thread each; "
             f"model: 2 convs + 4 linears, {params / 1e6:.1f}M parameters, batch {args.batch} per worker; "
             f"options start_iter 2, warm start, error feedback, min_compression_rate 2; median over "

@@ -6,19 +6,17 @@ random gradients, it times ``optimizer.step()`` under ``nonfinite`` = ``off`` / 
 the time and size of one checkpoint (model + optimizer state, written atomically, then
 the barrier that lets earlier checkpoints go).
 
-    python benchmarks/reliability_overhead.py --write    # -> docs/reliability.md
+    python -m benchmarks.reliability_overhead --write    # -> docs/reliability.md
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from docs_section import replace_section  # noqa: E402
+from benchmarks.docs_section import replace_section
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 POLICIES = ("off", "raise", "skip")
@@ -89,7 +87,7 @@ def main() -> None:
     began = time.perf_counter()
     res = run_processes(args.workers, worker, args.model, args.algos.split(","), args.rounds, args.steps)[0]
     n = res.pop("parameters")
-    lines = [f"`python benchmarks/reliability_overhead.py --workers {args.workers} --model {args.model} "
+    lines = [f"`python -m benchmarks.reliability_overhead --workers {args.workers} --model {args.model} "
              f"--algos {args.algos} --rounds {args.rounds} --steps {args.steps}` ({n / 1e6:.1f}M parameters, "
              f"{args.workers} gloo processes on 127.0.0.1, rank 0's numbers, {time.perf_counter() - began:.0f} s):",
              "",

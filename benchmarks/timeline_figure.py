@@ -3,7 +3,7 @@ several methods side by side (like the CD-SGD slides' "timeline tracing" figure)
 
     gradzip train --algo bitsgd --workers 2 --epochs 1 --trace runs/bit.json
     gradzip train --algo cdsgd  --workers 2 --epochs 1 --trace runs/cd.json
-    python benchmarks/timeline_figure.py runs/bit.json runs/cd.json --labels BIT-SGD CD-SGD \\
+    python -m benchmarks.timeline_figure runs/bit.json runs/cd.json --labels BIT-SGD CD-SGD \\
         --steps 5 --out docs/timeline.png
 """
 from __future__ import annotations

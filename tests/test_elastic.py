@@ -1,4 +1,4 @@
-"""Elastic restart (issue 7, part 4; gradzip.bench.faults): under ``torchrun
+"""Elastic restart (issue 7, part 4; benchmarks/faults.py): under ``torchrun
 --max-restarts``, a worker killed with SIGKILL mid-run brings the job down, torchrun starts
 it again, and ``--resume`` continues from the last checkpoint: the job completes with the
 same bits as a run that was never interrupted."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import cases
-from gradzip.bench.faults import kill_during
+from benchmarks.faults import kill_during
 from gradzip.cli import main
 from gradzip.train import checkpoint
 

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from .errors import GradzipError
 from .optim.base import FLOAT32_MAX
+from .train.config import method_label, parse_algos
 
 DEFAULT_COMPARE = "ssgd,efsgd@topk:ratio=0.01,efsgd@1bit,bitsgd,ssgd@qsgd,ssgd@terngrad"
 
@@ -149,27 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_algos(text: str) -> list[tuple[str, str | None]]:
-    """``"ssgd,efsgd@topk:ratio=0.01,unbiased=true,bitsgd"`` → [(algo, codec or None), ...].
-    A comma starts a new method only when a bare word (a method name) follows it."""
-    from . import optim
-
-    if not isinstance(text, str) or not text.strip():
-        raise GradzipError("--algos is empty; give e.g. ssgd,efsgd@topk:ratio=0.01")
-    items = [s.strip() for s in re.split(r",(?=\s*[A-Za-z_]\w*\s*(?:@|,|$))", text) if s.strip()]
-    out = []
-    for item in items:
-        algo, _, codec = item.partition("@")
-        algo = algo.strip().lower()
-        if not re.fullmatch(r"[a-z_]\w*", algo):  # '', 'ssgd,,' (stray commas), '@@', ...
-            raise GradzipError(f"bad entry {item!r} in --algos: expected METHOD or METHOD@CODEC, comma-separated "
-                               f"(e.g. ssgd,efsgd@topk:ratio=0.01); valid methods: {', '.join(optim.METHODS)}")
-        if algo not in optim.METHODS:
-            raise GradzipError(f"unknown method {algo!r} in --algos; valid methods: {', '.join(optim.METHODS)}")
-        out.append((algo, codec.strip() or None))
-    return out
-
-
 def _configs(args) -> list:
     from . import optim
     from .train.loop import RunConfig
@@ -181,7 +161,7 @@ def _configs(args) -> list:
                   **_checkpointing(args))
     given = _given_options(args)
     if args.command == "train":
-        label = args.algo + (f"@{given['compressor']}" if "compressor" in given else "")
+        label = method_label(args.algo, given.get("compressor"))
         return [RunConfig(algo=args.algo, options=given, label=label, **common)]
     cfgs, used = [], set()
     for algo, codec in parse_algos(args.algos):
@@ -190,7 +170,7 @@ def _configs(args) -> list:
         if codec is not None:
             options["compressor"] = codec
         used |= set(options)
-        label = algo + (f"@{codec}" if codec else "")
+        label = method_label(algo, codec)
         run = dict(common)
         if run["checkpoint_dir"]:  # one subdirectory per method
             run["checkpoint_dir"] = str(Path(run["checkpoint_dir"]) / _file_safe(label))

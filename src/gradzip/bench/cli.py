@@ -1,35 +1,228 @@
 """The ``gradzip bench`` subcommands: ``net`` (emulated network) and ``model`` (timeline model).
 
 ``gradzip.cli`` adds this parser with :func:`add_parser` and hands the parsed arguments
-to :func:`run`; everything else about the benchmarks lives in this package.
+to :func:`run`. Each subcommand runs the library (:mod:`gradzip.bench.emulated`,
+:mod:`gradzip.bench.timeline`), prints its tables (:mod:`gradzip.bench.tables`) and writes
+its results as JSON. Updating docs/benchmarks.md and drawing plots is the job of
+``python -m benchmarks.network``, which takes the same flags plus ``--write`` / ``--plots``.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import GradzipError
+from ..train.config import parse_algos
+from . import emulated, tables, timeline
+from .shapes import model_shapes, resnet50_shapes
+from .units import parse_ints, parse_non_negatives, parse_rates
+
+NET_HELP = "Measure methods on real gloo workers in network namespaces with tc-shaped links (needs root)."
+MODEL_HELP = ("The timeline model of one iteration per method: validate it against `gradzip bench net`, "
+              "then project to large clusters.")
+_MOVED = ("{flag} moved out of the package: run `python -m benchmarks.network {kind} ... {flag}` from a "
+          "source checkout (the installed package writes no docs or plots)")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add ``bench {net,model}`` to the top-level subparsers ``sub``."""
-    from . import model, net
-
     bench = sub.add_parser("bench", help="network benchmarks: emulated links (net), timeline model (model)",
                            description="Network benchmarks. `net` runs real gloo workers in network "
                                        "namespaces with tc-shaped links (needs root); `model` validates "
                                        "the timeline model against them and projects to large clusters.")
     kinds = bench.add_subparsers(dest="bench", required=True, parser_class=type(bench))
-    net.add_arguments(kinds.add_parser("net", help="measure methods on emulated per-worker links (root, tc)",
-                                       description=net.__doc__.split("\n\n")[0]))
-    model.add_arguments(kinds.add_parser("model", help="timeline model: validate, then project to 8-256 workers",
-                                         description=model.__doc__.split("\n\n")[0]))
+    net = kinds.add_parser("net", help="measure methods on emulated per-worker links (root, tc)", description=NET_HELP)
+    add_net_arguments(net)
+    model = kinds.add_parser("model", help="timeline model: validate, then project to 8-256 workers",
+                             description=MODEL_HELP)
+    add_model_arguments(model)
+    for p in (net, model):  # flags that moved to benchmarks/network.py: a one-line pointer
+        p.add_argument("--write", action="store_true", help=argparse.SUPPRESS)
+        if p is model:
+            p.add_argument("--plots", default=None, help=argparse.SUPPRESS)
     return bench
 
 
 def run(args, argv=None) -> int:
     """Run the parsed ``gradzip bench ...`` command; its exit code."""
-    from . import model, net
-
     rest = None
     if argv is not None:
         argv = list(argv)
         rest = argv[argv.index(args.bench) + 1:] if args.bench in argv else argv
-    return (net.main if args.bench == "net" else model.main)(args, rest)
+    for flag, value in (("--write", args.write), ("--plots", getattr(args, "plots", None))):
+        if value:
+            raise GradzipError(_MOVED.format(flag=flag, kind=args.bench))
+    command = f"gradzip bench {args.bench} " + " ".join(rest if rest is not None else sys.argv[3:])
+    (run_net if args.bench == "net" else run_model)(args, command.strip())
+    return 0
+
+
+# ----------------------------------------------------------------------------- net
+
+
+def add_net_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", default="2,4", help="comma-separated worker counts (default: %(default)s)")
+    p.add_argument("--bandwidth", default="100mbit,1gbit,10gbit",
+                   help="comma-separated link rates (bits/s: 100mbit, 1gbit, ...; 'unshaped') (default: %(default)s)")
+    p.add_argument("--latency-ms", default="0",
+                   help="comma-separated one-way worker-to-worker latencies in ms (netem; default: %(default)s)")
+    p.add_argument("--algos", default="ssgd,efsgd@topk:ratio=0.01,bitsgd",
+                   help="methods, METHOD[@CODEC] comma-separated (default: %(default)s)")
+    p.add_argument("--model", default="resnet18:width=32", help="default: %(default)s (2.8M parameters)")
+    p.add_argument("--shape", default="3x32x32", help="synthetic input shape (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help="per worker (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per method (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="steps before them, not measured (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker (default: %(default)s)")
+    p.add_argument("--check-mb", type=float, default=100.0, help="largest shaping-check allreduce (default: %(default)s)")
+    p.add_argument("--out", default="runs/bench-net", help="results.json and logs (default: %(default)s)")
+    p.add_argument("--from", dest="from_results", metavar="RESULTS",
+                   help="run nothing: print the tables of an earlier results.json")
+
+
+def net_bench(args) -> emulated.NetBench:
+    """The :class:`~gradzip.bench.emulated.NetBench` the ``bench net`` flags describe."""
+    latencies = [ms / 1e3 for ms in parse_non_negatives(args.latency_ms, "--latency-ms")]
+    for name, value, low in (("--batch-size", args.batch_size, 1), ("--steps", args.steps, 1),
+                             ("--warmup", args.warmup, 0), ("--threads", args.threads, 1)):
+        if value < low:
+            raise GradzipError(f"{name} must be >= {low}, got {value}")
+    if not args.check_mb > 0:
+        raise GradzipError(f"--check-mb must be > 0, got {args.check_mb}")
+    return emulated.NetBench(workers=parse_ints(args.workers, "--workers", 1), bandwidths=parse_rates(args.bandwidth),
+                             latencies=latencies, algos=parse_algos(args.algos), model=args.model, shape=args.shape,
+                             batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, threads=args.threads,
+                             check_mb=args.check_mb, out=args.out)
+
+
+def run_net(args, command: str) -> dict[str, Any]:
+    """``bench net``: run (or, with ``--from``, read) the emulated-network records, print
+    their tables; the results dict (``command`` is the one recorded in it)."""
+    if args.from_results:
+        path = Path(args.from_results)
+        if not path.exists():
+            raise GradzipError(f"--from {path}: no such file; run `gradzip bench net` first")
+        result = json.loads(path.read_text())
+        out = path
+    else:
+        bench = net_bench(args)
+        result = bench.run(command=command)
+        out = Path(bench.out, "results.json")
+    print("### Shaping check\n")
+    print(tables.check_table(result["records"]) + "\n")
+    print("### Time per iteration (ms, mean over steps; phases: mean over workers)\n")
+    print(tables.time_table(result["records"]) + "\n")
+    print(tables.noise_line(result))
+    print(f"\nresults: {out}")
+    return result
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--measured", metavar="RESULTS",
+                   help="a `gradzip bench net` results.json to validate against (default: none)")
+    p.add_argument("--alpha-us", type=float, default=None,
+                   help="per-message latency alpha in microseconds (default: 100 for the validation, "
+                        "i.e. gloo over veth; 10 for the projection)")
+    p.add_argument("--host-gbit", type=float, default=None,
+                   help="cap on one link's throughput set by this host (validation only; default: none)")
+    p.add_argument("--algos", default=None,
+                   help="methods to project, METHOD[@CODEC] (default: ssgd,efsgd@topk:ratio=0.01,bitsgd,cdsgd)")
+    p.add_argument("--workers", default="8,16,32,64,128,256", help="projection worker counts (default: %(default)s)")
+    p.add_argument("--bandwidth", default="10gbit,25gbit,56gbit,100gbit", help="projection link rates (default: %(default)s)")
+    p.add_argument("--compute-ms", type=float, default=100.0,
+                   help="compute (forward + backward) per iteration in the projection (default: %(default)s, "
+                        "about ResNet-50 at batch 32 on a V100)")
+    p.add_argument("--local-scale", dest="codec_scale", type=float, default=1.0,
+                   help="multiply the codec and update times measured on this machine's CPU (e.g. 0.1 for "
+                        "an accelerator 10x faster at them; default: %(default)s)")
+    p.add_argument("--profile-steps", type=int, default=5,
+                   help="steps of each method profiled per worker count (a period of CD-SGD's k=5; "
+                        "default: %(default)s)")
+    p.add_argument("--profile-max-workers", type=int, default=8,
+                   help="measure codec times at most at this worker count; above it, decoding is scaled "
+                        "by the packets decoded (default: %(default)s)")
+    p.add_argument("--model", default="resnet50",
+                   help="parameter shapes for the projection: resnet50 (25.6M) or a harness model name "
+                        "with --shape (default: %(default)s)")
+    p.add_argument("--shape", default="3x224x224", help="input shape for a harness --model (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads while profiling codecs (default: %(default)s)")
+    p.add_argument("--no-projection", action="store_true", help="only the validation")
+    p.add_argument("--out", default="runs/bench-model.json", help="predictions as JSON (default: %(default)s)")
+
+
+DEFAULT_MODEL_ALGOS = "ssgd,efsgd@topk:ratio=0.01,bitsgd,cdsgd"
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _check_model_args(args) -> None:
+    if args.profile_steps < 1:
+        raise GradzipError(f"--profile-steps must be >= 1, got {args.profile_steps}")
+    if args.profile_max_workers < 1:
+        raise GradzipError(f"--profile-max-workers must be >= 1, got {args.profile_max_workers}")
+    for name, value in (("--compute-ms", args.compute_ms), ("--local-scale", args.codec_scale)):
+        if not (value >= 0 and math.isfinite(value)):
+            raise GradzipError(f"{name} must be a finite number >= 0, got {value}")
+    if args.alpha_us is not None and not args.alpha_us >= 0:
+        raise GradzipError(f"--alpha-us must be >= 0, got {args.alpha_us}")
+    if args.host_gbit is not None and not args.host_gbit > 0:
+        raise GradzipError(f"--host-gbit must be > 0, got {args.host_gbit}")
+    if args.threads < 1:
+        raise GradzipError(f"--threads must be >= 1, got {args.threads}")
+
+
+def run_model(args, command: str) -> dict[str, Any]:
+    """``bench model``: the validation (with ``--measured``) and the projection, their tables
+    printed and the result written to ``--out``; the result dict (``measured`` holds the
+    results file validated against)."""
+    _check_model_args(args)
+    torch.set_num_threads(args.threads)
+    result: dict[str, Any] = {"command": command}
+    if args.measured:
+        path = Path(args.measured)
+        if not path.exists():
+            raise GradzipError(f"--measured {path}: no such file; run `gradzip bench net` first")
+        measured = json.loads(path.read_text())
+        alpha = (100.0 if args.alpha_us is None else args.alpha_us) * 1e-6
+        rows = timeline.validate(measured, alpha, args.host_gbit * 1e9 / 8 if args.host_gbit else None)
+        result["validation"] = rows
+        result["validation_alpha_s"] = alpha
+        print("### Model vs emulated network\n")
+        print(tables.validation_table(rows) + "\n")
+        within = sum(abs(r["error"]) <= timeline.TOLERANCE for r in rows)
+        print(f"{within} of {len(rows)} predictions within {timeline.TOLERANCE:.0%} of the measured iteration time\n")
+    if not args.no_projection:
+        algos = parse_algos(args.algos or DEFAULT_MODEL_ALGOS)
+        workers = parse_ints(args.workers, "--workers", 1)
+        bws = parse_rates(args.bandwidth)
+        if any(b is None for b in bws):
+            raise GradzipError("--bandwidth for the projection needs finite rates")
+        shapes = resnet50_shapes() if args.model == "resnet50" else model_shapes(
+            args.model, [int(s) for s in args.shape.split("x")])
+        alpha = (10.0 if args.alpha_us is None else args.alpha_us) * 1e-6
+        rows = timeline.project(algos, workers, bws, args.compute_ms / 1e3, alpha, args.codec_scale, shapes,
+                                log=_log, time_at_most=args.profile_max_workers, steps=args.profile_steps)
+        result["projection"] = rows
+        result["projection_settings"] = {"model": args.model, "parameters": sum(math.prod(s) for s in shapes),
+                                         "compute_s": args.compute_ms / 1e3, "alpha_s": alpha,
+                                         "codec_scale": args.codec_scale, "threads": args.threads,
+                                         "profile_max_workers": args.profile_max_workers,
+                                         "profile_steps": args.profile_steps}
+        print("### Projection\n")
+        print(tables.codec_table(rows) + "\n")
+        print(tables.projection_table(rows) + "\n")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+    return result

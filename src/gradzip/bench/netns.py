@@ -11,7 +11,7 @@ upload) and on the switch's end (its download), a ``tbf`` of the given rate, wit
 ``netem`` delay of half the one-way latency below it when a latency is asked for. So each
 worker has a link of its own, as in a cluster: a ring collective's steps run in parallel
 on separate links (shaping one shared loopback would cap the *sum* of all workers'
-traffic instead, DESIGN.md). Addresses come from 198.18.0.0/15 (RFC 2544, reserved for
+traffic instead). Addresses come from 198.18.0.0/15 (RFC 2544, reserved for
 network benchmarks) and exist only inside these namespaces; nothing is created in the
 namespace this process runs in.
 
@@ -49,7 +49,7 @@ def address(rank: int) -> str:
     return f"198.{18 + hi // 256}.{hi % 256}.{lo + 1}"
 
 
-def check_available(need_netem: bool = False) -> None:
+def check_available() -> None:
     """Raise :class:`GradzipError` unless this process can build namespaces and shape them."""
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
@@ -147,11 +147,6 @@ class Topology:
         """Prefix a command with this to run it inside worker ``rank``'s namespace."""
         return ["ip", "netns", "exec", self.worker(rank)]
 
-    def tx_bytes(self, rank: int) -> int:
-        """Bytes worker ``rank``'s interface has sent (headers included)."""
-        out = _run("ip", "netns", "exec", self.worker(rank), "cat", f"/sys/class/net/{IFNAME}/statistics/tx_bytes")
-        return int(out.strip())
-
     # -- life cycle ----------------------------------------------------------------------
     def __enter__(self) -> "Topology":
         check_available()
@@ -168,14 +163,19 @@ class Topology:
         self.close()
 
     def _trap_signals(self) -> None:
-        """SIGTERM becomes an exception (so ``finally`` blocks and ``__exit__`` run, as they
-        do for Ctrl-C's KeyboardInterrupt); only possible from the main thread."""
+        """While the namespaces exist, SIGINT raises KeyboardInterrupt and SIGTERM / SIGHUP
+        SystemExit, so ``finally`` blocks and ``__exit__`` run and remove them. SIGINT is
+        trapped too because a process started in the background by a non-interactive shell
+        (or under nohup) inherits it *ignored*, and would then keep its namespaces on Ctrl-C
+        or ``kill -INT``. The previous handlers come back in :meth:`close`. Only possible
+        from the main thread."""
         if threading.current_thread() is not threading.main_thread():
             return
 
         def raise_exit(signum, frame):
             raise SystemExit(128 + signum)
 
+        self._old_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
         for sig in (signal.SIGTERM, signal.SIGHUP):
             self._old_handlers[sig] = signal.signal(sig, raise_exit)
 

@@ -110,7 +110,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     #: harness then evaluates on their average (``--eval-on auto``).
     replicas_differ: bool = False
     #: ``step()`` returns before its exchange finishes: compression and communication of
-    #: step t run while step t+1 computes (OD-SGD, CD-SGD). Timeline models read this.
+    #: step t run while step t+1 computes (OD-SGD, CD-SGD), so step t's update lands a step
+    #: late and ``synchronize()`` waits for it. Part of the method's contract.
     overlaps_exchange: bool = False
 
     def __init_subclass__(cls, **kwargs):

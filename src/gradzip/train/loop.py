@@ -27,6 +27,7 @@ from ..comm import Group
 from ..errors import GradzipError
 from ..trace import Tracer, maybe_span
 from . import checkpoint, data, models
+from .config import method_class
 
 
 @dataclass
@@ -63,9 +64,7 @@ class RunConfig:
 def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOptimizer:
     """The method named ``cfg.algo`` with the common hyper-parameters and its own options;
     an option the method does not take is an error that names the method's options."""
-    if cfg.algo not in optim.METHODS:
-        raise GradzipError(f"unknown method {cfg.algo!r}; valid methods: {', '.join(optim.METHODS)}")
-    cls = optim.METHODS[cfg.algo]
+    cls = method_class(cfg.algo)
     accepted = set(optim.method_options(cls))
     unknown = sorted(set(cfg.options) - accepted)
     if unknown:

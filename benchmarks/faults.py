@@ -1,4 +1,5 @@
-"""Fault injection for the reliability tests and benchmark: kill a worker of a running
+"""Fault injection for the reliability tests (tests/test_elastic.py) and the fault campaign
+(benchmarks/fault_campaign.py), not shipped with the package: kill a worker of a running
 ``torchrun`` job once it has checkpointed, and let the job restart and resume.
 
 :func:`kill_during` starts a command (a ``torchrun ... gradzip.cli train --resume DIR``
@@ -15,8 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import GradzipError
-from ..train import checkpoint
+from gradzip.errors import GradzipError
+from gradzip.train import checkpoint
 
 
 def torchrun_workers(agent_pid: int) -> dict[int, int]:

@@ -1,7 +1,7 @@
-"""``gradzip bench net``: real gloo workers on an emulated cluster network.
+"""The runs behind ``gradzip bench net``: real gloo workers on an emulated cluster network.
 
-For every (worker count, link bandwidth, latency) it builds a :class:`~gradzip.bench.netns.Topology`
-(one network namespace per worker, a bridge in a "switch" namespace, every link shaped
+For every (worker count, link bandwidth, latency) it builds a
+:class:`~gradzip.bench.netns.Topology` (one network namespace per worker, a bridge in a "switch" namespace, every link shaped
 both ways), starts one worker process per namespace (``ip netns exec``; gloo bound to the
 worker's interface with ``GLOO_SOCKET_IFNAME``, ``MASTER_ADDR`` = rank 0's 198.18 address)
 and in them:
@@ -15,54 +15,42 @@ and in them:
    the next compute start), compute, compress (+ decode), communicate (blocked on the
    network), update, and what ran hidden on a background thread.
 
-Results go to ``OUT/results.json`` (``gradzip bench model --measured`` validates against
-it) and as markdown tables to stdout. Only the namespaces' own 198.18.0.0/15 addresses
-carry traffic; every namespace is removed afterwards, also on Ctrl-C.
+:meth:`NetBench.run` returns the merged records as a dict and writes them to
+``OUT/results.json`` (``gradzip bench model --measured`` validates against it). Only the
+namespaces' own 198.18.0.0/15 addresses carry traffic; every namespace is removed
+afterwards, also on Ctrl-C.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
+
+from ..comm import allreduce_wire_bytes, init_from_env
 from ..errors import GradzipError
+from ..train.config import method_label
+from ..train.loop import RunConfig, run_worker
 from . import netns
+from .units import format_rate
 
 #: The shaping check passes when measured / predicted is within this fraction of 1.
 CHECK_TOLERANCE = 0.15
 MASTER_PORT = 29517   # private to each topology's namespaces: no collision possible
 
-_RATE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?)(?:bit|b|bps)?(?:/s)?\s*$", re.I)
 
-
-def parse_rate(text: str) -> float | None:
-    """``"100mbit"``, ``"1gbit"``, ``"10g"``, ``"2.5e9"`` -> bits per second; ``"unshaped"`` -> None."""
-    if text.strip().lower() in ("unshaped", "none", "inf"):
-        return None
-    m = _RATE.match(text)
-    if not m or float(m.group(1)) <= 0:
-        raise GradzipError(f"bad bandwidth {text!r}: give a positive rate such as 100mbit, 1gbit, "
-                           "10gbit (bits per second), or 'unshaped'")
-    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2).lower()]
-
-
-def format_rate(bps: float | None) -> str:
-    if bps is None:
-        return "unshaped"
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bps >= scale:
-            v = bps / scale
-            return f"{v:g} {unit}"
-    return f"{bps:g} bit/s"
+def _log(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def check_bytes(bandwidth_bps: float | None, workers: int, target_s: float = 0.5,
@@ -123,8 +111,6 @@ def _tx_bytes() -> int:
 
 
 def _shaping_check(comm, nbytes: int, repeats: int) -> list[dict[str, float]]:
-    import torch
-
     x = torch.ones(nbytes // 4)
     comm.allreduce(torch.ones(1 << 16))  # connections up
     out = []
@@ -139,27 +125,41 @@ def _shaping_check(comm, nbytes: int, repeats: int) -> list[dict[str, float]]:
 
 
 def worker_main(spec_path: str, rank: int) -> None:
-    """What each worker process runs (inside its namespace)."""
-    spec = json.loads(Path(spec_path).read_text())
-    import torch
-    import torch.distributed as dist
+    """What each worker process runs (inside its namespace); never returns.
 
-    from ..comm import init_from_env
-    from ..train.loop import RunConfig, run_worker
+    It leaves with ``os._exit`` once its results are written and the process group is
+    destroyed: the interpreter's finalisation can abort in torch's C++ threads
+    ("terminate called without an active exception", SIGABRT; the CLI does the same
+    under torchrun), which would fail a finished benchmark. An error prints its
+    traceback to the worker's log and exits 1."""
+    code = 1
+    try:
+        _work(json.loads(Path(spec_path).read_text()), rank)
+        code = 0
+    except BaseException:  # the parent reads the worker's log, this traceback included
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
+
+def _work(spec: dict[str, Any], rank: int) -> None:
     torch.set_num_threads(spec["threads"])
     comm = init_from_env(timeout_s=spec["timeout_s"])
-    out: dict[str, Any] = {"rank": rank, "world_size": comm.world_size}
-    if spec["check_bytes"]:
-        out["check"] = _shaping_check(comm, spec["check_bytes"], spec["check_repeats"])
-    runs = []
-    for cfg in spec["configs"]:
-        result = run_worker(comm, RunConfig(**cfg))
-        summary = result["summary"]
-        runs.append({"summary": summary, "steps": step_breakdown(result["trace"], spec["warmup"])})
-    out["runs"] = runs
-    Path(spec["out_dir"], f"rank{rank}.json").write_text(json.dumps(out))
-    dist.destroy_process_group()
+    try:
+        out: dict[str, Any] = {"rank": rank, "world_size": comm.world_size}
+        if spec["check_bytes"]:
+            out["check"] = _shaping_check(comm, spec["check_bytes"], spec["check_repeats"])
+        runs = []
+        for cfg in spec["configs"]:
+            result = run_worker(comm, RunConfig(**cfg))
+            runs.append({"summary": result["summary"], "steps": step_breakdown(result["trace"], spec["warmup"])})
+        out["runs"] = runs
+        Path(spec["out_dir"], f"rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -186,20 +186,18 @@ class NetBench:
     seed: int = 0
 
     def configs(self, n: int) -> list[dict[str, Any]]:
-        from ..train.loop import RunConfig
-
         total = self.warmup + self.steps
         dataset = f"synthetic:n={n * self.batch_size * total},test=64,shape={self.shape},classes=10"
         cfgs = []
         for algo, codec in self.algos:
             options = {"compressor": codec} if codec else {}
-            cfg = RunConfig(algo=algo, options=options, label=algo + (f"@{codec}" if codec else ""),
+            cfg = RunConfig(algo=algo, options=options, label=method_label(algo, codec),
                             dataset=dataset, model=self.model, epochs=1, batch_size=self.batch_size,
                             lr=0.01, seed=self.seed, trace=True, eval_on="local", progress=False)
             cfgs.append(dataclasses.asdict(cfg))
         return cfgs
 
-    def run_one(self, n: int, bandwidth: float | None, latency: float, log=print) -> dict[str, Any]:
+    def run_one(self, n: int, bandwidth: float | None, latency: float) -> dict[str, Any]:
         """One topology: the shaping check and every method; the per-rank outputs merged."""
         out_dir = Path(self.out, f"n{n}-{format_rate(bandwidth).replace(' ', '').replace('/', '')}-lat{latency * 1e3:g}ms")
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -222,7 +220,7 @@ class NetBench:
                                OMP_NUM_THREADS=str(self.threads), CUDA_VISIBLE_DEVICES="")
                     cmd = topo.exec_prefix(rank) + [
                         sys.executable, "-c",
-                        f"from gradzip.bench.net import worker_main; worker_main({str(spec_path.resolve())!r}, {rank})"]
+                        f"from gradzip.bench.emulated import worker_main; worker_main({str(spec_path.resolve())!r}, {rank})"]
                     log_file = open(out_dir / f"rank{rank}.log", "w")
                     procs.append((subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT), log_file))
                 self._wait(procs, out_dir)
@@ -257,14 +255,13 @@ class NetBench:
                                    f"(logs in {out_dir})")
             time.sleep(0.1)
 
-    def run(self, log=print, command: str = "") -> dict[str, Any]:
+    def run(self, log: Callable[[str], None] = _log, command: str = "") -> dict[str, Any]:
         netns.check_available()
         records = []
         for n in self.workers:
             for bandwidth in self.bandwidths:
                 for latency in self.latencies:
-                    log(f"[bench net] {n} workers, {format_rate(bandwidth)} links, latency {latency * 1e3:g} ms ...",
-                        file=sys.stderr)
+                    log(f"[bench net] {n} workers, {format_rate(bandwidth)} links, latency {latency * 1e3:g} ms ...")
                     records.append(self.run_one(n, bandwidth, latency))
         result = {"command": command, "host": host_info(), "settings": {k: v for k, v in dataclasses.asdict(self).items()},
                   "records": records}
@@ -274,8 +271,6 @@ class NetBench:
 
 
 def host_info() -> dict[str, Any]:
-    import torch
-
     return {"torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
             "machine": platform.machine(), "kernel": platform.release(),
             "loadavg": list(os.getloadavg())}
@@ -293,8 +288,6 @@ def merge(ranks: list[dict], n: int, bandwidth: float | None, latency: float, nb
     besides the network)."""
     record: dict[str, Any] = {"workers": n, "bandwidth_bps": bandwidth, "latency_s": latency}
     if nbytes:
-        from ..comm import allreduce_wire_bytes
-
         times = [max(r["check"][i]["seconds"] for r in ranks) for i in range(len(ranks[0]["check"]))]
         iface = statistics.median(r["check"][i]["interface_bytes"] for r in ranks for i in range(len(times)))
         counted = allreduce_wire_bytes(nbytes, n)
@@ -328,140 +321,3 @@ def merge(ranks: list[dict], n: int, bandwidth: float | None, latency: float, nb
         })
     record["runs"] = runs
     return record
-
-
-# ----------------------------------------------------------------------------- reporting
-
-
-def check_table(records: list[dict]) -> str:
-    lines = ["| workers | link | allreduce MB | counted wire MB | interface MB (+headers) | predicted ms | measured ms (median) | measured / predicted | within 15% | fastest repeat / predicted |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]
-    for r in records:
-        c = r.get("check")
-        if not c:
-            continue
-        if c["predicted_s"] is None:  # unshaped: what this host carries at most
-            lines.append(f"| {r['workers']} | unshaped | {c['bytes'] / 1e6:.1f} | {c['counted_wire_bytes'] / 1e6:.1f} | "
-                         f"{c['interface_bytes'] / 1e6:.1f} | – | {c['measured_s'] * 1e3:.0f} | host ceiling "
-                         f"{c['counted_wire_bytes'] * 8 / c['measured_s'] / 1e9:.2f} Gbit/s per link | – | – |")
-            continue
-        lines.append(f"| {r['workers']} | {format_rate(r['bandwidth_bps'])} | {c['bytes'] / 1e6:.1f} | "
-                     f"{c['counted_wire_bytes'] / 1e6:.1f} | {c['interface_bytes'] / 1e6:.1f} "
-                     f"({c['interface_bytes'] / c['counted_wire_bytes'] - 1:+.1%}) | {c['predicted_s'] * 1e3:.0f} | "
-                     f"{c['measured_s'] * 1e3:.0f} | {c['ratio']:.3f} | {'yes' if c['ok'] else '**no**'} | "
-                     f"{min(c['all_s']) / c['predicted_s']:.3f} |")
-    return "\n".join(lines)
-
-
-def time_table(records: list[dict]) -> str:
-    lines = ["| workers | link | method | iteration ms | compute | compress | communicate | update + loop | hidden (bg) | MB sent / step | speedup vs ssgd |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in records:
-        base = next((x["iteration_s"] for x in r["runs"] if x["algo"] == "ssgd"), None)
-        for x in r["runs"]:
-            hidden = x["hidden_compress_s"] + x["hidden_communicate_s"] + x.get("hidden_other_s", 0.0)
-            lines.append(
-                f"| {r['workers']} | {format_rate(r['bandwidth_bps'])} | `{x['algo']}` | {x['iteration_s'] * 1e3:.0f} | "
-                f"{x['compute_s'] * 1e3:.0f} | {x['compress_s'] * 1e3:.0f} | {x['communicate_s'] * 1e3:.0f} | "
-                f"{(x['update_s'] + x['loop_s']) * 1e3:.0f} | {hidden * 1e3:.0f} | {x['bytes_per_step'] / 1e6:.2f} | "
-                f"{(base / x['iteration_s']) if base else float('nan'):.2f} |")
-    return "\n".join(lines)
-
-
-def noise_line(result: dict) -> str:
-    cvs = [x["compute_cv"] for r in result["records"] for x in r["runs"]]
-    h = result["host"]
-    return (f"torch {h['torch']}, {h['cpus']} CPUs, kernel {h['kernel']}; load average {h['loadavg'][0]:.1f} "
-            f"at the end (other jobs share this machine). Compute time per step varied between steps "
-            f"by a coefficient of variation of {statistics.median(cvs):.0%} (median over runs; "
-            f"max {max(cvs):.0%}).")
-
-
-def parse_algos(text: str) -> list[tuple[str, str | None]]:
-    from ..cli import parse_algos as parse
-
-    return parse(text)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", default="2,4", help="comma-separated worker counts (default: %(default)s)")
-    p.add_argument("--bandwidth", default="100mbit,1gbit,10gbit",
-                   help="comma-separated link rates (bits/s: 100mbit, 1gbit, ...; 'unshaped') (default: %(default)s)")
-    p.add_argument("--latency-ms", default="0",
-                   help="comma-separated one-way worker-to-worker latencies in ms (netem; default: %(default)s)")
-    p.add_argument("--algos", default="ssgd,efsgd@topk:ratio=0.01,bitsgd",
-                   help="methods, METHOD[@CODEC] comma-separated (default: %(default)s)")
-    p.add_argument("--model", default="resnet18:width=32", help="default: %(default)s (2.8M parameters)")
-    p.add_argument("--shape", default="3x32x32", help="synthetic input shape (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=8, help="per worker (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=8, help="measured steps per method (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=2, help="steps before them, not measured (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker (default: %(default)s)")
-    p.add_argument("--check-mb", type=float, default=100.0, help="largest shaping-check allreduce (default: %(default)s)")
-    p.add_argument("--out", default="runs/bench-net", help="results.json and logs (default: %(default)s)")
-    p.add_argument("--write", action="store_true", help="update docs/benchmarks.md's 'Emulated network' section")
-    p.add_argument("--from", dest="from_results", metavar="RESULTS",
-                   help="run nothing: print (and with --write, write) the tables of an earlier results.json")
-
-
-def _ints(text: str, what: str, low: int) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < low:
-        raise GradzipError(f"{what} must be comma-separated integers >= {low}, got {text!r}")
-    return values
-
-
-def from_args(args) -> NetBench:
-    latencies = []
-    for v in args.latency_ms.split(","):
-        try:
-            lat = float(v)
-        except ValueError:
-            lat = -1.0
-        if not lat >= 0:
-            raise GradzipError(f"--latency-ms must be comma-separated numbers >= 0, got {args.latency_ms!r}")
-        latencies.append(lat / 1e3)
-    for name, value, low in (("--batch-size", args.batch_size, 1), ("--steps", args.steps, 1),
-                             ("--warmup", args.warmup, 0), ("--threads", args.threads, 1)):
-        if value < low:
-            raise GradzipError(f"{name} must be >= {low}, got {value}")
-    if not args.check_mb > 0:
-        raise GradzipError(f"--check-mb must be > 0, got {args.check_mb}")
-    return NetBench(workers=_ints(args.workers, "--workers", 1),
-                    bandwidths=[parse_rate(b) for b in args.bandwidth.split(",") if b.strip()],
-                    latencies=latencies, algos=parse_algos(args.algos), model=args.model, shape=args.shape,
-                    batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, threads=args.threads,
-                    check_mb=args.check_mb, out=args.out)
-
-
-def command_line(argv: list[str] | None) -> str:
-    return "gradzip bench net " + " ".join(argv if argv is not None else sys.argv[3:])
-
-
-def main(args, argv: list[str] | None = None) -> int:
-    if args.from_results:
-        path = Path(args.from_results)
-        if not path.exists():
-            raise GradzipError(f"--from {path}: no such file; run `gradzip bench net` first")
-        result = json.loads(path.read_text())
-        command = result.get("command", "gradzip bench net (command not recorded)")
-        out = path
-    else:
-        bench = from_args(args)
-        command = command_line(argv)
-        result = bench.run(log=print, command=command)
-        out = Path(bench.out, "results.json")
-    print("### Shaping check\n")
-    print(check_table(result["records"]) + "\n")
-    print("### Time per iteration (ms, mean over steps; phases: mean over workers)\n")
-    print(time_table(result["records"]) + "\n")
-    print(noise_line(result))
-    print(f"\nresults: {out}")
-    if args.write:
-        from .report import write_net_section
-
-        write_net_section(result, command)
-    return 0

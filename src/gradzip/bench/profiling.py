@@ -1,0 +1,189 @@
+"""What a method does per step, measured by running it: :func:`profile_method` runs the
+method's own ``step()`` (any class in ``gradzip.optim.METHODS``) on a
+:class:`RecordingGroup`, a world of ``n`` that records every collective instead of sending
+it, and times its codec work (``optimizer.timings.compress_s``) and the rest of the step
+on this machine. So a method added later is modelled without changes to the benchmarks.
+
+What the profile reads from the method is its public contract: ``step()``, ``timings``,
+``tracer``, the step counter ``steps``, the class attribute ``overlaps_exchange`` (the
+exchange of step t runs while step t+1 computes) with ``synchronize()`` (wait for it),
+and ``close()`` where a method has a background thread to stop.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..comm.base import Group, Work
+from ..trace import Tracer
+from ..train.config import method_class
+from .costs import collective_time
+
+
+class _DryRun(Exception):
+    """Raised by a dry :class:`RecordingGroup` when a step waits for a collective."""
+
+
+class RecordingGroup(Group):
+    """A world of ``world_size`` seen from rank 0 that sends nothing: every collective is
+    recorded as ``(kind, payload bytes)`` and completes at once as if every worker had
+    contributed this worker's tensor (allreduce: the tensor itself; allgather: ``n``
+    copies). Byte counting is the base class's, as for a real group. ``dry=True``: waiting
+    on a collective raises :class:`_DryRun` instead (sizes only, no decoding)."""
+
+    def __init__(self, world_size: int, rank: int = 0, dry: bool = False):
+        super().__init__()
+        self.world_size, self.rank, self.dry = int(world_size), int(rank), dry
+        self.calls: list[tuple[str, int]] = []
+        self._family = [self]
+
+    def new_group(self) -> "RecordingGroup":
+        """Another group of the same workers; its collectives go to the same record."""
+        child = RecordingGroup(self.world_size, self.rank, self.dry)
+        child.calls = self.calls
+        child._family = self._family
+        self._family.append(child)
+        return child
+
+    def total_bytes(self) -> int:
+        """Bytes counted by this group and the groups made from it."""
+        return sum(g.bytes_sent for g in self._family)
+
+    def _done(self, result, nbytes):
+        if self.dry:
+            def fail():
+                raise _DryRun()
+            return Work(fail, nbytes)
+        return Work.completed(result, nbytes)
+
+    def _allreduce(self, tensor, nbytes):
+        self.calls.append(("allreduce", tensor.numel() * tensor.element_size()))
+        return self._done(tensor, nbytes)
+
+    def _allgather(self, tensor, nbytes):
+        self.calls.append(("allgather", tensor.numel() * tensor.element_size()))
+        return self._done(tensor.unsqueeze(0).expand(self.world_size, *tensor.shape), nbytes)
+
+    def _broadcast(self, tensor, src, nbytes):
+        self.calls.append(("broadcast", tensor.numel() * tensor.element_size()))
+        return self._done(tensor, nbytes)
+
+    def allgather_control(self, tensor):
+        """Answered locally, unrecorded: the model leaves out the few bytes and the latency
+        of a method's coordination (settings digest, non-finite agreement)."""
+        return tensor.unsqueeze(0).expand(self.world_size, *tensor.shape).clone()
+
+
+@dataclass
+class MethodProfile:
+    """What one method does per step, for ``n`` workers (means over the profiled steps)."""
+
+    label: str
+    workers: int
+    overlaps: bool
+    calls: list[list[tuple[str, int]]]   # per profiled step: (kind, payload bytes) per collective
+    wire_bytes_per_step: float           # what the group counted (ring bytes), mean per step
+    compress_s: float                    # codec work per step (compress + decode), measured here
+    update_s: float                      # the rest of step(), measured here
+    decode_s: float = 0.0                # the decoding part of compress_s
+    timed_at: int = 0                    # worker count the times were measured at
+
+    def comm_time(self, bandwidth_Bps: float, alpha_s: float) -> float:
+        """Mean network seconds per step."""
+        return statistics.fmean(sum(collective_time(k, b, self.workers, bandwidth_Bps, alpha_s) for k, b in step)
+                                for step in self.calls)
+
+
+def _parameters(shapes: Sequence[tuple[int, ...]], seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, generator=g) * 0.05)
+        p.grad = torch.randn(shape, generator=g) * 0.01
+        params.append(p)
+    return params
+
+
+def _steps(algo, options, shapes, workers, steps, warmup, dry=False):
+    """Run a method's ``step()`` on a recording group: per measured step its collectives,
+    wire bytes, codec seconds (compress + decode, wherever they ran), decode seconds and
+    the rest of the time ``step()`` held the training thread. A method that exchanges in
+    the background is waited for (its ``synchronize()``) after each step, outside the
+    timing. Dry: every step on a fresh optimizer whose step counter is set to ``t - 1``
+    (so periodic steps come out right), its collectives sized but never decoded."""
+    cls = method_class(algo)
+    params = _parameters(shapes)
+    grads = [p.grad.clone() for p in params]
+
+    def make():
+        group = RecordingGroup(workers, dry=dry)
+        opt = cls(params, lr=0.01, comm=group, **options)
+        opt.tracer = Tracer()
+        return group, opt
+
+    group, opt = make()
+    calls, compress, decode, update, sent = [], [], [], [], []
+    for i in range(warmup + steps):
+        if dry:
+            group, opt = make()
+            opt.steps = i
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        group.calls.clear()
+        opt.tracer.events = []
+        before, b0 = opt.timings, group.total_bytes()
+        t0 = time.perf_counter()
+        try:
+            opt.step()
+        except _DryRun:
+            pass
+        elapsed = time.perf_counter() - t0
+        try:
+            getattr(opt, "synchronize", lambda: None)()  # overlapping methods: finish step t
+        except _DryRun:
+            pass
+        after = opt.timings
+        if i >= warmup:
+            calls.append(list(group.calls))
+            compress.append(after.compress_s - before.compress_s)
+            decode.append(sum(e["dur"] for e in opt.tracer.events if e["name"] == "decode") / 1e6)
+            update.append(max(0.0, elapsed - (after.inline_compress_s - before.inline_compress_s)
+                              - (after.wait_s - before.wait_s)))
+            sent.append(group.total_bytes() - b0)
+        if dry:
+            # a method with a background thread stops it in close() (or when collected)
+            getattr(opt, "close", lambda: None)()
+    return cls, calls, statistics.fmean(sent), statistics.median(compress), statistics.median(decode), \
+        statistics.median(update)
+
+
+_TIMED: dict = {}  # timing runs by (method, options, shapes, workers, steps, warmup), reused above the cap
+
+
+def profile_method(algo: str, options: dict[str, Any], shapes: Sequence[tuple[int, ...]], workers: int, *,
+                   steps: int = 2, warmup: int = 1, label: str | None = None,
+                   time_at_most: int | None = None) -> MethodProfile:
+    """Run ``steps`` (after ``warmup``) of method ``algo``'s own ``step()`` on parameters of
+    ``shapes`` with random gradients, on a :class:`RecordingGroup` of ``workers``.
+
+    ``time_at_most``: above this worker count, times are measured at that count and the
+    collectives sized by a dry run at ``workers`` (no decoding; only the collectives a step
+    issues before it first waits for one); decoding time is scaled by the number of packets decoded
+    (``n`` for an allgather, 1 for an allreduce)."""
+    n_t = workers if time_at_most is None else max(1, min(workers, time_at_most))
+    key = (algo, tuple(sorted((k, str(v)) for k, v in options.items())), tuple(map(tuple, shapes)), n_t, steps, warmup)
+    if key not in _TIMED:
+        _TIMED[key] = _steps(algo, options, shapes, n_t, steps, warmup)
+    cls, calls, sent, compress, decode, update = _TIMED[key]
+    if n_t != workers:
+        gathers_t = any(k == "allgather" for step in calls for k, _ in step)
+        _, calls, sent, _, _, _ = _steps(algo, options, shapes, workers, steps, 0, dry=True)
+        gathers = any(k == "allgather" for step in calls for k, _ in step)
+        scaled = decode * (workers if gathers else 1) / (n_t if gathers_t else 1)
+        compress, decode = compress - decode + scaled, scaled
+    return MethodProfile(label or algo, workers, bool(getattr(cls, "overlaps_exchange", False)), calls,
+                         sent, compress, update, decode, n_t)

@@ -1,0 +1,99 @@
+"""What ``gradzip bench`` prints: the records of :mod:`gradzip.bench.emulated` and the rows
+of :mod:`gradzip.bench.timeline` as markdown tables (the command's own output; the prose
+and plots of docs/benchmarks.md are written by ``benchmarks/network.py``)."""
+from __future__ import annotations
+
+import statistics
+
+from .timeline import TOLERANCE
+from .units import format_rate
+
+
+def check_table(records: list[dict]) -> str:
+    """The shaping check of every topology (shaped: against the prediction; unshaped: the host's ceiling)."""
+    lines = ["| workers | link | allreduce MB | counted wire MB | interface MB (+headers) | predicted ms | measured ms (median) | measured / predicted | within 15% | fastest repeat / predicted |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in records:
+        c = r.get("check")
+        if not c:
+            continue
+        if c["predicted_s"] is None:  # unshaped: what this host carries at most
+            lines.append(f"| {r['workers']} | unshaped | {c['bytes'] / 1e6:.1f} | {c['counted_wire_bytes'] / 1e6:.1f} | "
+                         f"{c['interface_bytes'] / 1e6:.1f} | – | {c['measured_s'] * 1e3:.0f} | host ceiling "
+                         f"{c['counted_wire_bytes'] * 8 / c['measured_s'] / 1e9:.2f} Gbit/s per link | – | – |")
+            continue
+        lines.append(f"| {r['workers']} | {format_rate(r['bandwidth_bps'])} | {c['bytes'] / 1e6:.1f} | "
+                     f"{c['counted_wire_bytes'] / 1e6:.1f} | {c['interface_bytes'] / 1e6:.1f} "
+                     f"({c['interface_bytes'] / c['counted_wire_bytes'] - 1:+.1%}) | {c['predicted_s'] * 1e3:.0f} | "
+                     f"{c['measured_s'] * 1e3:.0f} | {c['ratio']:.3f} | {'yes' if c['ok'] else '**no**'} | "
+                     f"{min(c['all_s']) / c['predicted_s']:.3f} |")
+    return "\n".join(lines)
+
+
+def time_table(records: list[dict]) -> str:
+    """Time per iteration and its phases, per topology and method."""
+    lines = ["| workers | link | method | iteration ms | compute | compress | communicate | update + loop | hidden (bg) | MB sent / step | speedup vs ssgd |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in records:
+        base = next((x["iteration_s"] for x in r["runs"] if x["algo"] == "ssgd"), None)
+        for x in r["runs"]:
+            hidden = x["hidden_compress_s"] + x["hidden_communicate_s"] + x.get("hidden_other_s", 0.0)
+            lines.append(
+                f"| {r['workers']} | {format_rate(r['bandwidth_bps'])} | `{x['algo']}` | {x['iteration_s'] * 1e3:.0f} | "
+                f"{x['compute_s'] * 1e3:.0f} | {x['compress_s'] * 1e3:.0f} | {x['communicate_s'] * 1e3:.0f} | "
+                f"{(x['update_s'] + x['loop_s']) * 1e3:.0f} | {hidden * 1e3:.0f} | {x['bytes_per_step'] / 1e6:.2f} | "
+                f"{(base / x['iteration_s']) if base else float('nan'):.2f} |")
+    return "\n".join(lines)
+
+
+def noise_line(result: dict) -> str:
+    """One sentence on the host and how much compute time varied between steps."""
+    cvs = [x["compute_cv"] for r in result["records"] for x in r["runs"]]
+    h = result["host"]
+    return (f"torch {h['torch']}, {h['cpus']} CPUs, kernel {h['kernel']}; load average {h['loadavg'][0]:.1f} "
+            f"at the end (other jobs share this machine). Compute time per step varied between steps "
+            f"by a coefficient of variation of {statistics.median(cvs):.0%} (median over runs; "
+            f"max {max(cvs):.0%}).")
+
+
+def validation_table(rows: list[dict]) -> str:
+    """Predicted vs measured iteration time, one row per shaped run."""
+    lines = ["| workers | link | method | measured ms | predicted ms | error | local work ms | network ms (model) | blocked on network ms (measured) | MB / step measured = model |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        same = "yes" if abs(r["bytes_measured"] - r["bytes_model"]) < 1 else f"**no** ({r['bytes_model'] / 1e6:.3f})"
+        flag = "" if abs(r["error"]) <= TOLERANCE else f" **>{TOLERANCE:.0%}**"
+        lines.append(f"| {r['workers']} | {format_rate(r['bandwidth_bps'])} | `{r['algo']}` | {r['measured_s'] * 1e3:.0f} | "
+                     f"{r['predicted_s'] * 1e3:.0f} | {r['error']:+.1%}{flag} | {r['local_s'] * 1e3:.0f} | "
+                     f"{r['communicate_model_s'] * 1e3:.0f} | {r['communicate_measured_s'] * 1e3:.0f} | "
+                     f"{r['bytes_measured'] / 1e6:.3f} {same} |")
+    return "\n".join(lines)
+
+
+def projection_table(rows: list[dict]) -> str:
+    """Predicted iteration time (speedup over the first method) per worker count and link."""
+    algos = list(dict.fromkeys(r["algo"] for r in rows))
+    head = " | ".join(f"`{a}` ms (speedup)" for a in algos)
+    lines = [f"| workers | link | {head} |", "|---:|---|" + "---:|" * len(algos)]
+    keys = list(dict.fromkeys((r["workers"], r["bandwidth_bps"]) for r in rows))
+    for n, bw in keys:
+        cells = []
+        for a in algos:
+            r = next(x for x in rows if x["workers"] == n and x["bandwidth_bps"] == bw and x["algo"] == a)
+            cells.append(f"{r['iteration_s'] * 1e3:.0f} ({r['speedup']:.2f}×)")
+        lines.append(f"| {n} | {format_rate(bw)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def codec_table(rows: list[dict]) -> str:
+    """Per method and worker count: codec and update time, bytes on the wire, overlap."""
+    seen, lines = set(), ["| method | workers | compress + decode ms (measured here) | update ms | MB on the wire / step / worker | overlaps exchange |",
+                          "|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        key = (r["algo"], r["workers"])
+        if key in seen:
+            continue
+        seen.add(key)
+        lines.append(f"| `{r['algo']}` | {r['workers']} | {r['compress_s'] * 1e3:.0f} | {r['update_s'] * 1e3:.0f} | "
+                     f"{r['wire_bytes_per_step'] / 1e6:.2f} | {'yes' if r['overlaps'] else 'no'} |")
+    return "\n".join(lines)

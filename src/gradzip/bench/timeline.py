@@ -1,0 +1,156 @@
+"""The timeline model of one training iteration per method, its validation against the
+emulated network and its projection to large clusters.
+
+**Iteration** (:func:`timeline`): the spans of one steady-state iteration on two tracks
+(the training thread, a background exchange); its period is
+
+* ``compute + compress + communicate + update`` for a method that exchanges inside
+  ``step()`` (S-SGD, EF-SGD, BIT-SGD, ...);
+* ``max(compute, compress + communicate) + update`` for one that overlaps the exchange
+  with the next step's computation (``overlaps_exchange``: OD-SGD, CD-SGD): the max, not
+  the sum.
+
+The network time is the alpha-beta model of :mod:`gradzip.bench.costs`, applied to the
+collectives the method's own ``step()`` issues (:mod:`gradzip.bench.profiling`).
+
+:func:`validate` compares the model with a ``gradzip bench net`` results file: compute,
+codec and update times are the ones measured in those very runs (the slowest worker's,
+per step), the network time is the model's; the prediction should be within
+:data:`TOLERANCE` of the measured iteration. :func:`project` predicts the iteration time of
+each method for many worker counts and link rates (a ResNet-50-sized model by default,
+:mod:`gradzip.bench.shapes`) with codec times measured on this machine. Both return rows
+(dicts); rendering them is the caller's (``gradzip bench model``, ``benchmarks/``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..train.config import method_label
+from .profiling import MethodProfile, profile_method
+from .shapes import model_shapes, resnet50_shapes
+
+#: Predicted iteration time must be within this fraction of the measured one.
+TOLERANCE = 0.15
+
+
+@dataclass
+class Timeline:
+    """One steady-state iteration: spans ``(phase, track, start, end)`` and its period."""
+
+    spans: list[tuple[str, str, float, float]] = field(default_factory=list)
+    period: float = 0.0
+
+
+def timeline(compute: float, compress: float, communicate: float, update: float, overlaps: bool) -> Timeline:
+    """The event model of one iteration. Without overlap every phase is on the training
+    thread, one after the other. With overlap the exchange of step t (compress, then the
+    collectives) runs on a background track while step t+1 computes; the next step's
+    update waits for both, so the period is ``max(compute, compress + communicate) + update``."""
+    t = Timeline()
+    if not overlaps:
+        clock = 0.0
+        for phase, seconds in (("compute", compute), ("compress", compress),
+                               ("communicate", communicate), ("update", update)):
+            t.spans.append((phase, "main", clock, clock + seconds))
+            clock += seconds
+        t.period = clock
+        return t
+    t.spans.append(("compute", "main", 0.0, compute))
+    t.spans.append(("compress", "exchange", 0.0, compress))
+    t.spans.append(("communicate", "exchange", compress, compress + communicate))
+    ready = max(compute, compress + communicate)
+    t.spans.append(("update", "main", ready, ready + update))
+    t.period = ready + update
+    return t
+
+
+def predict(profile: MethodProfile, compute: float, bandwidth_Bps: float, alpha_s: float,
+            codec_scale: float = 1.0) -> dict[str, float]:
+    """Predicted phases and iteration time of ``profile`` at ``bandwidth_Bps``; the times
+    measured on this machine (codec, update) are multiplied by ``codec_scale``."""
+    comm = profile.comm_time(bandwidth_Bps, alpha_s)
+    compress, update = profile.compress_s * codec_scale, profile.update_s * codec_scale
+    tl = timeline(compute, compress, comm, update, profile.overlaps)
+    return {"iteration": tl.period, "compute": compute, "compress": compress, "communicate": comm,
+            "update": update}
+
+
+def host_ceilings(measured: dict[str, Any]) -> dict[int, float]:
+    """Bytes/s one link carries at most on this host, per worker count: the ring bytes of
+    the unshaped runs' check allreduce over its time (none without unshaped runs)."""
+    out = {}
+    for record in measured["records"]:
+        check = record.get("check")
+        if record["bandwidth_bps"] is None and check:
+            out[record["workers"]] = check["counted_wire_bytes"] / check["measured_s"]
+    return out
+
+
+def validate(measured: dict[str, Any], alpha_s: float, host_Bps: float | None = None) -> list[dict[str, Any]]:
+    """Predicted vs measured iteration time for every shaped run of a ``bench net``
+    results file. Compute, codec and update come from the run itself (the slowest
+    worker's local work per step, mean over steps); the network time from the model,
+    with the collectives the method's own ``step()`` issues on a recording group. The link
+    rate is capped at ``host_Bps``, by default what an unshaped run of as many workers
+    achieved (:func:`host_ceilings`): this host's own limit."""
+    settings = measured["settings"]
+    shape = [int(s) for s in str(settings["shape"]).lower().split("x")]
+    shapes = model_shapes(settings["model"], shape)
+    rows, profiles = [], {}
+    ceilings = host_ceilings(measured) if host_Bps is None else {}
+    for record in measured["records"]:
+        if record["bandwidth_bps"] is None or record["workers"] < 2:
+            continue
+        n = record["workers"]
+        bandwidth = record["bandwidth_bps"] / 8
+        host = host_Bps or ceilings.get(n)
+        if host:
+            bandwidth = min(bandwidth, host)
+        alpha = alpha_s + record["latency_s"]
+        for run in record["runs"]:
+            key = (run["method"], tuple(sorted(run["options"].items())), n)
+            if key not in profiles:
+                profiles[key] = profile_method(run["method"], dict(run["options"]), shapes, n,
+                                               steps=5, warmup=0, label=run["algo"])
+            prof = profiles[key]
+            comm = prof.comm_time(bandwidth, alpha)
+            local = run["critical_local_s"]
+            if prof.overlaps:
+                predicted = max(local, run["hidden_compress_s"] + run.get("hidden_other_s", 0.0) + comm)
+            else:
+                predicted = local + comm
+            rows.append({"workers": n, "bandwidth_bps": record["bandwidth_bps"], "latency_s": record["latency_s"],
+                         "algo": run["algo"], "overlaps": prof.overlaps,
+                         "measured_s": run["iteration_s"], "predicted_s": predicted,
+                         "local_s": local, "communicate_model_s": comm, "model_Bps": bandwidth,
+                         "communicate_measured_s": run["communicate_s"],
+                         "bytes_measured": run["bytes_per_step"], "bytes_model": prof.wire_bytes_per_step,
+                         "error": predicted / run["iteration_s"] - 1})
+    return rows
+
+
+def project(algos: Sequence[tuple[str, str | None]], workers: Sequence[int], bandwidths_bps: Sequence[float],
+            compute_s: float, alpha_s: float, codec_scale: float = 1.0, shapes=None, steps: int = 5,
+            log: Callable[[str], None] | None = None, time_at_most: int | None = 8) -> list[dict[str, Any]]:
+    """Predicted iteration time of each method for every (workers, bandwidth)."""
+    shapes = shapes or resnet50_shapes()
+    rows = []
+    for n in workers:
+        for algo, codec in algos:
+            options = {"compressor": codec} if codec else {}
+            label = method_label(algo, codec)
+            if log:
+                log(f"[bench model] profiling {label} for {n} workers ...")
+            prof = profile_method(algo, options, shapes, n, steps=steps, warmup=0, label=label,
+                                  time_at_most=time_at_most)
+            for bw in bandwidths_bps:
+                p = predict(prof, compute_s, bw / 8, alpha_s, codec_scale)
+                rows.append({"workers": n, "bandwidth_bps": bw, "algo": label, "overlaps": prof.overlaps,
+                             "timed_at": prof.timed_at, "decode_s": prof.decode_s * codec_scale,
+                             "wire_bytes_per_step": prof.wire_bytes_per_step, **{f"{k}_s": v for k, v in p.items()}})
+    for r in rows:
+        base = next(x for x in rows if x["workers"] == r["workers"] and x["bandwidth_bps"] == r["bandwidth_bps"]
+                    and x["algo"] == rows[0]["algo"])
+        r["speedup"] = base["iteration_s"] / r["iteration_s"]
+    return rows
