@@ -267,35 +267,44 @@ def qsgd_default_stays_finite(comm, steps=30):
 
 
 def nonfinite_policies(comm):
-    """An Inf in rank 1's gradient only, under each policy of the codec hook: the error on
-    each rank ("raise"), or the gradients and residuals after the step ("skip")."""
+    """An Inf in rank 1's gradient only, under each policy of both hooks: the error on
+    each rank ("raise"), or the gradients and hook state after the step ("skip")."""
     import gradzip.ddp
 
     out = {}
-    for policy in ("raise", "skip"):
-        net, ddp = make_ddp()
-        state = gradzip.ddp.hook("topk:ratio=0.1", model=ddp, nonfinite=policy)
-        ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        train(comm, ddp, opt, 2)
-        before = {k: v.clone() for k, v in state.residuals.items()}
-        x, y = batch(comm.rank, 50)
-        opt.zero_grad()
-        scale = float("inf") if comm.rank == 1 else 1.0
+    for kind in ("topk:ratio=0.1", "powersgd"):
+        for policy in ("raise", "skip"):
+            net, ddp = make_ddp()
+            if kind == "powersgd":
+                state = gradzip.ddp.PowerSGDState(rank=1, start_iter=0, model=ddp, nonfinite=policy)
+                ddp.register_comm_hook(state, gradzip.ddp.powersgd_hook)
+                memory = lambda: {**{("e", k): v.clone() for k, v in state.errors.items()},
+                                  **{("q", k): v.clone() for k, v in state.qs.items()}}
+            else:
+                state = gradzip.ddp.hook(kind, model=ddp, nonfinite=policy)
+                ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
+                memory = lambda: {k: v.clone() for k, v in state.residuals.items()}
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+            train(comm, ddp, opt, 2)
+            before = memory()
+            x, y = batch(comm.rank, 50)
+            opt.zero_grad()
+            scale = float("inf") if comm.rank == 1 else 1.0
 
-        def bad_step():
-            (F.cross_entropy(ddp(x), y) * scale).backward()
+            def bad_step():
+                (F.cross_entropy(ddp(x), y) * scale).backward()
 
-        error = _error_text(bad_step)
-        out[policy] = {"error": error}
-        if policy == "skip":
-            out[policy].update(
-                grads_zero=all(p.grad is not None and not p.grad.any() for p in net.parameters()),
-                residuals_kept=before.keys() == state.residuals.keys()
-                and all(torch.equal(before[k], state.residuals[k]) for k in before),
-                skipped=state.skipped_steps, iter=state.iter)
-            train(comm, ddp, opt, 1, first=60)   # and training goes on
-            out[policy]["finite_after"] = all(torch.isfinite(p).all() for p in net.parameters())
+            error = _error_text(bad_step)
+            res = out.setdefault(kind, {})[policy] = {"error": error}
+            if policy == "skip":
+                after = memory()
+                res.update(
+                    grads_zero=all(p.grad is not None and not p.grad.any() for p in net.parameters()),
+                    state_kept=len(before) > 0 and before.keys() == after.keys()
+                    and all(torch.equal(before[k], after[k]) for k in before),
+                    skipped=state.skipped_steps, iter=state.iter)
+                train(comm, ddp, opt, 1, first=60)   # and training goes on
+                res["finite_after"] = all(bool(torch.isfinite(p).all()) for p in net.parameters())
     return out
 
 
