@@ -239,10 +239,8 @@ def _error_text(fn):
 
     try:
         fn()
-    except GradzipError as e:
+    except GradzipError as e:   # raised inside a DDP hook, it reaches backward() as it is
         return str(e)
-    except RuntimeError as e:   # an error raised inside a DDP hook reaches backward() wrapped
-        return str(e) if "Gradzip" in str(e) or "gradzip" in str(e) else repr(e)
     return None
 
 

@@ -72,6 +72,11 @@ class PowerSGDState(HookState):
         super().__setstate__(state)
         self._step = []
 
+    def _check_fresh(self) -> None:
+        if self._step:
+            raise GradzipError("a DDP hook state was checkpointed in the middle of a backward pass")
+        super()._check_fresh()
+
     def state_dict(self) -> dict:
         """Tensors and plain values only: loads with ``torch.load``'s defaults."""
         self._check_fresh()
