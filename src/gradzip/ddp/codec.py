@@ -7,7 +7,7 @@ PSync (docs/algorithms.md, "Notation") with the residual kept as error memory: E
 the raw gradient; the optimizer after DDP applies learning rate, momentum and weight decay.
 """
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,17 @@ UNBIASED = ("qsgd", "terngrad")
 def unbiased(codec: Compressor) -> bool:
     """Whether ``codec`` is unbiased (``qsgd``, ``terngrad``, ``randomk:…,unbiased=true``)."""
     return codec.name in UNBIASED or getattr(codec, "unbiased", False) is True
+
+
+class _Bucket(NamedTuple):
+    """One bucket in flight: its future, exchange, gradient views, keys, buffer, and
+    whether its gradient held a NaN or Inf on this rank."""
+    fut: torch.futures.Future
+    work: Any
+    views: list
+    keys: list
+    buffer: torch.Tensor
+    bad: bool
 
 
 class CodecState(HookState):
@@ -95,26 +106,25 @@ class CodecState(HookState):
         """Wait for every bucket of the step, apply ``nonfinite``, write the buckets and the
         residuals; whether the step counts (not skipped)."""
         pending, self._pending = self._pending, []
-        results = [(work.wait(), bad) for _, work, _, _, _, bad in pending]
-        gradient_bad = any(bad for _, bad in results)
+        results = [b.work.wait() for b in pending]
         output_bad = self.nonfinite != "off" and not all(
-            finite(list(result.aggregate)) and (not self.error_feedback or finite(list(result.residual)))
-            for result, _ in results)
+            finite(list(r.aggregate)) and (not self.error_feedback or finite(list(r.residual))) for r in results)
         try:
-            skipped = self.settle(self.agree(gradient_bad, output_bad), [p[4] for p in pending], "codec_hook")
+            where = self.agree(any(b.bad for b in pending), output_bad)
+            skipped = self.settle(where, [b.buffer for b in pending], "codec_hook")
         except GradzipError as error:
-            for fut, *_ in pending:
-                fut.set_exception(error)
+            for b in pending:
+                b.fut.set_exception(error)
             raise
-        for (fut, _, bucket_views, keys, buffer, _), (result, _) in zip(pending, results):
+        for b, result in zip(pending, results):
             if not skipped:
-                for i, (view, agg, key) in enumerate(zip(bucket_views, result.aggregate, keys)):
+                for i, (view, agg, key) in enumerate(zip(b.views, result.aggregate, b.keys)):
                     if self.error_feedback:
                         residual = result.residual[i]
                         if bool(torch.isfinite(residual).all()):   # nonfinite="off": keep the old one
                             self.residuals[key] = residual
                     view.copy_(agg.reshape(view.shape))
-            fut.set_result(buffer)
+            b.fut.set_result(b.buffer)
         return not skipped
 
 
@@ -142,7 +152,7 @@ def codec_hook(state: CodecState, bucket: dist.GradBucket) -> torch.futures.Futu
     bad = state.nonfinite != "off" and not finite(bucket_views)
     work = state.psync.start(carried, step, keys=keys, residual=state.error_feedback)
     fut = torch.futures.Future()
-    state._pending.append((fut, work, bucket_views, keys, bucket.buffer(), bad))
+    state._pending.append(_Bucket(fut, work, bucket_views, keys, bucket.buffer(), bad))
     if bucket.is_last() and state._finish_all():
         state.iter += 1
     return fut
