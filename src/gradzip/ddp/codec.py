@@ -107,8 +107,9 @@ class CodecState(HookState):
         residuals; whether the step counts (not skipped)."""
         pending, self._pending = self._pending, []
         results = [b.work.wait() for b in pending]
-        output_bad = self.nonfinite != "off" and not all(
-            finite(list(r.aggregate)) and (not self.error_feedback or finite(list(r.residual))) for r in results)
+        output_bad = self.nonfinite != "off" and not all(   # the codec overflowed (qsgd's norm, a residual)
+            finite(list(r.aggregate)) and (not self.error_feedback or finite(list(r.residual)))
+            for r in results)
         try:
             where = self.agree(any(b.bad for b in pending), output_bad)
             skipped = self.settle(where, [b.buffer for b in pending], "codec_hook")
