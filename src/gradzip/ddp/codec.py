@@ -98,7 +98,8 @@ class CodecState(HookState):
 
     def load_state_dict(self, state: dict) -> None:
         self.codec, self._psync = build(state["codec"]), None
-        self.error_feedback, self.seed, self.iter = bool(state["error_feedback"]), int(state["seed"]), int(state["iter"])
+        self.error_feedback, self.seed = bool(state["error_feedback"]), int(state["seed"])
+        self.iter = int(state["iter"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
 
