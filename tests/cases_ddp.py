@@ -124,9 +124,10 @@ def _new_state(kind, ddp, model_keys=True):
     return gradzip.ddp.hook(kind, error_feedback=True, model=model), gradzip.ddp.codec_hook
 
 
-def checkpoint_resume(comm, kind, steps=6, model_keys=True, via="state_dict"):
+def checkpoint_resume(comm, kind, steps=6, model_keys=True, via="state_dict", weights_only=False):
     """Train ``2·steps`` steps straight; and ``steps`` steps, checkpoint (model, optimizer,
-    hook state), a NEW DDP instance restored from it, ``steps`` more. Both parameter lists."""
+    hook state), a NEW DDP instance restored from it, ``steps`` more. Both parameter lists.
+    ``weights_only=True``: the checkpoint loads with ``torch.load``'s defaults (safe loading)."""
     import gradzip.ddp
 
     net, ddp = make_ddp()
@@ -142,7 +143,7 @@ def checkpoint_resume(comm, kind, steps=6, model_keys=True, via="state_dict"):
     residual_keys = sorted((state.errors if kind == "powersgd" else state.residuals).keys())
 
     blob.seek(0)
-    ckpt = torch.load(blob, weights_only=False)
+    ckpt = torch.load(blob) if weights_only else torch.load(blob, weights_only=False)
     torch.manual_seed(123)           # a different initialisation, overwritten by the checkpoint
     net2 = Net()
     net2.load_state_dict(ckpt["model"])
@@ -182,7 +183,7 @@ def every_codec(comm, steps=2):
     out = {}
     for name in names():
         net, ddp = make_ddp()
-        state = gradzip.ddp.hook(name, model=ddp)
+        state = gradzip.ddp.hook(name, model=ddp, single_round_powersgd=name == "powersgd")
         ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         train(comm, ddp, opt, steps)
@@ -191,19 +192,20 @@ def every_codec(comm, steps=2):
 
 
 def overflow_keeps_state(comm):
-    """An overflowed step (inf / NaN gradients, as GradScaler skips) leaves the hook state."""
+    """An overflowed step (inf / NaN gradients, as GradScaler skips) leaves the hook state
+    (``nonfinite="off"``, the GradScaler mode: the Inf passes through to the scaler)."""
     import gradzip.ddp
 
     out = {}
     for kind in ("topk:ratio=0.1", "powersgd"):
         net, ddp = make_ddp()
         if kind == "powersgd":
-            state = gradzip.ddp.PowerSGDState(rank=1, start_iter=0, model=ddp)
+            state = gradzip.ddp.PowerSGDState(rank=1, start_iter=0, model=ddp, nonfinite="off")
             ddp.register_comm_hook(state, gradzip.ddp.powersgd_hook)
             memory = lambda: {**{("e", k): v.clone() for k, v in state.errors.items()},
                               **{("q", k): v.clone() for k, v in state.qs.items()}}
         else:
-            state = gradzip.ddp.hook(kind, model=ddp)
+            state = gradzip.ddp.hook(kind, model=ddp, nonfinite="off")
             ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
             memory = lambda: {k: v.clone() for k, v in state.residuals.items()}
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
@@ -227,4 +229,123 @@ def ddp_suite(comm):
         "ckpt_powersgd_first_seen": checkpoint_resume(comm, "powersgd", 4, False, "state_dict"),
         "codecs": every_codec(comm),
         "overflow": overflow_keeps_state(comm),
+    }
+
+
+# --- issue 12 items 6-8 -------------------------------------------------------------------
+def _error_text(fn):
+    """``fn()``'s GradzipError message, or None when it returns."""
+    from gradzip.errors import GradzipError
+
+    try:
+        fn()
+    except GradzipError as e:   # raised inside a DDP hook, it reaches backward() as it is
+        return str(e)
+    return None
+
+
+def qsgd_default_stays_finite(comm, steps=30):
+    """The issue's scenario: ``qsgd`` with the hook's default error feedback, a lr that
+    plain SGD trains with; the loss of every step (NaN there on the original hook)."""
+    import gradzip.ddp
+
+    net, ddp = make_ddp()
+    state = gradzip.ddp.hook("qsgd:levels=1", model=ddp)
+    ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        x, y = batch(comm.rank, step)
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "error_feedback": state.error_feedback}
+
+
+def nonfinite_policies(comm):
+    """An Inf in rank 1's gradient only, under each policy of both hooks: the error on
+    each rank ("raise"), or the gradients and hook state after the step ("skip")."""
+    import gradzip.ddp
+
+    out = {}
+    for kind in ("topk:ratio=0.1", "powersgd"):
+        for policy in ("raise", "skip"):
+            net, ddp = make_ddp()
+            if kind == "powersgd":
+                state = gradzip.ddp.PowerSGDState(rank=1, start_iter=0, model=ddp, nonfinite=policy)
+                ddp.register_comm_hook(state, gradzip.ddp.powersgd_hook)
+                memory = lambda: {**{("e", k): v.clone() for k, v in state.errors.items()},
+                                  **{("q", k): v.clone() for k, v in state.qs.items()}}
+            else:
+                state = gradzip.ddp.hook(kind, model=ddp, nonfinite=policy)
+                ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
+                memory = lambda: {k: v.clone() for k, v in state.residuals.items()}
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+            train(comm, ddp, opt, 2)
+            before = memory()
+            x, y = batch(comm.rank, 50)
+            opt.zero_grad()
+            scale = float("inf") if comm.rank == 1 else 1.0
+
+            def bad_step():
+                (F.cross_entropy(ddp(x), y) * scale).backward()
+
+            error = _error_text(bad_step)
+            res = out.setdefault(kind, {})[policy] = {"error": error}
+            if policy == "skip":
+                after = memory()
+                res.update(
+                    grads_zero=all(p.grad is not None and not p.grad.any() for p in net.parameters()),
+                    state_kept=len(before) > 0 and before.keys() == after.keys()
+                    and all(torch.equal(before[k], after[k]) for k in before),
+                    skipped=state.skipped_steps, iter=state.iter)
+                train(comm, ddp, opt, 1, first=60)   # and training goes on
+                res["finite_after"] = all(bool(torch.isfinite(p).all()) for p in net.parameters())
+    return out
+
+
+def ddp_double_sync(comm):
+    """A gradzip optimizer over the parameters of a DDP module: refused without a no-op
+    hook (plain DDP, or a communicating hook), accepted with ``noop_hook`` and then equal
+    to the same optimizer without DDP."""
+    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+    import gradzip.ddp
+    from gradzip.optim import SSGD
+
+    def run(wrap, steps=3):
+        torch.manual_seed(0)
+        net = Net()
+        model = net
+        if wrap is not None:
+            model = DDP(net, bucket_cap_mb=0.005)
+            if wrap == "noop":
+                model.register_comm_hook(None, noop_hook)
+            elif wrap == "codec":
+                model.register_comm_hook(gradzip.ddp.hook("none", model=model), gradzip.ddp.codec_hook)
+        opt = SSGD(model.parameters(), lr=0.05, comm=comm, compressor="qsgd")
+
+        def go():
+            for step in range(steps):
+                x, y = batch(comm.rank, step)
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+        return _error_text(go), params(net)
+
+    plain, noop, codec, alone = run("plain"), run("noop"), run("codec"), run(None)
+    return {"plain": plain[0], "codec": codec[0], "noop": noop[0], "alone": alone[0],
+            "noop_equals_alone": all(torch.equal(a, b) for a, b in zip(noop[1], alone[1]))}
+
+
+def fixes_suite(comm):
+    """The issue-12 DDP cases in one spawn."""
+    return {
+        "qsgd": qsgd_default_stays_finite(comm),
+        "nonfinite": nonfinite_policies(comm),
+        "double": ddp_double_sync(comm),
+        "ckpt_powersgd_weights_only": checkpoint_resume(comm, "powersgd", 4, True, "state_dict", weights_only=True),
+        "ckpt_topk_weights_only": checkpoint_resume(comm, "topk:ratio=0.1", 4, True, "state_dict", weights_only=True),
     }

@@ -105,3 +105,81 @@ def test_states_validate_and_pickle_without_a_group():
     fresh.load_state_dict(ps.state_dict())
     assert fresh.rng.randint(10**9) == ps.rng.randint(10**9)
     assert list(fresh.errors) == [1]
+
+
+# --- issue 12 items 6-8 ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fixes():
+    return run_processes(2, cases_ddp.fixes_suite)
+
+
+@pytest.mark.slow
+def test_qsgd_default_in_the_hook_stays_finite(fixes):
+    # the original hook kept error feedback on for qsgd: the loss reached NaN at step 20
+    for out in fixes:
+        assert out["qsgd"]["error_feedback"] is False
+        assert all(loss == loss and loss < 10 for loss in out["qsgd"]["losses"]), out["qsgd"]["losses"]
+
+
+@pytest.mark.slow
+def test_hook_nonfinite_raise_and_skip_agree_on_every_rank(fixes):
+    # the original hooks had no policy: the Inf of rank 1 reached every rank's gradients
+    expected = {"topk:ratio=0.1": "in the gradient on rank 1;", "powersgd": "in the allreduced sums"}
+    for out in fixes:
+        for kind, where in expected.items():
+            raised = out["nonfinite"][kind]["raise"]["error"]
+            assert raised is not None and "non-finite" in raised and where in raised, raised
+            skip = out["nonfinite"][kind]["skip"]
+            assert skip["error"] is None
+            assert skip["grads_zero"] and skip["state_kept"], kind
+            assert skip["skipped"] == 1 and skip["iter"] == 2   # a skipped step is not counted
+            assert skip["finite_after"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_gradzip_optimizer_under_ddp_is_refused_without_noop_hook(fixes, world_size):
+    outs = fixes if world_size == 2 else run_processes(1, cases_ddp.ddp_double_sync)
+    for out in outs:
+        out = out["double"] if world_size == 2 else out
+        for wrap in ("plain", "codec"):
+            assert out[wrap] is not None and "DistributedDataParallel" in out[wrap] and "noop_hook" in out[wrap]
+        assert out["noop"] is None and out["alone"] is None
+        assert out["noop_equals_alone"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["ckpt_powersgd_weights_only", "ckpt_topk_weights_only"])
+def test_hook_checkpoint_loads_with_torch_load_defaults(fixes, case):
+    for out in fixes:
+        res = out[case]
+        assert res["keys"]
+        for a, b in zip(res["straight"], res["resumed"]):
+            assert torch.equal(a, b)
+
+
+def test_powersgd_state_dict_is_tensors_and_plain_values(tmp_path):
+    state = gradzip.ddp.PowerSGDState(rank=2, random_seed=4)
+    state.errors[1] = torch.ones(4)
+    torch.save(state.state_dict(), tmp_path / "hook.pt")
+    fresh = gradzip.ddp.PowerSGDState(rank=2)
+    fresh.load_state_dict(torch.load(tmp_path / "hook.pt"))   # weights_only=True by default
+    assert fresh.rng.randint(10**9) == state.rng.randint(10**9)
+    assert torch.equal(fresh.errors[1], torch.ones(4))
+
+
+def test_hook_refuses_single_round_powersgd_and_ef_with_unbiased_codecs():
+    with pytest.raises(GradzipError, match="powersgd_hook"):
+        gradzip.ddp.hook("powersgd")
+    with pytest.raises(GradzipError, match="powersgd_hook"):
+        gradzip.ddp.hook("powersgd:rank=2", error_feedback=True)
+    assert gradzip.ddp.hook("powersgd", single_round_powersgd=True).error_feedback is True
+    for unbiased in ("qsgd", "terngrad", "randomk:ratio=0.1,unbiased=true"):
+        assert gradzip.ddp.hook(unbiased).error_feedback is False
+        with pytest.raises(GradzipError, match="unbiased"):
+            gradzip.ddp.hook(unbiased, error_feedback=True)
+    for biased in ("none", "topk:ratio=0.1", "randomk:ratio=0.1", "sign", "2bit"):
+        assert gradzip.ddp.hook(biased).error_feedback is True
+    assert gradzip.ddp.hook("topk:ratio=0.1", error_feedback=False).error_feedback is False
+    with pytest.raises(GradzipError, match="nonfinite"):
+        gradzip.ddp.hook("topk:ratio=0.1", nonfinite="ignore")

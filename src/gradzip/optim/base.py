@@ -181,6 +181,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         here (it returns the loss) with nothing changed but ``skipped_steps``."""
         loss = self._evaluate(closure)
         if not self._verified:
+            consistency.refuse_ddp_double_sync([p for g in self.param_groups for p in g["params"]], type(self).__name__)
             self.verify_consistent()
         pairs = self.params_with_grad()
         if self.nonfinite != "off" and not self._gradients_finite([p for _, p in pairs]):
