@@ -25,10 +25,11 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from .. import comm as comm_lib
-from .. import consistency
+from .. import consistency, seeds
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync, Timings
 from ..compressors import Compressor
+from ..version import __version__
 
 
 def check(ok: bool, method: str, message: str) -> None:
@@ -154,7 +155,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                    comm: "comm_lib.Group | None" = None) -> PSync:
         """A PSync on this optimizer's group (or ``comm``); ``salt`` separates the seeds of
         two exchanges."""
-        psync = PSync(comm or self.comm, compressor, seed=self.seed * 1000 + salt,
+        psync = PSync(comm or self.comm, compressor, seed=seeds.exchange_seed(self.seed, salt),
                       bucket_bytes=self.bucket_bytes)
         psync.tracer = self._tracer
         self._exchanges.append(psync)
@@ -222,8 +223,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The settings every worker of a group must share: method, version, world size,
         parameter shapes, hyper-parameters per param group, options kept as attributes
         (periods, ratios, ...) and the codec spec of every exchange."""
-        from .. import __version__
-
         fields: dict[str, Any] = {
             "gradzip version": __version__, "method": type(self).__name__,
             "world size": self.comm.world_size,

@@ -6,7 +6,7 @@ from collections import defaultdict
 import torch
 
 from ..compressors.powersgd import effective_rank, matrix_shape, orthogonalize, random_q, should_compress
-from ..exchange import mix_seed
+from ..seeds import mix as mix_seed
 from .base import DistributedOptimizer, check
 
 

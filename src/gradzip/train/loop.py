@@ -22,7 +22,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .. import __version__, consistency, optim
+from .. import consistency, optim, seeds
+from ..version import __version__
 from ..comm import Group
 from ..errors import GradzipError
 from ..trace import Tracer, maybe_span
@@ -174,8 +175,8 @@ def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | 
             "previous": [0.0] * len(PHASES), "diverged": False, "wall_time_s": 0.0}
     # the global generators (dropout, augmentation in user code) start from the run's seed
     # and this rank, whatever launched the process; a resume restores their saved state
-    torch.manual_seed(cfg.seed * 1_000_003 + comm.rank)
-    random.seed(cfg.seed * 1_000_003 + comm.rank)
+    torch.manual_seed(seeds.worker_seed(cfg.seed, comm.rank))
+    random.seed(seeds.worker_seed(cfg.seed, comm.rank))
     resumed_from = _resume(comm, cfg, model, opt, loop)
     tracer = Tracer(comm.rank) if cfg.trace else None
     opt.tracer = tracer
