@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from docs_section import replace_section  # noqa: E402
 
 import gradzip  # noqa: E402
-from gradzip.train import data  # noqa: E402
+from gradzip.train import datasets as data  # noqa: E402
 from gradzip.train.loop import RunConfig, run_many  # noqa: E402
 
 

@@ -51,11 +51,11 @@ seconds = _checked(float, lambda v: 0 < v <= 365 * 86400, "seconds > 0 (at most 
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    from .train import data, models
+    from .train import datasets, models
 
     g = p.add_argument_group("task")
     g.add_argument("--dataset", default="digits",
-                   help=f"one of {', '.join(data.names())} (digits is embedded; default: %(default)s)")
+                   help=f"one of {', '.join(datasets.names())} (digits is embedded; default: %(default)s)")
     g.add_argument("--data-dir", help="directory with the dataset's files (mnist, fashion-mnist, cifar10)")
     g.add_argument("--download", action="store_true",
                    help="download missing dataset files into --data-dir (checksums verified)")
@@ -230,10 +230,10 @@ def _writable_directory(path: str, flag: str) -> None:
 
 def _validate(cfgs, workers: int) -> None:
     """Fail fast, in this process, on what would otherwise fail inside every worker."""
-    from .train import data, models
+    from .train import datasets, models
     from .train.loop import make_optimizer
 
-    ds = data.load(cfgs[0].dataset, cfgs[0].data_dir, seed=cfgs[0].seed, download=cfgs[0].download)
+    ds = datasets.load(cfgs[0].dataset, cfgs[0].data_dir, download=cfgs[0].download)
     model = models.build(cfgs[0].model, ds.input_shape, ds.num_classes)
     for cfg in cfgs:
         make_optimizer(cfg, model.parameters(), None)
