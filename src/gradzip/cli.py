@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from . import specs
 from .errors import GradzipError
 from .optim.base import FLOAT32_MAX
 
@@ -101,9 +102,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     o.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 _FLAG_TYPES = {int: int, float: float, str: str,
-               bool: _checked(lambda r: _BOOLS[r.strip().lower()], lambda v: True, "true or false")}
+               bool: _checked(specs.parse_bool, lambda v: True, "true or false")}
 
 
 def _method_flags(p: argparse.ArgumentParser, optim, compressors) -> None:
