@@ -38,7 +38,8 @@ import torch
 
 from . import _util
 from ._util import generator, scatter_mean
-from .base import Compressor, Packet, keep_count, require
+from ..validation import is_real, require
+from .base import Compressor, Packet, keep_count
 from .registry import register
 
 #: Refinement rounds of the sampled threshold before falling back to the exact top-k.
@@ -121,8 +122,7 @@ class DGCCompressor(Compressor):
     def __post_init__(self):
         for key in ("ratio", "sample_ratio"):
             value = getattr(self, key)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
-            require(ok, f"dgc: {key} must be in (0, 1], got {value!r}")
+            require(is_real(value) and 0 < value <= 1, "dgc", f"{key} must be in (0, 1], got {value!r}")
 
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
         flat = tensor.detach().reshape(-1)

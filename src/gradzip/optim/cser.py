@@ -35,7 +35,8 @@ import math
 import torch
 
 from ..compressors import Compressor
-from .base import DistributedOptimizer, check
+from ..validation import is_real, require
+from .base import DistributedOptimizer
 from .localsgd import check_period
 
 #: The rc used for options left at "auto" when no rc is given.
@@ -52,8 +53,8 @@ CSER_GRID = {32: (64, 4, 16), 256: (512, 16, 32), 1024: (2048, 8, 256)}
 def check_rc(method: str, rc) -> float | None:
     if rc is None:
         return None
-    ok = isinstance(rc, (int, float)) and not isinstance(rc, bool) and 1 <= rc <= MAX_RC  # NaN fails
-    check(ok, method, f"rc (target overall compression ratio, dense bytes / sent bytes) must be a "
+    ok = is_real(rc) and 1 <= rc <= MAX_RC  # NaN fails
+    require(ok, method, f"rc (target overall compression ratio, dense bytes / sent bytes) must be a "
                       f"number >= 1 and <= 2**30, got {rc!r}")
     return float(rc)
 
@@ -70,7 +71,7 @@ def single_codec(method: str, compressor, rc, default: str) -> tuple[object, flo
     Giving both an explicit codec and rc is an error."""
     rc = check_rc(method, rc)
     if not _is_auto(compressor):
-        check(rc is None, method, f"give either rc (codec derived from it) or compressor, not both; "
+        require(rc is None, method, f"give either rc (codec derived from it) or compressor, not both; "
                                   f"got rc={rc} and compressor={compressor!r}")
         return compressor, rc
     return (default if rc is None else codec_for_ratio(rc)), rc
@@ -84,7 +85,7 @@ def derive_periodic(method: str, rc: float, H: int | None) -> tuple[str, int]:
     """(C1 codec, H) with ``H·R_C1 = rc``: CSER-PL and QSparse-local-SGD."""
     if H is None:
         H = min(_pow2(math.sqrt(rc), round), max(1, int(rc)))
-    check(H <= rc, method, f"with rc={rc:g}, H must be <= rc (R_C = H·R_C1 and R_C1 >= 1), got H={H}")
+    require(H <= rc, method, f"with rc={rc:g}, H must be <= rc (R_C = H·R_C1 and R_C1 >= 1), got H={H}")
     return codec_for_ratio(rc / H), H
 
 
@@ -94,7 +95,7 @@ def derive_cser(method: str, rc: float, H: int | None) -> tuple[str, str, int]:
     if H is None:
         grid = CSER_GRID.get(rc) if float(rc).is_integer() else None
         H = grid[2] if grid else _pow2(math.sqrt(rc2), math.ceil)
-    check(H <= rc2, method, f"with rc={rc:g}, H must be <= 2·rc (R_C2 = 2·rc = H·R_C1, R_C1 >= 1), got H={H}")
+    require(H <= rc2, method, f"with rc={rc:g}, H must be <= 2·rc (R_C2 = 2·rc = H·R_C1, R_C1 >= 1), got H={H}")
     return codec_for_ratio(rc2 / H), codec_for_ratio(rc2), H
 
 
@@ -144,7 +145,7 @@ class CSER(DistributedOptimizer):
         zero = _is_zero(c2)
         explicit = [k for k, v in (("c1", c1), ("c2", c2)) if not _is_auto(v) and not (k == "c2" and zero)]
         if rc is not None and explicit:
-            check(False, name, f"give either rc (codecs derived from it) or explicit codecs, not both; "
+            require(False, name, f"give either rc (codecs derived from it) or explicit codecs, not both; "
                                f"got rc={rc:g} and {', '.join(explicit)}")
         target = DEFAULT_RC if rc is None else rc
         if zero:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from ..compressors import Compressor
-from .base import DistributedOptimizer, check
+from ..validation import require
+from .base import DistributedOptimizer
 from .cser import DEFAULT_RC, _is_auto, check_rc, derive_periodic
 from .localsgd import check_period
 
@@ -38,7 +39,7 @@ class QSparseLocalSGD(DistributedOptimizer):
         if H is not None:
             check_period(name, H)
         if rc is not None and not _is_auto(compressor):
-            check(False, name, f"give either rc (codec derived from it) or compressor, not both; "
+            require(False, name, f"give either rc (codec derived from it) or compressor, not both; "
                                f"got rc={rc:g} and compressor={compressor!r}")
         codec, H_auto = derive_periodic(name, DEFAULT_RC if rc is None else rc, H)
         super().__init__(params, lr, **kwargs)
