@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import specs
+from .comm.base import DEFAULT_TIMEOUT_S
 from .errors import GradzipError
 from .optim.base import FLOAT32_MAX
 
@@ -90,7 +91,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     r.add_argument("--nonfinite", choices=["raise", "skip", "off"], default="raise",
                    help="a NaN/Inf gradient on any worker: raise (stop every worker), skip the step "
                         "on every worker (one small extra collective per step), or off (default: %(default)s)")
-    r.add_argument("--timeout", type=seconds, default=300.0, metavar="SECONDS",
+    r.add_argument("--timeout", type=seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="how long a worker waits for a lost or stuck peer before failing with its "
                         "rank named (default: %(default)s)")
     o = p.add_argument_group("output")

@@ -24,6 +24,10 @@ import torch
 from ..errors import GradzipError
 from ..validation import is_int, is_real
 
+#: Seconds a collective waits for its peers unless told otherwise (``timeout_s=``, the
+#: CLI's ``--timeout``): every group, the launcher and the CLI default to it.
+DEFAULT_TIMEOUT_S = 300.0
+
 #: Where a collective's timeout is set; every timeout message ends with this hint.
 TIMEOUT_HINT = "change it with --timeout or timeout_s="
 
