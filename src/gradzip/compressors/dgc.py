@@ -36,9 +36,9 @@ from typing import Sequence
 
 import torch
 
+from ..validation import is_real, require
 from . import _util
 from ._util import generator, scatter_mean
-from ..validation import is_real, require
 from .base import Compressor, Packet, keep_count
 from .registry import register
 
@@ -54,12 +54,8 @@ AIM = 1.5
 
 
 def _candidates(flat: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indices, magnitudes) of the entries with ``|x| >= threshold``: one pass, piece by
-    piece on a single-threaded CPU (the temporaries stay in cache)."""
-    numel = flat.numel()
-    piece = _util.CHUNK if _util.piecewise(flat) else max(numel, 1)
-    idx = [torch.nonzero(torch.abs(flat[lo:lo + piece]) >= threshold).view(-1) + lo for lo in range(0, numel, piece)]
-    idx = torch.cat(idx) if len(idx) > 1 else idx[0]
+    """(indices, magnitudes) of the entries with ``|x| >= threshold`` (one pass)."""
+    idx = _util.above_threshold(flat, threshold)
     return idx, torch.abs(flat.index_select(0, idx))
 
 

@@ -28,16 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._util import shared_generator
 from ..validation import is_int, is_real, require
+from ._util import matrix_shape, shared_generator
 from .base import Compressor, Packet
 from .registry import register
-
-
-def matrix_shape(shape) -> tuple[int, int]:
-    """``(rows, cols)`` of the matrix view of a tensor: ``shape[0]`` × the rest (PyTorch's)."""
-    rows = shape[0] if len(shape) else 1
-    return rows, (math.prod(shape) // rows if rows else 0)
 
 
 def effective_rank(shape, rank: int) -> int:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._util import as_float32, decode_chunks, encode_chunks, generator
 from ..validation import is_int, require
+from ._util import as_float32, decode_chunks, encode_chunks, generator
 from .base import Compressor, Packet
 from .registry import register
 

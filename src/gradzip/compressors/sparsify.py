@@ -32,9 +32,9 @@ from typing import Sequence
 
 import torch
 
+from ..validation import is_int, is_real, require
 from . import _util
 from ._util import sample_indices, scatter_mean, shared_generator
-from ..validation import is_int, is_real, require
 from .base import Compressor, Packet, keep_count
 from .registry import register
 
@@ -66,16 +66,11 @@ def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     numel = flat.numel()
     if flat.device.type != "cpu" or numel < (1 << 15) or 8 * k > numel:
         return torch.topk(torch.abs(flat), k, sorted=False).indices
-    piece = _util.CHUNK if _util.piecewise(flat) else numel
     sample = torch.abs(flat[::64])
     expect = k * sample.numel() / numel
     rank = min(sample.numel(), int(1.25 * expect + 3 * math.sqrt(expect)) + 8)
     threshold = torch.topk(sample, rank, sorted=False).values.min()
-    pieces = [
-        torch.nonzero(torch.abs(flat[start : start + piece]) >= threshold).view(-1) + start
-        for start in range(0, numel, piece)
-    ]
-    candidates = torch.cat(pieces)
+    candidates = _util.above_threshold(flat, threshold)
     if candidates.numel() < k:
         return torch.topk(torch.abs(flat), k, sorted=False).indices
     best = torch.topk(torch.abs(flat.index_select(0, candidates)), k, sorted=False).indices

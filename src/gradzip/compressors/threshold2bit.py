@@ -27,12 +27,12 @@ from typing import Sequence
 
 import torch
 
-from ._util import decode_lut, encode_chunks
 from ..validation import is_real, require
+from ._util import decode_lut, encode_chunks
 from .base import Compressor, Packet
 from .registry import register
 
-PLUS, MINUS = 3, 2  # MXNet codes: 11 = +t, 10 = -t, 00 = 0 (01 unused, decodes to 0)
+PLUS = 3  # MXNet codes: 11 = +t, 10 = -t (negative << 1), 00 = 0 (01 unused, decodes to 0)
 _SIGNS = (0, 0, -1, 1)  # value of each code divided by t
 
 

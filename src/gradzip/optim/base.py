@@ -112,15 +112,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  **options: Any):
         name = type(self).__name__
         require(nonfinite in NONFINITE_POLICIES, name,
-              f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
+                f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
         require(is_real(lr) and 0 <= lr <= FLOAT32_MAX, name, f"lr must be a finite number >= 0, got {lr!r}")
         require(is_real(momentum) and 0.0 <= momentum < 1.0, name, f"momentum must be in [0, 1), got {momentum!r}")
         require(is_real(weight_decay) and 0.0 <= weight_decay <= FLOAT32_MAX, name,
-              f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+                f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
         require(isinstance(nesterov, bool), name, f"nesterov must be True or False, got {nesterov!r}")
         require(not nesterov or momentum > 0, name, "nesterov=True needs momentum > 0")
         require(is_int(bucket_bytes) and bucket_bytes >= 1, name,
-              f"bucket_bytes must be an integer >= 1, got {bucket_bytes!r}")
+                f"bucket_bytes must be an integer >= 1, got {bucket_bytes!r}")
         require(is_int(seed), name, f"seed must be an integer, got {seed!r}")
         defaults = dict(lr=float(lr), momentum=float(momentum), nesterov=bool(nesterov),
                         weight_decay=float(weight_decay), **options)

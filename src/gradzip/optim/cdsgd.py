@@ -48,12 +48,12 @@ class CDSGD(DistributedOptimizer):
                  warmup_steps: int = 0, overlap: bool = True, **kwargs):
         name = type(self).__name__
         require(is_int(k) and k >= 1, name,
-              f"k must be an integer >= 1, got {k!r}")
+                f"k must be an integer >= 1, got {k!r}")
         require(local_lr is None or (is_real(local_lr)
                                    and math.isfinite(local_lr) and local_lr >= 0), name,
-              f"local_lr must be a finite number >= 0 (or None: lr / world_size), got {local_lr!r}")
+                f"local_lr must be a finite number >= 0 (or None: lr / world_size), got {local_lr!r}")
         require(is_int(warmup_steps) and warmup_steps >= 0, name,
-              f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+                f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         require(isinstance(overlap, bool), name, f"overlap must be True or False, got {overlap!r}")
         super().__init__(params, lr, local_lr=local_lr, **kwargs)
         self.k = k

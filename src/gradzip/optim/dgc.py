@@ -58,12 +58,12 @@ class DGC(DistributedOptimizer):
         name = "DGC"
         for key, value in (("ratio", ratio), ("sample_ratio", sample_ratio)):
             require(is_real(value) and 0 < value <= 1, name,
-                  f"{key} must be in (0, 1], got {value!r}")
+                    f"{key} must be in (0, 1], got {value!r}")
         for key, value in (("warmup_steps", warmup_steps), ("lr_warmup_steps", lr_warmup_steps)):
             require(is_int(value) and value >= 0, name,
-                  f"{key} must be an integer >= 0, got {value!r}")
+                    f"{key} must be an integer >= 0, got {value!r}")
         require(is_real(clip_norm) and clip_norm >= 0, name,
-              f"clip_norm must be >= 0 (0 = no clipping), got {clip_norm!r}")
+                f"clip_norm must be >= 0 (0 = no clipping), got {clip_norm!r}")
         require(not kwargs.get("nesterov", False), name, "nesterov=True is not supported (use nesterov=False)")
         super().__init__(params, lr, **kwargs)
         self.ratio, self.sample_ratio = float(ratio), float(sample_ratio)

@@ -10,7 +10,7 @@ from .base import DistributedOptimizer
 def check_period(method: str, H) -> int:
     """``H`` must be an integer >= 1 (steps H, 2H, ... synchronise)."""
     require(is_int(H) and H >= 1, method,
-          f"H (the synchronisation period, in steps) must be an integer >= 1, got {H!r}")
+            f"H (the synchronisation period, in steps) must be an integer >= 1, got {H!r}")
     return H
 
 

@@ -57,13 +57,13 @@ class PowerSGD(DistributedOptimizer):
                  orthogonalization_epsilon: float = 0.0, **kwargs):
         name = "PowerSGD"
         require(is_int(rank) and rank >= 1, name,
-              f"rank must be an integer >= 1, got {rank!r}")
+                f"rank must be an integer >= 1, got {rank!r}")
         require(is_int(start_iter) and start_iter >= 0, name,
-              f"start_iter must be an integer >= 0, got {start_iter!r}")
+                f"start_iter must be an integer >= 0, got {start_iter!r}")
         for key, value in (("min_compression_rate", min_compression_rate),
                            ("orthogonalization_epsilon", orthogonalization_epsilon)):
             require(is_real(value) and value >= 0, name,
-                  f"{key} must be a number >= 0, got {value!r}")  # NaN fails too
+                    f"{key} must be a number >= 0, got {value!r}")  # NaN fails too
         for key, value in (("warm_start", warm_start), ("use_error_feedback", use_error_feedback)):
             require(isinstance(value, bool), name, f"{key} must be True or False, got {value!r}")
         super().__init__(params, lr, **kwargs)
