@@ -128,3 +128,15 @@ def test_above_threshold_is_the_candidate_scan_of_topk_and_dgc(piecewise, monkey
     big = torch.randn(1 << 16, generator=torch.Generator().manual_seed(1))
     got = sparsify.topk_indices(big, 100)
     assert set(got.tolist()) == set(torch.topk(big.abs(), 100).indices.tolist())
+
+
+def test_a_bool_is_no_count_in_the_ddp_hook_or_the_emulated_network():
+    """The last two int checks that took ``True`` for 1 now use ``validation.is_int``."""
+    from gradzip.bench import netns
+    from gradzip.ddp import PowerSGDState
+    with pytest.raises(GradzipError, match="rank must be an integer >= 1, got True"):
+        PowerSGDState(rank=True)
+    with pytest.raises(GradzipError, match="start_iter must be an integer >= 0, got False"):
+        PowerSGDState(start_iter=False)
+    with pytest.raises(GradzipError, match="needs >= 1 worker, got True"):
+        netns.Topology(n=True)

@@ -88,6 +88,7 @@ from .compressors import Compressor, build
 from .compressors.powersgd import matrix_shape, orthogonalize, should_compress
 from .errors import GradzipError
 from .exchange import DEFAULT_BUCKET_BYTES, PSync
+from .validation import is_int
 
 __all__ = ["CodecState", "codec_hook", "hook", "PowerSGDState", "powersgd_hook"]
 
@@ -264,9 +265,9 @@ class PowerSGDState(_HookState):
                  use_error_feedback: bool = True, warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
                  random_seed: int = 0, batch_tensors_with_same_shape: bool = False, *,
                  model: torch.nn.Module | None = None, process_group: Any = None, overlap: bool = True):
-        if not (isinstance(rank, int) and rank >= 1):
+        if not (is_int(rank) and rank >= 1):
             raise GradzipError(f"PowerSGDState: rank must be an integer >= 1, got {rank!r}")
-        if not (isinstance(start_iter, int) and start_iter >= 0):
+        if not (is_int(start_iter) and start_iter >= 0):
             raise GradzipError(f"PowerSGDState: start_iter must be an integer >= 0, got {start_iter!r}")
         if not min_compression_rate >= 0:
             raise GradzipError(f"PowerSGDState: min_compression_rate must be >= 0, got {min_compression_rate!r}")
