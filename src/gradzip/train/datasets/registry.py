@@ -20,12 +20,15 @@ from .base import Dataset
 
 @dataclass(frozen=True)
 class _Entry:
+    """How to load one dataset name."""
+
     load: Callable[..., Dataset]   # (root, download) when ``files``, else (options)
     files: bool = False            # read from files in a data directory
     options: bool = False          # takes spec options (``name:key=value,...``)
 
 
 def _synthetic(options: list[specs.Option]) -> Dataset:
+    """``synthetic`` with a spec's options (``synthetic:n=4096,shape=3x32x32``)."""
     return generated.synthetic(**generated.parse_options(options))
 
 
