@@ -25,7 +25,7 @@ from pathlib import Path
 from benchmarks.docs_section import replace_section
 
 import gradzip  # noqa: E402
-from gradzip.train import data  # noqa: E402
+from gradzip.train import datasets as data  # noqa: E402
 from gradzip.train.loop import RunConfig, run_many  # noqa: E402
 
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from gradzip.errors import GradzipError
 from datafiles import idx_bytes, mnist_arrays, mnist_file_bytes, write_files
-from gradzip.train import data
+from gradzip.train import datasets as data
+from gradzip.train.datasets import generated
 
 MNIST_5K = Path(__file__).parents[2] / "shared/data/mnist-5k"
 MNIST_NAMES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
@@ -137,7 +138,7 @@ def test_digits_normalized_with_train_statistics(digits):
 
 
 def test_digits_deterministic_and_independent_of_seed(digits):
-    other = data.load("digits", seed=123)
+    other = data.load("digits")  # load takes no run seed (it had one, ignored)
     for a, b in [(digits.train_x, other.train_x), (digits.train_y, other.train_y),
                  (digits.test_x, other.test_x), (digits.test_y, other.test_y)]:
         assert torch.equal(a, b)
@@ -164,13 +165,13 @@ def test_synthetic_default_and_flat():
 
 
 def test_synthetic_defaults_match_docs():
-    assert data._SYNTH_DEFAULTS == {"n": 8192, "test": 2048, "shape": (1, 28, 28),
-                                    "classes": 10, "seed": 0}
+    assert generated._SYNTH_DEFAULTS == {"n": 8192, "test": 2048, "shape": (1, 28, 28),
+                                         "classes": 10, "seed": 0}
 
 
 def test_synthetic_deterministic_seeded_and_test_set_fixed():
     a = data.load("synthetic:n=128,test=32,shape=1x8x8")
-    b = data.load("synthetic:n=128,test=32,shape=1x8x8", seed=7)  # load's seed: no effect
+    b = data.load("synthetic:n=128,test=32,shape=1x8x8")
     c = data.load("synthetic:n=128,test=32,shape=1x8x8,seed=1")
     assert torch.equal(a.train_x, b.train_x) and torch.equal(a.train_y, b.train_y)
     assert not torch.equal(a.train_x, c.train_x)
@@ -503,3 +504,9 @@ def test_checksum_table_is_the_standard_one():
     assert data.MIRRORS["mnist"][0] == "https://ossci-datasets.s3.amazonaws.com/mnist/"
     assert data.MIRRORS["fashion-mnist"][0] == \
         "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
+
+
+def test_load_takes_no_run_seed():
+    """``load(seed=)`` was accepted and ignored: a seed that changes nothing is refused."""
+    with pytest.raises(TypeError):
+        data.load("digits", seed=123)

@@ -32,7 +32,7 @@ from gradzip.errors import GradzipError
 from gradzip.launch import run_processes
 from gradzip.optim import METHODS, method_options
 from datafiles import idx_bytes, mnist_arrays, mnist_file_bytes, write_files
-from gradzip.train import data
+from gradzip.train import datasets as data
 
 
 def fast(examples: int):

@@ -3,8 +3,7 @@
 ``gradzip.compressors.build("topk:ratio=0.01")``, ``gradzip.optim.EFSGD(...)``,
 ``gradzip.simulate(n, fn)``; see DESIGN.md for the architecture.
 """
-__version__ = "0.1.0"
-
+from .version import __version__
 from . import comm, compressors, exchange, optim
 from .comm import simulate
 from .errors import GradzipError

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from . import specs
+from .comm.base import DEFAULT_TIMEOUT_S
 from .errors import GradzipError
 from .optim.base import FLOAT32_MAX
 from .train.config import method_label, parse_algos
@@ -52,11 +54,11 @@ seconds = _checked(float, lambda v: 0 < v <= 365 * 86400, "seconds > 0 (at most 
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    from .train import data, models
+    from .train import datasets, models
 
     g = p.add_argument_group("task")
     g.add_argument("--dataset", default="digits",
-                   help=f"one of {', '.join(data.names())} (digits is embedded; default: %(default)s)")
+                   help=f"one of {', '.join(datasets.names())} (digits is embedded; default: %(default)s)")
     g.add_argument("--data-dir", help="directory with the dataset's files (mnist, fashion-mnist, cifar10)")
     g.add_argument("--download", action="store_true",
                    help="download missing dataset files into --data-dir (checksums verified)")
@@ -90,7 +92,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     r.add_argument("--nonfinite", choices=["raise", "skip", "off"], default="raise",
                    help="a NaN/Inf gradient on any worker: raise (stop every worker), skip the step "
                         "on every worker (one small extra collective per step), or off (default: %(default)s)")
-    r.add_argument("--timeout", type=seconds, default=300.0, metavar="SECONDS",
+    r.add_argument("--timeout", type=seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="how long a worker waits for a lost or stuck peer before failing with its "
                         "rank named (default: %(default)s)")
     o = p.add_argument_group("output")
@@ -102,9 +104,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     o.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 _FLAG_TYPES = {int: int, float: float, str: str,
-               bool: _checked(lambda r: _BOOLS[r.strip().lower()], lambda v: True, "true or false")}
+               bool: _checked(specs.parse_bool, lambda v: True, "true or false")}
 
 
 def _method_flags(p: argparse.ArgumentParser, optim, compressors) -> None:
@@ -210,10 +211,10 @@ def _writable_directory(path: str, flag: str) -> None:
 
 def _validate(cfgs, workers: int) -> None:
     """Fail fast, in this process, on what would otherwise fail inside every worker."""
-    from .train import data, models
+    from .train import datasets, models
     from .train.loop import make_optimizer
 
-    ds = data.load(cfgs[0].dataset, cfgs[0].data_dir, seed=cfgs[0].seed, download=cfgs[0].download)
+    ds = datasets.load(cfgs[0].dataset, cfgs[0].data_dir, download=cfgs[0].download)
     model = models.build(cfgs[0].model, ds.input_shape, ds.num_classes)
     for cfg in cfgs:
         make_optimizer(cfg, model.parameters(), None)

@@ -33,25 +33,14 @@ from typing import Sequence
 
 import torch
 
+from . import seeds
 from .comm import Group, Work, allgather_wire_bytes, allreduce_wire_bytes
 from .compressors import Compressor, Packet, build
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 
-_MASK64 = (1 << 64) - 1
-
-
-def mix_seed(*values: int) -> int:
-    """A 63-bit seed from integers (splitmix64 chain): the same inputs give the same seed
-    on every worker and every run; any change gives an unrelated one."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = (h ^ (v & _MASK64)) & _MASK64
-        h = (h + 0x9E3779B97F4A7C15) & _MASK64
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
-        h ^= h >> 31
-    return h >> 1
+#: The codecs' seed derivation (:func:`gradzip.seeds.mix`), under the name callers know.
+mix_seed = seeds.mix
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from .comm.base import PeerFailure, check_timeout, check_world_size
+from .comm.base import DEFAULT_TIMEOUT_S, PeerFailure, check_timeout, check_world_size
 from .errors import GradzipError
 
 #: Seconds the other workers get to finish after one failed, before they are terminated.
@@ -81,7 +81,7 @@ def _worker(rank: int, world_size: int, port: int, agent_store: bool, timeout_s:
 
 
 def run_processes(world_size: int, fn: Callable[..., Any], *args: Any,
-                  timeout_s: float = 300.0) -> list[Any]:
+                  timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
     """Run ``fn(comm, *args)`` on ``world_size`` gloo processes; results in rank order.
 
     ``timeout_s`` bounds every collective: a worker that dies or hangs makes the others

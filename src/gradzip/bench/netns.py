@@ -33,6 +33,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ..errors import GradzipError
+from ..validation import is_int
 
 #: Every namespace this module makes is named ``gzb<pid>x<tag>-...``.
 PREFIX = "gzb"
@@ -127,7 +128,7 @@ class Topology:
     _old_handlers: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
-        if not isinstance(self.n, int) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise GradzipError(f"the emulated network needs >= 1 worker, got {self.n!r}")
         if self.bandwidth_bps is not None and not self.bandwidth_bps > 0:
             raise GradzipError(f"link bandwidth must be > 0 bit/s, got {self.bandwidth_bps!r}")

@@ -22,6 +22,11 @@ from typing import Any, Callable
 import torch
 
 from ..errors import GradzipError
+from ..validation import is_int, is_real
+
+#: Seconds a collective waits for its peers unless told otherwise (``timeout_s=``, the
+#: CLI's ``--timeout``): every group, the launcher and the CLI default to it.
+DEFAULT_TIMEOUT_S = 300.0
 
 #: Where a collective's timeout is set; every timeout message ends with this hint.
 TIMEOUT_HINT = "change it with --timeout or timeout_s="
@@ -52,7 +57,7 @@ def ranks_text(ranks) -> str:
 
 def check_world_size(n: Any, what: str = "workers") -> int:
     """``n`` unless it is not an integer >= 1 (a bool is not a count): :class:`GradzipError`."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if not is_int(n) or n < 1:
         raise GradzipError(f"the number of {what} must be an integer >= 1, got {n!r}")
     return n
 
@@ -60,8 +65,7 @@ def check_world_size(n: Any, what: str = "workers") -> int:
 def check_timeout(timeout_s: Any) -> float:
     """``timeout_s`` as a float, or :class:`GradzipError` unless it is a number of seconds
     in ``(0, threading.TIMEOUT_MAX]`` (every group checks its timeout with it)."""
-    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)
-            or not 0 < timeout_s <= threading.TIMEOUT_MAX):
+    if not is_real(timeout_s, numbers.Real) or not 0 < timeout_s <= threading.TIMEOUT_MAX:
         raise GradzipError(f"timeout_s must be a number of seconds > 0 and <= {threading.TIMEOUT_MAX:g}, "
                            f"got {timeout_s!r}")
     return float(timeout_s)

@@ -24,9 +24,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import GradzipError
-from .base import TIMEOUT_HINT, Group, PeerFailure, Work, check_timeout, check_world_size, ranks_text
+from .base import DEFAULT_TIMEOUT_S, TIMEOUT_HINT, Group, PeerFailure, Work, check_timeout, check_world_size, ranks_text
 
-DEFAULT_TIMEOUT_S = 300.0
 #: Seconds ``simulate`` waits for the other workers once one failed; a worker still running
 #: then (stuck outside any collective) is left behind as a daemon thread.
 GRACE_S = 2.0

@@ -20,13 +20,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import GradzipError
-from .base import TIMEOUT_HINT, Group, PeerFailure, Work, check_timeout
+from .base import DEFAULT_TIMEOUT_S, TIMEOUT_HINT, Group, PeerFailure, Work, check_timeout
 from .liveness import Heartbeat, Verdict, sequence
 
 # all_gather_single is the newer name of all_gather_into_tensor (same signature).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-DEFAULT_TIMEOUT_S = 300.0
 # gloo / c10d errors that mean "the other side went away or did not answer in time"
 _COMM_ERROR = re.compile(r"timed? ?out|timeout|connection|closed|reset by peer|broken pipe|socket|"
                          r"unreachable|no route|peer|abort", re.I)

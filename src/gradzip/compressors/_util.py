@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Sequence
 
 import torch
@@ -136,3 +137,23 @@ def scatter_mean(packets: Sequence[Packet], items, numel: int) -> torch.Tensor:
         total.index_add_(0, idx, val.to(acc))
     total.div_(len(packets))
     return total.to(first.dtype).view(first.shape)
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """``(rows, cols)`` of the matrix view of a tensor, PyTorch's: ``shape[0]`` × the
+    product of the rest; a 0-d tensor is 1 × 1, a vector of n entries n × 1, and a
+    ``(0, k)`` tensor 0 × k (the 1-bit and PowerSGD codecs and the DDP hook share it)."""
+    if len(shape) == 0:
+        return 1, 1
+    return int(shape[0]), math.prod(int(s) for s in shape[1:])
+
+
+def above_threshold(flat: torch.Tensor, threshold) -> torch.Tensor:
+    """Indices (ascending, int64) of the entries of a flat tensor with ``|x| >= threshold``
+    (a number or a 0-d tensor): one pass, piece by piece where :func:`piecewise` (the
+    temporaries stay in cache). The candidate scan of sampled top-k selections."""
+    numel = flat.numel()
+    piece = CHUNK if piecewise(flat) else max(numel, 1)
+    idx = [torch.nonzero(torch.abs(flat[lo:lo + piece]) >= threshold).view(-1) + lo
+           for lo in range(0, numel, piece)]
+    return torch.cat(idx) if len(idx) > 1 else idx[0]

@@ -39,7 +39,6 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from ..errors import GradzipError
 
 
 @dataclass
@@ -137,9 +136,3 @@ def _fmt(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
-
-
-def require(ok: bool, message: str) -> None:
-    """Raise :class:`GradzipError` with ``message`` unless ``ok`` (parameter validation)."""
-    if not ok:
-        raise GradzipError(message)

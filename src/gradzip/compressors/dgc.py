@@ -36,9 +36,10 @@ from typing import Sequence
 
 import torch
 
+from ..validation import is_real, require
 from . import _util
 from ._util import generator, scatter_mean
-from .base import Compressor, Packet, keep_count, require
+from .base import Compressor, Packet, keep_count
 from .registry import register
 
 #: Refinement rounds of the sampled threshold before falling back to the exact top-k.
@@ -53,12 +54,8 @@ AIM = 1.5
 
 
 def _candidates(flat: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indices, magnitudes) of the entries with ``|x| >= threshold``: one pass, piece by
-    piece on a single-threaded CPU (the temporaries stay in cache)."""
-    numel = flat.numel()
-    piece = _util.CHUNK if _util.piecewise(flat) else max(numel, 1)
-    idx = [torch.nonzero(torch.abs(flat[lo:lo + piece]) >= threshold).view(-1) + lo for lo in range(0, numel, piece)]
-    idx = torch.cat(idx) if len(idx) > 1 else idx[0]
+    """(indices, magnitudes) of the entries with ``|x| >= threshold`` (one pass)."""
+    idx = _util.above_threshold(flat, threshold)
     return idx, torch.abs(flat.index_select(0, idx))
 
 
@@ -121,8 +118,7 @@ class DGCCompressor(Compressor):
     def __post_init__(self):
         for key in ("ratio", "sample_ratio"):
             value = getattr(self, key)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
-            require(ok, f"dgc: {key} must be in (0, 1], got {value!r}")
+            require(is_real(value) and 0 < value <= 1, "dgc", f"{key} must be in (0, 1], got {value!r}")
 
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
         flat = tensor.detach().reshape(-1)

@@ -13,20 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from . import _util
-from ._util import _lut, decode_lut, encode_chunks
+from ._util import _lut, decode_lut, encode_chunks, matrix_shape
 from .base import Compressor, Packet
 from .registry import register
-
-
-def matrix_shape(shape: torch.Size) -> tuple[int, int]:
-    """(rows, columns) of the matrix view."""
-    if len(shape) <= 1:
-        return (shape[0] if shape else 1), 1
-    rows = shape[0]
-    cols = 1
-    for s in shape[1:]:
-        cols *= s
-    return rows, cols
 
 
 @register

@@ -28,15 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._util import shared_generator
-from .base import Compressor, Packet, require
+from ..validation import is_int, is_real, require
+from ._util import matrix_shape, shared_generator
+from .base import Compressor, Packet
 from .registry import register
-
-
-def matrix_shape(shape) -> tuple[int, int]:
-    """``(rows, cols)`` of the matrix view of a tensor: ``shape[0]`` × the rest (PyTorch's)."""
-    rows = shape[0] if len(shape) else 1
-    return rows, (math.prod(shape) // rows if rows else 0)
 
 
 def effective_rank(shape, rank: int) -> int:
@@ -95,11 +90,11 @@ class PowerSGDCompressor(Compressor):
     min_compression_rate: float = 2.0
 
     def __post_init__(self):
-        require(isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 1,
-                f"powersgd: rank must be an integer >= 1, got {self.rank!r}")
+        require(is_int(self.rank) and self.rank >= 1, "powersgd",
+                f"rank must be an integer >= 1, got {self.rank!r}")
         rate = self.min_compression_rate
-        ok = isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate >= 0  # NaN fails
-        require(ok, f"powersgd: min_compression_rate must be >= 0, got {self.min_compression_rate!r}")
+        require(is_real(rate) and rate >= 0, "powersgd",
+                f"min_compression_rate must be >= 0, got {self.min_compression_rate!r}")
 
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
         if not should_compress(tensor.shape, self.rank, self.min_compression_rate):

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..validation import is_int, require
 from ._util import as_float32, decode_chunks, encode_chunks, generator
-from .base import Compressor, Packet, require
+from .base import Compressor, Packet
 from .registry import register
 
 
@@ -26,8 +27,8 @@ class QSGD(Compressor):
     def __post_init__(self):
         s = self.levels
         require(
-            isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= 127,
-            f"qsgd: levels must be an integer in [1, 127], got {s!r}",
+            is_int(s) and 1 <= s <= 127, "qsgd",
+            f"levels must be an integer in [1, 127], got {s!r}",
         )
 
     @property

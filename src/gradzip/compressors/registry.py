@@ -13,6 +13,7 @@ import keyword
 import typing
 from typing import Callable, TypeVar
 
+from .. import specs
 from ..errors import GradzipError
 from .base import Compressor, spec_key
 
@@ -38,21 +39,12 @@ def _convert(kind: type, raw: str, where: str):
         int: int,
         float: float,
         str: str,
-        bool: _parse_bool,
+        bool: specs.parse_bool,
     }
     try:
         return converters[kind](raw)
     except (ValueError, KeyError):
         raise GradzipError(f"{where}: {raw!r} is not a valid {kind.__name__}") from None
-
-
-def _parse_bool(raw: str) -> bool:
-    low = raw.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(raw)
 
 
 def _field_types(cls: type[Compressor]) -> dict[str, type]:
@@ -74,8 +66,7 @@ def build(spec: "str | Compressor | None") -> Compressor:
         spec = "none"
     if not isinstance(spec, str):
         raise GradzipError(f"a compressor is a spec string or a Compressor, not {type(spec).__name__}")
-    name, _, rest = spec.strip().partition(":")
-    name = name.strip().lower()
+    name, _, options = specs.split(spec)
     if name not in _REGISTRY:
         raise GradzipError(
             f"unknown compressor {name!r} in {spec!r}; valid names: {', '.join(names())}"
@@ -83,19 +74,18 @@ def build(spec: "str | Compressor | None") -> Compressor:
     cls = _REGISTRY[name]
     types = _field_types(cls)
     kwargs = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, raw = item.partition("=")
-        key = key.strip()
+    for opt in options:
+        key = opt.key
         if keyword.iskeyword(key) and key + "_" in types:
             key += "_"
         valid = ", ".join(f"{spec_key(k)} ({t.__name__})" for k, t in types.items()) or "none"
-        if not eq or not raw.strip():
-            raise GradzipError(f"compressor {name!r}: expected param=value, got {item!r}; parameters: {valid}")
+        if not opt.has_value or not opt.value:
+            raise GradzipError(f"compressor {name!r}: expected param=value, got {opt.item!r}; parameters: {valid}")
         if key not in types:
             raise GradzipError(f"compressor {name!r} has no parameter {key!r}; parameters: {valid}")
         if key in kwargs:
             raise GradzipError(f"compressor {name!r}: parameter {spec_key(key)!r} given twice in {spec!r}")
-        kwargs[key] = _convert(types[key], raw.strip(), f"compressor {name!r} parameter {spec_key(key)!r}")
+        kwargs[key] = _convert(types[key], opt.value, f"compressor {name!r} parameter {spec_key(key)!r}")
     try:
         return cls(**kwargs)
     except TypeError as exc:  # e.g. a required parameter is missing

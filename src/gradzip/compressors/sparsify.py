@@ -32,9 +32,10 @@ from typing import Sequence
 
 import torch
 
+from ..validation import is_int, is_real, require
 from . import _util
 from ._util import sample_indices, scatter_mean, shared_generator
-from .base import Compressor, Packet, keep_count, require
+from .base import Compressor, Packet, keep_count
 from .registry import register
 
 
@@ -44,8 +45,7 @@ MAX_PARTS = 2**31
 
 
 def _check_ratio(codec: str, ratio) -> None:
-    ok = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio <= 1
-    require(ok, f"{codec}: ratio must be in (0, 1], got {ratio!r}")
+    require(is_real(ratio) and 0 < ratio <= 1, codec, f"ratio must be in (0, 1], got {ratio!r}")
 
 
 def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -66,16 +66,11 @@ def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     numel = flat.numel()
     if flat.device.type != "cpu" or numel < (1 << 15) or 8 * k > numel:
         return torch.topk(torch.abs(flat), k, sorted=False).indices
-    piece = _util.CHUNK if _util.piecewise(flat) else numel
     sample = torch.abs(flat[::64])
     expect = k * sample.numel() / numel
     rank = min(sample.numel(), int(1.25 * expect + 3 * math.sqrt(expect)) + 8)
     threshold = torch.topk(sample, rank, sorted=False).values.min()
-    pieces = [
-        torch.nonzero(torch.abs(flat[start : start + piece]) >= threshold).view(-1) + start
-        for start in range(0, numel, piece)
-    ]
-    candidates = torch.cat(pieces)
+    candidates = _util.above_threshold(flat, threshold)
     if candidates.numel() < k:
         return torch.topk(torch.abs(flat), k, sorted=False).indices
     best = torch.topk(torch.abs(flat.index_select(0, candidates)), k, sorted=False).indices
@@ -118,7 +113,7 @@ class RandomK(Compressor):
 
     def __post_init__(self):
         _check_ratio("randomk", self.ratio)
-        require(isinstance(self.unbiased, bool), f"randomk: unbiased must be true or false, got {self.unbiased!r}")
+        require(isinstance(self.unbiased, bool), "randomk", f"unbiased must be true or false, got {self.unbiased!r}")
 
     def indices(self, numel: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The sorted int64 indices every worker derives from the shared ``seed``."""
@@ -170,17 +165,16 @@ class RandBlock(Compressor):
             object.__setattr__(self, "ratio", 0.01)
         if self.ratio is not None:
             require(
-                not given,
-                "randblock: give either ratio=ρ or in=a,out=b,layer=c, not both; got ratio="
+                not given, "randblock",
+                "give either ratio=ρ or in=a,out=b,layer=c, not both; got ratio="
                 f"{self.ratio!r} and " + ", ".join(f"{k}={v!r}" for k, v in given.items()),
             )
             _check_ratio("randblock", self.ratio)
             return
         for key, value in blocks.items():
             require(
-                value is None or (isinstance(value, int) and not isinstance(value, bool)
-                                  and 1 <= value <= MAX_PARTS),
-                f"randblock: {key} must be an integer >= 1 and <= 2**31, got {value!r}",
+                value is None or (is_int(value) and 1 <= value <= MAX_PARTS), "randblock",
+                f"{key} must be an integer >= 1 and <= 2**31, got {value!r}",
             )
         for field in ("in_", "out", "layer"):
             if getattr(self, field) is None:

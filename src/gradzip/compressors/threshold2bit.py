@@ -27,11 +27,12 @@ from typing import Sequence
 
 import torch
 
+from ..validation import is_real, require
 from ._util import decode_lut, encode_chunks
-from .base import Compressor, Packet, require
+from .base import Compressor, Packet
 from .registry import register
 
-PLUS, MINUS = 3, 2  # MXNet codes: 11 = +t, 10 = -t, 00 = 0 (01 unused, decodes to 0)
+PLUS = 3  # MXNet codes: 11 = +t, 10 = -t (negative << 1), 00 = 0 (01 unused, decodes to 0)
 _SIGNS = (0, 0, -1, 1)  # value of each code divided by t
 
 
@@ -51,8 +52,8 @@ class TwoBit(Compressor):
     def __post_init__(self):
         t = self.threshold
         require(
-            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0,
-            f"2bit: threshold must be a finite number > 0, got {t!r}",
+            is_real(t) and math.isfinite(t) and t > 0, "2bit",
+            f"threshold must be a finite number > 0, got {t!r}",
         )
 
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..compressors.powersgd import matrix_shape, orthogonalize, should_compress
 from ..errors import GradzipError
+from ..validation import is_int
 from .state import HookState, finite, views
 
 
@@ -49,9 +50,9 @@ class PowerSGDState(HookState):
                  random_seed: int = 0, batch_tensors_with_same_shape: bool = False, *,
                  model: torch.nn.Module | None = None, process_group: Any = None, overlap: bool = True,
                  nonfinite: str = "raise"):
-        if not (isinstance(rank, int) and rank >= 1):
+        if not (is_int(rank) and rank >= 1):
             raise GradzipError(f"PowerSGDState: rank must be an integer >= 1, got {rank!r}")
-        if not (isinstance(start_iter, int) and start_iter >= 0):
+        if not (is_int(start_iter) and start_iter >= 0):
             raise GradzipError(f"PowerSGDState: start_iter must be an integer >= 0, got {start_iter!r}")
         if not min_compression_rate >= 0:
             raise GradzipError(f"PowerSGDState: min_compression_rate must be >= 0, got {min_compression_rate!r}")

@@ -25,16 +25,12 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from .. import comm as comm_lib
-from .. import consistency
+from .. import consistency, seeds
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync, Timings
 from ..compressors import Compressor
-
-
-def check(ok: bool, method: str, message: str) -> None:
-    """Raise :class:`GradzipError` naming the method unless ``ok``."""
-    if not ok:
-        raise GradzipError(f"{method}: {message}")
+from ..validation import is_int, is_real, require
+from ..version import __version__
 
 
 #: Options every method takes; the rest of a method's keyword-only options are its own.
@@ -46,15 +42,6 @@ NONFINITE_POLICIES = ("raise", "skip", "off")
 
 #: The largest finite float32: a learning rate or decay above it overflows the update.
 FLOAT32_MAX = 3.4028234663852886e38
-
-
-def _number(value) -> bool:
-    """A real number (not a bool, not NaN)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-
-
-def _integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class NonFiniteGradient(GradzipError):
@@ -125,17 +112,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
                  **options: Any):
         name = type(self).__name__
-        check(nonfinite in NONFINITE_POLICIES, name,
-              f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
-        check(_number(lr) and 0 <= lr <= FLOAT32_MAX, name, f"lr must be a finite number >= 0, got {lr!r}")
-        check(_number(momentum) and 0.0 <= momentum < 1.0, name, f"momentum must be in [0, 1), got {momentum!r}")
-        check(_number(weight_decay) and 0.0 <= weight_decay <= FLOAT32_MAX, name,
-              f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
-        check(isinstance(nesterov, bool), name, f"nesterov must be True or False, got {nesterov!r}")
-        check(not nesterov or momentum > 0, name, "nesterov=True needs momentum > 0")
-        check(_integer(bucket_bytes) and bucket_bytes >= 1, name,
-              f"bucket_bytes must be an integer >= 1, got {bucket_bytes!r}")
-        check(_integer(seed), name, f"seed must be an integer, got {seed!r}")
+        require(nonfinite in NONFINITE_POLICIES, name,
+                f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
+        require(is_real(lr) and 0 <= lr <= FLOAT32_MAX, name, f"lr must be a finite number >= 0, got {lr!r}")
+        require(is_real(momentum) and 0.0 <= momentum < 1.0, name, f"momentum must be in [0, 1), got {momentum!r}")
+        require(is_real(weight_decay) and 0.0 <= weight_decay <= FLOAT32_MAX, name,
+                f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+        require(isinstance(nesterov, bool), name, f"nesterov must be True or False, got {nesterov!r}")
+        require(not nesterov or momentum > 0, name, "nesterov=True needs momentum > 0")
+        require(is_int(bucket_bytes) and bucket_bytes >= 1, name,
+                f"bucket_bytes must be an integer >= 1, got {bucket_bytes!r}")
+        require(is_int(seed), name, f"seed must be an integer, got {seed!r}")
         defaults = dict(lr=float(lr), momentum=float(momentum), nesterov=bool(nesterov),
                         weight_decay=float(weight_decay), **options)
         super().__init__(params, defaults)
@@ -155,7 +142,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                    comm: "comm_lib.Group | None" = None) -> PSync:
         """A PSync on this optimizer's group (or ``comm``); ``salt`` separates the seeds of
         two exchanges."""
-        psync = PSync(comm or self.comm, compressor, seed=self.seed * 1000 + salt,
+        psync = PSync(comm or self.comm, compressor, seed=seeds.exchange_seed(self.seed, salt),
                       bucket_bytes=self.bucket_bytes)
         psync.tracer = self._tracer
         self._exchanges.append(psync)
@@ -224,8 +211,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The settings every worker of a group must share: method, version, world size,
         parameter shapes, hyper-parameters per param group, options kept as attributes
         (periods, ratios, ...) and the codec spec of every exchange."""
-        from .. import __version__
-
         fields: dict[str, Any] = {
             "gradzip version": __version__, "method": type(self).__name__,
             "world size": self.comm.world_size,

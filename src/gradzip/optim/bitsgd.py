@@ -6,7 +6,8 @@ import math
 import torch
 
 from ..compressors import build
-from .base import DistributedOptimizer, check
+from ..validation import is_real, require
+from .base import DistributedOptimizer
 
 
 class BitSGD(DistributedOptimizer):
@@ -24,9 +25,9 @@ class BitSGD(DistributedOptimizer):
     """
 
     def __init__(self, params, lr, *, threshold: float | None = None, **kwargs):
-        ok = threshold is None or (isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+        ok = threshold is None or (is_real(threshold)
                                    and math.isfinite(threshold) and threshold > 0)
-        check(ok, "BitSGD", f"threshold must be > 0 and finite, got {threshold!r}")
+        require(ok, "BitSGD", f"threshold must be > 0 and finite, got {threshold!r}")
         spec = "2bit" if threshold is None else f"2bit:threshold={threshold}"
         super().__init__(params, lr, **kwargs)
         self.psync = self.make_psync(build(spec))

@@ -35,7 +35,8 @@ import torch
 from ..compressors import build
 from ..exchange import Timings
 from ..trace import maybe_span
-from .base import DistributedOptimizer, check
+from ..validation import is_int, is_real, require
+from .base import DistributedOptimizer
 
 
 class CDSGD(DistributedOptimizer):
@@ -46,14 +47,14 @@ class CDSGD(DistributedOptimizer):
     def __init__(self, params, lr, *, compressor: str = "2bit", k: int = 5, local_lr: float | None = None,
                  warmup_steps: int = 0, overlap: bool = True, **kwargs):
         name = type(self).__name__
-        check(isinstance(k, int) and not isinstance(k, bool) and k >= 1, name,
-              f"k must be an integer >= 1, got {k!r}")
-        check(local_lr is None or (isinstance(local_lr, (int, float)) and not isinstance(local_lr, bool)
+        require(is_int(k) and k >= 1, name,
+                f"k must be an integer >= 1, got {k!r}")
+        require(local_lr is None or (is_real(local_lr)
                                    and math.isfinite(local_lr) and local_lr >= 0), name,
-              f"local_lr must be a finite number >= 0 (or None: lr / world_size), got {local_lr!r}")
-        check(isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool) and warmup_steps >= 0, name,
-              f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-        check(isinstance(overlap, bool), name, f"overlap must be True or False, got {overlap!r}")
+                f"local_lr must be a finite number >= 0 (or None: lr / world_size), got {local_lr!r}")
+        require(is_int(warmup_steps) and warmup_steps >= 0, name,
+                f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        require(isinstance(overlap, bool), name, f"overlap must be True or False, got {overlap!r}")
         super().__init__(params, lr, local_lr=local_lr, **kwargs)
         self.k = k
         self.warmup_steps = warmup_steps

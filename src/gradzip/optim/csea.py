@@ -5,7 +5,7 @@ import torch
 
 from ..compressors import Compressor
 from .base import DistributedOptimizer
-from .cser import DEFAULT_RC, codec_for_ratio, single_codec
+from .ratios import DEFAULT_RC, codec_for_ratio, single_codec
 
 
 class CSEA(DistributedOptimizer):
@@ -23,7 +23,7 @@ class CSEA(DistributedOptimizer):
     synchronised; ``state[p]["error"]`` holds ``e_i``.
 
     ``rc``: target R_C = R_C1, giving ``compressor = randblock:in=rc`` (see
-    :mod:`gradzip.optim.cser`); ``"auto"`` without rc is rc = 16 (``randblock:in=16``).
+    :mod:`gradzip.optim.ratios`); ``"auto"`` without rc is rc = 16 (``randblock:in=16``).
     """
 
     replicas_differ = True

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from ..compressors.dgc import DGCCompressor, selected_indices
-from .base import DistributedOptimizer, check
+from ..validation import is_int, is_real, require
+from .base import DistributedOptimizer
 
 #: The paper's warm-up: sparsity 75%, 93.75%, 98.4375%, 99.6%, then the target (99.9%),
 #: i.e. density 0.25**s in stage s = 1, 2, 3, 4 of the warm-up.
@@ -56,14 +57,14 @@ class DGC(DistributedOptimizer):
                  warmup_steps: int = 0, lr_warmup_steps: int = 0, clip_norm: float = 0.0, **kwargs):
         name = "DGC"
         for key, value in (("ratio", ratio), ("sample_ratio", sample_ratio)):
-            check(isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1, name,
-                  f"{key} must be in (0, 1], got {value!r}")
+            require(is_real(value) and 0 < value <= 1, name,
+                    f"{key} must be in (0, 1], got {value!r}")
         for key, value in (("warmup_steps", warmup_steps), ("lr_warmup_steps", lr_warmup_steps)):
-            check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name,
-                  f"{key} must be an integer >= 0, got {value!r}")
-        check(isinstance(clip_norm, (int, float)) and not isinstance(clip_norm, bool) and clip_norm >= 0, name,
-              f"clip_norm must be >= 0 (0 = no clipping), got {clip_norm!r}")
-        check(not kwargs.get("nesterov", False), name, "nesterov=True is not supported (use nesterov=False)")
+            require(is_int(value) and value >= 0, name,
+                    f"{key} must be an integer >= 0, got {value!r}")
+        require(is_real(clip_norm) and clip_norm >= 0, name,
+                f"clip_norm must be >= 0 (0 = no clipping), got {clip_norm!r}")
+        require(not kwargs.get("nesterov", False), name, "nesterov=True is not supported (use nesterov=False)")
         super().__init__(params, lr, **kwargs)
         self.ratio, self.sample_ratio = float(ratio), float(sample_ratio)
         self.warmup_steps, self.lr_warmup_steps, self.clip_norm = warmup_steps, lr_warmup_steps, float(clip_norm)

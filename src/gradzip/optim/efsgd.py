@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .base import DistributedOptimizer
-from .cser import single_codec
+from .ratios import single_codec
 
 DEFAULT_CODEC = "topk:ratio=0.01"
 
@@ -21,7 +21,7 @@ class EFSGD(DistributedOptimizer):
     ``EFSGD(compressor="1bit")``, EF-signSGD ``EFSGD(compressor="scaled_sign")``.
 
     ``compressor="auto"`` is ``topk:ratio=0.01``; or give ``rc``, a target R_C = R_C1, for
-    the random-block codec sending 1/rc of every tensor (as CSEA; :mod:`gradzip.optim.cser`),
+    the random-block codec sending 1/rc of every tensor (as CSEA; :mod:`gradzip.optim.ratios`),
     so that ``gradzip compare --rc`` treats EF-SGD like the error-reset methods.
     """
 

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from .base import DistributedOptimizer, check
+from ..validation import is_int, require
+from .base import DistributedOptimizer
 
 
 def check_period(method: str, H) -> int:
     """``H`` must be an integer >= 1 (steps H, 2H, ... synchronise)."""
-    check(isinstance(H, int) and not isinstance(H, bool) and H >= 1, method,
-          f"H (the synchronisation period, in steps) must be an integer >= 1, got {H!r}")
+    require(is_int(H) and H >= 1, method,
+            f"H (the synchronisation period, in steps) must be an integer >= 1, got {H!r}")
     return H
 
 

@@ -6,8 +6,9 @@ from collections import defaultdict
 import torch
 
 from ..compressors.powersgd import effective_rank, matrix_shape, orthogonalize, random_q, should_compress
-from ..exchange import mix_seed
-from .base import DistributedOptimizer, check
+from ..seeds import mix as mix_seed
+from ..validation import is_int, is_real, require
+from .base import DistributedOptimizer
 
 
 class PowerSGD(DistributedOptimizer):
@@ -55,16 +56,16 @@ class PowerSGD(DistributedOptimizer):
                  warm_start: bool = True, use_error_feedback: bool = True,
                  orthogonalization_epsilon: float = 0.0, **kwargs):
         name = "PowerSGD"
-        check(isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1, name,
-              f"rank must be an integer >= 1, got {rank!r}")
-        check(isinstance(start_iter, int) and not isinstance(start_iter, bool) and start_iter >= 0, name,
-              f"start_iter must be an integer >= 0, got {start_iter!r}")
+        require(is_int(rank) and rank >= 1, name,
+                f"rank must be an integer >= 1, got {rank!r}")
+        require(is_int(start_iter) and start_iter >= 0, name,
+                f"start_iter must be an integer >= 0, got {start_iter!r}")
         for key, value in (("min_compression_rate", min_compression_rate),
                            ("orthogonalization_epsilon", orthogonalization_epsilon)):
-            check(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, name,
-                  f"{key} must be a number >= 0, got {value!r}")  # NaN fails too
+            require(is_real(value) and value >= 0, name,
+                    f"{key} must be a number >= 0, got {value!r}")  # NaN fails too
         for key, value in (("warm_start", warm_start), ("use_error_feedback", use_error_feedback)):
-            check(isinstance(value, bool), name, f"{key} must be True or False, got {value!r}")
+            require(isinstance(value, bool), name, f"{key} must be True or False, got {value!r}")
         super().__init__(params, lr, **kwargs)
         self.rank, self.start_iter = rank, start_iter
         self.min_compression_rate = float(min_compression_rate)

@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 
 from ..compressors import Compressor
-from .base import DistributedOptimizer, check
-from .cser import DEFAULT_RC, _is_auto, check_rc, derive_periodic
+from ..validation import require
+from .base import DistributedOptimizer
 from .localsgd import check_period
+from .ratios import DEFAULT_RC, check_rc, derive_periodic, is_auto
 
 
 class QSparseLocalSGD(DistributedOptimizer):
@@ -25,7 +26,7 @@ class QSparseLocalSGD(DistributedOptimizer):
     momentum, never synchronised. With H = 1 and ``compressor="none"`` it is S-SGD.
 
     ``rc``: target ``R_C = H·R_C1``, deriving the codec (and H unless given) as in
-    :mod:`gradzip.optim.cser`; ``"auto"``/``None`` without rc take the rc = 16 setting
+    :mod:`gradzip.optim.ratios`; ``"auto"``/``None`` without rc take the rc = 16 setting
     (H = 4, ``randblock:in=4``).
     """
 
@@ -37,14 +38,14 @@ class QSparseLocalSGD(DistributedOptimizer):
         rc = check_rc(name, rc)
         if H is not None:
             check_period(name, H)
-        if rc is not None and not _is_auto(compressor):
-            check(False, name, f"give either rc (codec derived from it) or compressor, not both; "
-                               f"got rc={rc:g} and compressor={compressor!r}")
+        if rc is not None and not is_auto(compressor):
+            require(False, name, f"give either rc (codec derived from it) or compressor, not both; "
+                                 f"got rc={rc:g} and compressor={compressor!r}")
         codec, H_auto = derive_periodic(name, DEFAULT_RC if rc is None else rc, H)
         super().__init__(params, lr, **kwargs)
         self.H = H if H is not None else H_auto
         self.rc = rc
-        self.psync = self.make_psync(codec if _is_auto(compressor) else compressor)
+        self.psync = self.make_psync(codec if is_auto(compressor) else compressor)
 
     @torch.no_grad()
     def step(self, closure=None):

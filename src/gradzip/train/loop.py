@@ -22,11 +22,12 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .. import __version__, consistency, optim
+from .. import consistency, optim, seeds
+from ..version import __version__
 from ..comm import Group
 from ..errors import GradzipError
 from ..trace import Tracer, maybe_span
-from . import checkpoint, data, models
+from . import checkpoint, datasets, models
 from .config import method_class
 
 
@@ -152,7 +153,7 @@ def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | 
     interrupted. ``after_step(steps_done)`` is called after every step (tests inject faults
     with it)."""
     setup_began = time.perf_counter()
-    ds = data.load(cfg.dataset, cfg.data_dir, seed=cfg.seed, download=cfg.download)
+    ds = datasets.load(cfg.dataset, cfg.data_dir, download=cfg.download)
     model = models.build(cfg.model, ds.input_shape, ds.num_classes, seed=cfg.seed)
     consistency.verify(comm, {**trajectory_fields(cfg), "gradzip version": __version__,
                               "world size": comm.world_size, "training samples": len(ds.train_x),
@@ -173,8 +174,8 @@ def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | 
             "previous": [0.0] * len(PHASES), "diverged": False, "wall_time_s": 0.0}
     # the global generators (dropout, augmentation in user code) start from the run's seed
     # and this rank, whatever launched the process; a resume restores their saved state
-    torch.manual_seed(cfg.seed * 1_000_003 + comm.rank)
-    random.seed(cfg.seed * 1_000_003 + comm.rank)
+    torch.manual_seed(seeds.worker_seed(cfg.seed, comm.rank))
+    random.seed(seeds.worker_seed(cfg.seed, comm.rank))
     resumed_from = _resume(comm, cfg, model, opt, loop)
     tracer = Tracer(comm.rank) if cfg.trace else None
     opt.tracer = tracer
@@ -190,7 +191,7 @@ def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | 
     first_epoch, first_batch = divmod(loop["done"], steps_per_epoch)
     first_epoch += 1
     for epoch in range(first_epoch, cfg.epochs + 1):
-        order = data.shard(len(ds.train_x), comm.rank, comm.world_size, epoch, cfg.seed)
+        order = datasets.shard(len(ds.train_x), comm.rank, comm.world_size, epoch, cfg.seed)
         for b in range(first_batch if epoch == first_epoch else 0, steps_per_epoch):
             idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
             t0 = time.perf_counter()

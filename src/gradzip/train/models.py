@@ -28,25 +28,20 @@ parameters, and building a model leaves the global RNG state untouched.
 from __future__ import annotations
 
 import math
-
 import threading
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
+from gradzip import specs
 from gradzip.errors import GradzipError
+from gradzip.validation import is_int
 
 __all__ = ["names", "build", "MLP", "LeNet", "ResNet", "ResNet18"]
 
-_NAMES = ("logreg", "mlp", "lenet", "resnet", "resnet18", "mlp10m")
-
-
 _GLOBAL_RNG_LOCK = threading.Lock()
-
-
-def names() -> list[str]:
-    """The model names :func:`build` accepts."""
-    return list(_NAMES)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -174,25 +169,7 @@ def mlp_width_for(params: int, features: int, num_classes: int) -> int:
     return max(64, int(round(h / 64)) * 64)
 
 
-# ----------------------------------------------------------------------------- build
-
-
-def _parse_options(name: str, opts: str, valid: dict) -> dict:
-    """``key=value,...`` -> dict, checking keys against ``valid`` (key -> example)."""
-    out = {}
-    for item in (p.strip() for p in opts.split(",")):
-        if not item:
-            continue
-        key, eq, value = (s.strip() for s in item.partition("="))
-        if not eq or key not in valid:
-            if not valid:
-                raise GradzipError(f"model {name!r} takes no options (got {item!r}); "
-                                   f"use just {name!r}.")
-            examples = ", ".join(f"{k}={v}" for k, v in valid.items())
-            raise GradzipError(f"bad option {item!r} for model {name!r}; valid options: "
-                               f"{examples}.")
-        out[key] = value
-    return out
+# ----------------------------------------------------------------------------- options
 
 
 def _int_option(name: str, key: str, value: str, low: int) -> int:
@@ -204,6 +181,13 @@ def _int_option(name: str, key: str, value: str, low: int) -> int:
         raise GradzipError(f"model {name!r} option {key} must be an integer >= {low}, "
                            f"got {value!r}.")
     return v
+
+
+def _norm_option(name: str, opts: dict) -> str:
+    norm = opts["norm"].lower()
+    if norm not in ("bn", "gn", "none"):
+        raise GradzipError(f"model {name!r} option norm must be bn, gn or none, got {norm!r}.")
+    return norm
 
 
 def _check_shape(input_shape) -> tuple:
@@ -226,52 +210,100 @@ def _need_image(name: str, shape: tuple, min_side: int) -> None:
                            f"this data.")
 
 
-def _construct(base: str, opts: dict, shape: tuple, num_classes: int) -> nn.Module:
-    features = math.prod(shape)
-    if base == "logreg":
-        return MLP(features, (), num_classes)
-    if base == "mlp":
-        hidden = (256, 128)
-        if "hidden" in opts:
-            try:
-                hidden = tuple(int(h) for h in opts["hidden"].lower().split("x"))
-            except ValueError:
-                hidden = ()
-            if not hidden or min(hidden) < 1:
-                raise GradzipError(f"model 'mlp' option hidden must be layer sizes joined by "
-                                   f"'x' (e.g. hidden=512x512), got {opts['hidden']!r}; use "
-                                   f"'logreg' for no hidden layer.")
-        return MLP(features, hidden, num_classes)
-    if base == "lenet":
-        _need_image(base, shape, 4)
-        return LeNet(shape, num_classes)
-    if base == "mlp10m":
-        target = _int_option(base, "params", opts.get("params", "10000000"), 1000)
-        width = mlp_width_for(target, features, num_classes)
-        return MLP(features, (width, width), num_classes)
-    if base == "resnet18":
-        _need_image(base, shape, 1)
-        width = _int_option(base, "width", opts.get("width", "64"), 1)
-        norm = opts.get("norm", "bn").lower()
-        if norm not in ("bn", "gn", "none"):
-            raise GradzipError(f"model 'resnet18' option norm must be bn, gn or none, got {norm!r}.")
-        return ResNet18(shape, num_classes, width=width, norm=norm)
-    # resnet
-    _need_image(base, shape, 1)
-    depth = _int_option(base, "depth", opts.get("depth", "20"), 8)
+# ----------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """How to build one model name: ``make(opts, shape, num_classes)``, where ``opts`` holds
+    every option of ``options`` (key -> default, also the example shown in errors) as a
+    string, given or default."""
+
+    make: Callable[[dict, tuple, int], nn.Module]
+    options: dict
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def _register(name: str, **options: str):
+    """Decorator: make the builder buildable as ``name`` with ``options`` (key -> default)."""
+    def add(make):
+        _REGISTRY[name] = _Entry(make, options)
+        return make
+    return add
+
+
+def names() -> list[str]:
+    """The model names :func:`build` accepts."""
+    return list(_REGISTRY)
+
+
+@_register("logreg")
+def _logreg(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
+    return MLP(math.prod(shape), (), num_classes)
+
+
+@_register("mlp", hidden="256x128")
+def _mlp(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
+    try:
+        hidden = tuple(int(h) for h in opts["hidden"].lower().split("x"))
+    except ValueError:
+        hidden = ()
+    if not hidden or min(hidden) < 1:
+        raise GradzipError(f"model 'mlp' option hidden must be layer sizes joined by "
+                           f"'x' (e.g. hidden=512x512), got {opts['hidden']!r}; use "
+                           f"'logreg' for no hidden layer.")
+    return MLP(math.prod(shape), hidden, num_classes)
+
+
+@_register("lenet")
+def _lenet(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
+    _need_image("lenet", shape, 4)
+    return LeNet(shape, num_classes)
+
+
+@_register("resnet", depth="20", width="16", norm="bn")
+def _resnet(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
+    _need_image("resnet", shape, 1)
+    depth = _int_option("resnet", "depth", opts["depth"], 8)
     if (depth - 2) % 6:
         raise GradzipError(f"model 'resnet' depth must be 6n+2 (20, 32, 44, 56, 110), "
                            f"got {depth}.")
-    width = _int_option(base, "width", opts.get("width", "16"), 1)
-    norm = opts.get("norm", "bn").lower()
-    if norm not in ("bn", "gn", "none"):
-        raise GradzipError(f"model 'resnet' option norm must be bn, gn or none, got {norm!r}.")
-    return ResNet(shape, num_classes, depth=depth, width=width, norm=norm)
+    width = _int_option("resnet", "width", opts["width"], 1)
+    return ResNet(shape, num_classes, depth=depth, width=width, norm=_norm_option("resnet", opts))
 
 
-_OPTIONS = {"logreg": {}, "mlp": {"hidden": "256x128"}, "lenet": {},
-            "resnet": {"depth": "20", "width": "16", "norm": "bn"},
-            "resnet18": {"width": "64", "norm": "bn"}, "mlp10m": {"params": "10000000"}}
+@_register("resnet18", width="64", norm="bn")
+def _resnet18(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
+    _need_image("resnet18", shape, 1)
+    width = _int_option("resnet18", "width", opts["width"], 1)
+    return ResNet18(shape, num_classes, width=width, norm=_norm_option("resnet18", opts))
+
+
+@_register("mlp10m", params="10000000")
+def _mlp10m(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
+    target = _int_option("mlp10m", "params", opts["params"], 1000)
+    width = mlp_width_for(target, math.prod(shape), num_classes)
+    return MLP(math.prod(shape), (width, width), num_classes)
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def _parse_options(name: str, options: list[specs.Option], valid: dict) -> dict:
+    """A spec's options -> dict, checking keys against ``valid`` (key -> example)."""
+    out = {}
+    for opt in options:
+        if not opt.has_value or opt.key not in valid:
+            if not valid:
+                raise GradzipError(f"model {name!r} takes no options (got {opt.item!r}); "
+                                   f"use just {name!r}.")
+            examples = ", ".join(f"{k}={v}" for k, v in valid.items())
+            raise GradzipError(f"bad option {opt.item!r} for model {name!r}; valid options: "
+                               f"{examples}.")
+        out[opt.key] = opt.value
+    return out
 
 
 def build(name: str, input_shape: tuple, num_classes: int, *, seed: int = 0) -> nn.Module:
@@ -282,20 +314,20 @@ def build(name: str, input_shape: tuple, num_classes: int, *, seed: int = 0) -> 
     """
     if not isinstance(name, str) or not name.strip():
         raise GradzipError(f"model name must be a non-empty string, got {name!r}; valid "
-                           f"names: {', '.join(_NAMES)}.")
-    base, _, opts = name.strip().partition(":")
-    base = base.strip().lower()
-    if base not in _NAMES:
-        raise GradzipError(f"unknown model {name!r}; valid names: {', '.join(_NAMES)}.")
-    options = _parse_options(base, opts, _OPTIONS[base])
+                           f"names: {', '.join(_REGISTRY)}.")
+    base, _, options = specs.split(name)
+    if base not in _REGISTRY:
+        raise GradzipError(f"unknown model {name!r}; valid names: {', '.join(_REGISTRY)}.")
+    entry = _REGISTRY[base]
+    opts = _parse_options(base, options, entry.options)
     shape = _check_shape(input_shape)
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+    if not is_int(num_classes) or num_classes < 2:
         raise GradzipError(f"num_classes must be an integer >= 2, got {num_classes!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_int(seed):
         raise GradzipError(f"seed must be an integer, got {seed!r}.")
     # fork only the CPU generator: modules are built on the CPU, and seeding through
     # torch.manual_seed would also reseed (and not restore) the CUDA generators. The lock:
     # workers on threads (gradzip.simulate) share the global generator.
     with _GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed & ((1 << 64) - 1))
-        return _construct(base, options, shape, num_classes)
+        return entry.make({**entry.options, **opts}, shape, num_classes)

@@ -1,0 +1,33 @@
+"""Datasets for the training harness: in-memory tensors, one loader per name.
+
+``load(name, data_dir)`` returns a :class:`Dataset` whose tensors are already normalized
+(per-channel mean / std of the train split, applied to both splits). Datasets:
+
+- ``digits``: scikit-learn's 8x8 digits (embedded, no download): 1x8x8 images, 10 classes,
+  a fixed stratified 80/20 split (1437 train / 360 test), the same for every run.
+- ``synthetic``: generated, no file. Options as a spec string,
+  ``synthetic:n=8192,test=2048,shape=1x28x28,classes=10,seed=0`` (these are the defaults;
+  ``shape=784`` gives flat features). See :func:`synthetic`.
+- ``mnist``, ``fashion-mnist``: the standard IDX files (``train-images-idx3-ubyte.gz`` ...,
+  gzipped or not) in ``data_dir/<name>/`` or ``data_dir``; downloaded into
+  ``data_dir/<name>/`` from the standard mirrors (MD5-checked) when missing.
+- ``cifar10``: ``cifar-10-python.tar.gz`` or its extracted ``cifar-10-batches-py/`` in
+  ``data_dir/cifar10/`` or ``data_dir``; downloaded into ``data_dir/cifar10/`` when missing.
+
+A ``SHA256SUMS`` file (``sha256sum`` format) beside the data files is verified when present.
+No dataset depends on the run's seed: each is a fixed function of its name, so test sets
+are the same across runs; the per-epoch shuffling is :func:`shard`'s job.
+
+Modules: :mod:`.registry` (names -> loaders), :mod:`.base` (``Dataset``, normalisation),
+:mod:`.sampler` (``shard``), :mod:`.generated` (``synthetic``), :mod:`.digits`,
+:mod:`.storage` (finding, downloading and checking files), :mod:`.mnist` (IDX),
+:mod:`.cifar`.
+"""
+from .base import Dataset
+from .generated import synthetic
+from .mnist import read_idx
+from .registry import load, names
+from .sampler import shard
+from .storage import MD5, MIRRORS
+
+__all__ = ["Dataset", "names", "load", "synthetic", "shard", "read_idx", "MIRRORS", "MD5"]

@@ -1,0 +1,115 @@
+"""``synthetic``: a learnable generated classification task (no file), fixed by its options."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from gradzip import seeds, specs
+from gradzip.errors import GradzipError
+from gradzip.validation import is_int
+
+from .base import Dataset, normalize
+
+_SYNTH_DEFAULTS = {"n": 8192, "test": 2048, "shape": (1, 28, 28), "classes": 10, "seed": 0}
+_SYNTH_LATENT = 16      # dimension of the latent Gaussian the labels depend on
+_SYNTH_NOISE = 0.5      # std of the per-feature noise added to the rendered inputs
+
+
+def _parse_shape(text: str) -> tuple:
+    try:
+        shape = tuple(int(p) for p in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) not in (1, 3) or min(shape) < 1:
+        raise GradzipError(f"synthetic shape must be CxHxW (e.g. 3x32x32) or a feature count "
+                           f"(e.g. 784) with positive sizes, got {text!r}.")
+    return shape
+
+
+def parse_options(options: list[specs.Option]) -> dict:
+    """The keyword arguments of :func:`synthetic` from a spec's options (``n=4096``,
+    ``shape=3x32x32``, ...)."""
+    out = {}
+    for opt in options:
+        key, value = opt.key.lower(), opt.value
+        if not opt.has_value or key not in _SYNTH_DEFAULTS:
+            raise GradzipError(f"bad synthetic option {opt.item!r}; options are key=value with "
+                               f"keys {', '.join(_SYNTH_DEFAULTS)} "
+                               f"(e.g. synthetic:n=4096,shape=3x32x32,classes=10).")
+        if key == "shape":
+            out[key] = _parse_shape(value)
+        else:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise GradzipError(f"synthetic option {key} needs an integer, "
+                                   f"got {value!r}.") from None
+    return out
+
+
+def synthetic(n: int = 8192, test: int = 2048, shape: tuple | str = (1, 28, 28),
+              classes: int = 10, seed: int = 0) -> Dataset:
+    """A learnable generated classification task (no file), fixed by its arguments.
+
+    A latent ``z ~ N(0, I_16)`` is rendered into an input ``x = z @ A + 0.5 * noise`` of the
+    given ``shape`` (``A``: 16 fixed random, spatially smooth basis images, or random
+    feature directions for a flat shape); the label is ``argmax(z @ W + b)`` of a fixed
+    random linear teacher whose biases are calibrated so the classes are about equally
+    frequent. The teacher, basis and each split come from their own generators derived
+    from ``seed``, so the test set does not change with ``n``. With the defaults, three
+    epochs of SGD (lr 0.05, momentum 0.9, batch 64) reach about 86% test accuracy with
+    ``logreg``, 78% with ``mlp``, 72% with ``lenet``; the input noise keeps it below 100%.
+    """
+    if isinstance(shape, str):
+        shape = _parse_shape(shape)
+    shape = tuple(int(s) for s in shape)
+    if len(shape) not in (1, 3) or min(shape) < 1:
+        raise GradzipError(f"synthetic shape must be (C, H, W) or (features,) with positive "
+                           f"sizes, got {shape!r}.")
+    for label, value, low in (("n", n, 1), ("test", test, 1), ("classes", classes, 2)):
+        if not is_int(value, (int, np.integer)) or value < low:
+            raise GradzipError(f"synthetic option {label} must be an integer >= {low}, "
+                               f"got {value!r}.")
+    if not is_int(seed, (int, np.integer)):
+        raise GradzipError(f"synthetic option seed must be an integer, got {seed!r}.")
+    n, test, classes, seed = int(n), int(test), int(classes), int(seed)
+    dim = math.prod(shape)
+    r = _SYNTH_LATENT
+
+    g = torch.Generator().manual_seed(seeds.hashed("synthetic-teacher", seed, shape, classes))
+    if len(shape) == 3:
+        c, h, w = shape
+        coarse = torch.randn(r, c, max(2, h // 4), max(2, w // 4), generator=g)
+        basis = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear",
+                                                align_corners=False).reshape(r, dim)
+    else:
+        basis = torch.randn(r, dim, generator=g)
+    # each basis image carries unit variance per feature on average
+    basis = basis / basis.norm(dim=1, keepdim=True) * math.sqrt(dim / r)
+    teacher = torch.randn(r, classes, generator=g)
+    teacher = teacher / teacher.norm(dim=0, keepdim=True)
+    bias = torch.zeros(classes)
+    pool = torch.randn(20000, r, generator=g) @ teacher
+    for _ in range(300):  # calibrate biases so classes are balanced (in log-frequency)
+        freq = torch.bincount((pool + bias).argmax(1), minlength=classes).double() / len(pool)
+        if freq.min() > 0.9 / classes and freq.max() < 1.1 / classes:
+            break
+        bias -= 0.3 * (torch.log(freq.clamp_min(1e-4)) - math.log(1.0 / classes)).float()
+
+    def split(count: int, part: str):
+        gs = torch.Generator().manual_seed(seeds.hashed("synthetic", part, seed, shape, classes))
+        z = torch.randn(count, r, generator=gs)
+        x = z @ basis
+        x.add_(torch.randn(count, dim, generator=gs), alpha=_SYNTH_NOISE)
+        y = (z @ teacher + bias).argmax(1).to(torch.int64)
+        return x.reshape(count, *shape), y
+
+    train_x, train_y = split(n, "train")
+    test_x, test_y = split(test, "test")
+    train_x, test_x = normalize(train_x, test_x)
+    spec = (f"synthetic:n={n},test={test},shape={'x'.join(map(str, shape))},"
+            f"classes={classes},seed={seed}")
+    return Dataset(spec, train_x, train_y, test_x, test_y, classes)
+

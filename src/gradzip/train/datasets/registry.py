@@ -1,0 +1,73 @@
+"""Datasets by name: ``load("synthetic:n=4096")``. A registry, no if/elif chain.
+
+Each name maps to a loader and says whether it reads files (then it needs a data
+directory) and whether it takes spec options (only ``synthetic``). Names are
+case-insensitive; a few aliases (``fashion_mnist``, ``cifar-10``) are accepted.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from gradzip import specs
+from gradzip.errors import GradzipError
+
+from . import cifar, digits, generated, mnist, storage
+from .base import Dataset
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """How to load one dataset name."""
+
+    load: Callable[..., Dataset]   # (root, download) when ``files``, else (options)
+    files: bool = False            # read from files in a data directory
+    options: bool = False          # takes spec options (``name:key=value,...``)
+
+
+def _synthetic(options: list[specs.Option]) -> Dataset:
+    """``synthetic`` with a spec's options (``synthetic:n=4096,shape=3x32x32``)."""
+    return generated.synthetic(**generated.parse_options(options))
+
+
+_REGISTRY = {
+    "digits": _Entry(lambda options: digits.load()),
+    "synthetic": _Entry(_synthetic, options=True),
+    "mnist": _Entry(functools.partial(mnist.load, "mnist"), files=True),
+    "fashion-mnist": _Entry(functools.partial(mnist.load, "fashion-mnist"), files=True),
+    "cifar10": _Entry(cifar.load, files=True),
+}
+_ALIASES = {"fashion_mnist": "fashion-mnist", "fashionmnist": "fashion-mnist",
+            "cifar-10": "cifar10", "cifar_10": "cifar10"}
+
+
+def names() -> list[str]:
+    """The dataset names :func:`load` accepts."""
+    return list(_REGISTRY)
+
+
+def load(name: str, data_dir: str | os.PathLike | None = None, *,
+         download: bool = True) -> Dataset:
+    """Load a dataset by name (``names()``), normalized, as in-memory tensors.
+
+    ``data_dir`` is needed by the file-based datasets (mnist, fashion-mnist, cifar10);
+    missing files are downloaded into it when ``download`` is true. No dataset depends on
+    the run's seed (test sets stay comparable across runs; ``synthetic`` takes its own
+    ``seed=`` option).
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise GradzipError(f"dataset name must be a non-empty string, got {name!r}; "
+                           f"valid names: {', '.join(_REGISTRY)}.")
+    base, rest, options = specs.split(name)
+    base = _ALIASES.get(base, base)
+    if base not in _REGISTRY:
+        raise GradzipError(f"unknown dataset {name!r}; valid names: {', '.join(_REGISTRY)}.")
+    entry = _REGISTRY[base]
+    if not entry.options and rest.strip():
+        raise GradzipError(f"dataset {base!r} takes no options (got {name!r}); "
+                           f"use just {base!r}.")
+    if not entry.files:
+        return entry.load(options)
+    return entry.load(storage.require_dir(base, data_dir, download), download)
