@@ -57,3 +57,94 @@ def partial_pairs(comm, uses_per_rank, methods=tuple(cases.SHORT_RUNS)):
     return {m: (train_partial(comm, m, cases.SHORT_RUNS[m], uses_per_rank),
                 train_partial(comm, m, cases.SHORT_RUNS[m], uses_per_rank, explicit_zeros=True))
             for m in methods}
+
+
+# -- codec overflow (issue 12, item 4) -----------------------------------------------------
+#: (method, options, lr, finite gradient value that the codec or the sum turns into Inf /
+#: NaN, ranks whose gradient holds it)
+OVERFLOWS = {
+    "ssgd@fp16": ("ssgd", {"compressor": "fp16", "momentum": 0.9}, 1e-6, 1e5, (0,)),
+    "ssgd@qsgd": ("ssgd", {"compressor": "qsgd"}, 1e-6, 1e20, (0,)),
+    "ssgd@terngrad": ("ssgd", {"compressor": "terngrad"}, 1e-6, 3e38, (0, 1)),
+    "ssgd@powersgd": ("ssgd", {"compressor": "powersgd"}, 1e-6, 3e38, (0,)),
+    "powersgd": ("powersgd", {"start_iter": 0, "momentum": 0.9}, 1e-6, 3e38, (0,)),
+    "efsgd@fp16": ("efsgd", {"compressor": "fp16", "momentum": 0.9}, 1.0, 1e5, (0,)),
+    "dgc": ("dgc", {"ratio": 0.3, "momentum": 0.9}, 1e-6, 3e38, (0, 1)),
+}
+
+
+def train_with_overflow(comm, name: str, nonfinite: str = "raise", drop: bool = False, bad_step: int = 3,
+                        steps: int = 5):
+    """``steps`` steps where some ranks' gradient at ``bad_step`` holds a large finite value
+    in every coordinate of the first tensor (``drop``: that step left out instead).
+    (final parameters, final state_dict, skipped steps)."""
+    import gradzip
+
+    method, options, lr, value, ranks = OVERFLOWS[name]
+    model = cases.tiny_model()
+    opt = gradzip.optim.METHODS[method](model.parameters(), comm=comm, lr=lr, nonfinite=nonfinite, **options)
+    for t in range(1, steps + 1):
+        if drop and t == bad_step:
+            continue
+        x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if t == bad_step and comm.rank in ranks:
+            next(model.parameters()).grad.fill_(value)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt.state_dict(), opt.skipped_steps
+
+
+# -- replicas that start different (issue 12, item 5) --------------------------------------
+def seeded_model(seed: int) -> torch.nn.Module:
+    """A small network with a buffer (batch norm), built from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))
+    with torch.no_grad():
+        for t in list(model.parameters()) + [model[1].running_mean]:
+            t.copy_(torch.randn(t.shape, generator=g))
+    return model
+
+
+def step_from_per_rank_init(comm, method: str = "ssgd", broadcast: bool = False, use_module: bool = True):
+    """One step of ``method`` from weights seeded by the rank (``broadcast``: after
+    ``gradzip.broadcast_parameters``); the parameters and buffers afterwards."""
+    import gradzip
+
+    model = seeded_model(comm.rank).eval()  # eval: the batch-norm buffers keep the broadcast values
+    if broadcast:
+        gradzip.broadcast_parameters(model if use_module else model.parameters(), comm=comm)
+    opt = gradzip.optim.METHODS[method](model.parameters(), comm=comm, lr=0.1)
+    x, y = cases.regression_batch(1, comm.rank, comm.world_size)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    return [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
+
+
+def resume_differing(comm, method: str, options: dict, split: int = 3, steps: int = 5):
+    """``cases.train_with_resume`` (the saved models differ per rank for local SGD / CSER
+    between synchronisations)."""
+    return cases.train_with_resume(comm, method, options, steps, split)[0]
+
+
+def resume_with_tampered_model(comm):
+    """S-SGD resumed at step 3 where rank 1's model was altered: the first step after the
+    load must refuse."""
+    import copy
+
+    import gradzip
+
+    model = cases.tiny_model()
+    opt = gradzip.optim.SSGD(model.parameters(), comm=comm, lr=0.1)
+    for t in range(1, 5):
+        if t == 3:
+            saved = copy.deepcopy(opt.state_dict())
+            if comm.rank == 1:
+                with torch.no_grad():
+                    model[2].bias.add_(1.0)
+            opt = gradzip.optim.SSGD(model.parameters(), comm=comm, lr=0.1)
+            opt.load_state_dict(saved)
+        x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
