@@ -202,10 +202,14 @@ class PSync:
         puts fewer bytes on the wire for this world size (ties: allreduce)."""
         codec, n = self.compressor, self.comm.world_size
         sum_dtype = codec.sum_dtype(n, packet.dtype)
-        if sum_dtype is not None:  # sized without building the summand (an int8 per entry for 2bit)
-            sum_bytes = codec.summand_numel(packet, n) * _itemsize(sum_dtype)
-            if allreduce_wire_bytes(sum_bytes, n) <= allgather_wire_bytes(packet.nbytes, n):
-                return "allreduce", [codec.summand(packet, n).reshape(-1)]
+        if sum_dtype is not None:
+            # sized without building the summand where the codec can (an int8 per entry for 2bit)
+            numel, summand = codec.summand_numel(packet, n), None
+            if numel is None:
+                summand = codec.summand(packet, n).reshape(-1)
+                numel = summand.numel()
+            if allreduce_wire_bytes(numel * _itemsize(sum_dtype), n) <= allgather_wire_bytes(packet.nbytes, n):
+                return "allreduce", [summand if summand is not None else codec.summand(packet, n).reshape(-1)]
         return "allgather", [w.reshape(-1).view(torch.uint8) for w in packet.wire.values()]
 
     def _launch(self, packets: list[Packet]) -> list[_Bucket]:
