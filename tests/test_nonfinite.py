@@ -151,3 +151,26 @@ def test_exchange_guard_costs_nothing_when_off():
     psync = gradzip.PSync(gradzip.comm.make_group(1)[0], "fp16")
     assert not psync.check_finite
     assert not bool(torch.isfinite(psync([torch.full((3,), 1e5)], 1).aggregate[0]).all())
+
+
+def test_codec_overflow_under_raise_leaves_model_and_state_as_before_the_step():
+    def worker(comm):
+        model = cases.tiny_model()
+        opt = gradzip.optim.SSGD(model.parameters(), comm=comm, lr=0.1, momentum=0.9, compressor="fp16")
+        for t in (1, 2):
+            x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if t == 2:
+                before = ([p.detach().clone() for p in model.parameters()], opt.state_dict())
+                next(model.parameters()).grad.fill_(1e5)
+                with pytest.raises(NonFiniteGradient, match="SSGD step 2: the fp16 exchange of tensor #0"):
+                    opt.step()
+                after = ([p.detach().clone() for p in model.parameters()], opt.state_dict())
+                for s in (before[1], after[1]):
+                    s["gradzip"].pop("exchanges")
+                cases.assert_bitwise_equal(before, after)
+            else:
+                opt.step()
+        return "ok"
+    assert gradzip.simulate(2, worker) == ["ok", "ok"]

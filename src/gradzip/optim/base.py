@@ -99,7 +99,9 @@ def parameter_digest(p: torch.Tensor) -> str:
 class NonFiniteGradient(GradzipError):
     """A worker's gradient held a NaN or Inf (``nonfinite="raise"``): raised on that worker
     before anything was compressed, sent or updated (its peers then stop with a
-    ``PeerFailure`` naming it)."""
+    ``PeerFailure`` naming it). Also raised on every worker at once when an exchange decoded
+    a non-finite aggregate from finite gradients (a codec overflow), the step undone where
+    the method allows it (:meth:`DistributedOptimizer.irreversible`)."""
 
 
 class _SkipStep(Exception):
@@ -228,9 +230,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def begin_step(self, closure: Callable[[], Any] | None):
         """What every ``step()`` starts with: evaluate the closure; on the first step,
-        compare settings across workers (:meth:`verify_consistent`); check every worker's
-        gradients for NaN/Inf (``nonfinite``); count the step (from 1); list the
-        parameters that have gradients. Returns ``(loss, pairs, params)`` with ``pairs`` the
+        compare settings across workers (:meth:`verify_consistent`); list the parameters
+        that take part (:meth:`params_with_grad`: missing gradients become zeros); check
+        every worker's gradients for NaN/Inf (``nonfinite``); count the step (from 1). Returns ``(loss, pairs, params)`` with ``pairs`` the
         ``(group, param)`` of :meth:`params_with_grad`. A skipped step leaves ``step()``
         here (it returns the loss) with nothing changed but ``skipped_steps``."""
         loss = self._evaluate(closure)
@@ -264,7 +266,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The step's exchange decoded a non-finite aggregate although every gradient was
         finite: skip the step on every worker (``"skip"``, while it can be undone) or raise."""
         name = type(self).__name__
-        if self.nonfinite == "skip" and self._undo is not None:
+        undone = self._undo is not None
+        if undone:  # the step as if it never began (both policies)
             for state, key, old in reversed(self._undo):
                 if old is None:
                     state.pop(key, None)
@@ -272,12 +275,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     state[key] = old
             self._undo = []
             self.steps -= 1
+        if self.nonfinite == "skip" and undone:
             self.skipped_steps += 1
             return self._loss
         after = "" if self.nonfinite == "raise" else (
             " (nonfinite='skip' cannot undo this method's step once it changed the model: raised instead)")
         raise NonFiniteGradient(
-            f"{name} step {self.steps}: {overflow}{after}. Lower the learning rate, clip "
+            f"{name} step {self.steps + undone}: {overflow}{after}. Lower the learning rate, clip "
             "gradients or pick a codec with a wider range; or skip such steps on every worker with "
             "nonfinite='skip' (CLI: --nonfinite skip)."
         ) from overflow
