@@ -174,3 +174,23 @@ def test_codec_overflow_under_raise_leaves_model_and_state_as_before_the_step():
                 opt.step()
         return "ok"
     assert gradzip.simulate(2, worker) == ["ok", "ok"]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_codec_overflow_in_the_background_exchange_of_cdsgd_raises_on_every_rank(overlap):
+    errors = []
+
+    def worker(comm):
+        x = torch.nn.Parameter(torch.zeros(6))
+        opt = gradzip.optim.ODSGD([x], comm=comm, lr=1e-6, warmup_steps=1, overlap=overlap, nonfinite="skip")
+        try:
+            for t in range(1, 5):
+                x.grad = torch.full((6,), 3e38 if t == 2 else 1.0)
+                opt.step()
+            opt.synchronize()
+        except NonFiniteGradient as exc:
+            errors.append(str(exc))
+            raise
+    with pytest.raises(NonFiniteGradient, match="non-finite aggregate.*cannot undo"):
+        gradzip.simulate(2, worker)
+    assert len(errors) == 2

@@ -89,8 +89,8 @@ class CDSGD(DistributedOptimizer):
         if self.steps <= self.warmup_steps:  # plain S-SGD, momentum after the reduction
             self._exchange(pairs, [p.grad for _, p in pairs], self.full, self.steps, globals_=None)
             return loss
+        self.irreversible()                                     # step t-1's update and this local update
         self.synchronize()                                      # W_t is ready
-        self.irreversible()                                     # the local update comes before the exchange
         pairs = _hyperparameters_now(pairs)                     # step t's lr, momentum, ... (not t+1's)
         grads = [p.grad.clone() for _, p in pairs]              # G_i (the next backward overwrites p.grad)
         models = [self._global_model(p) for _, p in pairs]
