@@ -232,8 +232,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """What every ``step()`` starts with: evaluate the closure; on the first step,
         compare settings across workers (:meth:`verify_consistent`); list the parameters
         that take part (:meth:`params_with_grad`: missing gradients become zeros); check
-        every worker's gradients for NaN/Inf (``nonfinite``); count the step (from 1). Returns ``(loss, pairs, params)`` with ``pairs`` the
-        ``(group, param)`` of :meth:`params_with_grad`. A skipped step leaves ``step()``
+        every worker's gradients for NaN/Inf (``nonfinite``); count the step (from 1).
+        Returns ``(loss, pairs, params)`` with ``pairs`` the ``(group, param)`` of
+        :meth:`params_with_grad`. A skipped step leaves ``step()``
         here (it returns the loss) with nothing changed but ``skipped_steps``."""
         loss = self._evaluate(closure)
         if not self._verified:
@@ -469,11 +470,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         for i, group in enumerate(state_dict.get("param_groups", [])):
             _check_group(name, group, f"param_groups[{i}].")
-        if extra is not None:
-            self.steps = int(extra["steps"])
-            self.skipped_steps = int(extra.get("skipped_steps", 0))
-            self.seed = int(extra["seed"])
-            for psync, counters in zip(self._exchanges, extra.get("exchanges", [])):
-                psync.load_counters(counters)
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict)   # torch's own checks (group sizes) first
+        self.steps = int(extra["steps"])
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        self.seed = int(extra["seed"])
+        for psync, counters in zip(self._exchanges, extra.get("exchanges", [])):
+            psync.load_counters(counters)
         self._verified = False  # the loaded values (and settings) are compared at the next step
