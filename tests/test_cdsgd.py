@@ -349,3 +349,13 @@ def test_collecting_the_optimizer_stops_its_thread():
     del opt
     gc.collect()
     assert pool._shutdown
+
+
+def test_leaving_the_with_block_on_an_error_does_not_wait_and_stops_the_thread():
+    x = torch.nn.Parameter(cases.quadratic_start())
+    with pytest.raises(ValueError, match="user error"):
+        with CDSGD([x], lr=0.05) as opt:
+            x.grad = torch.ones(6)
+            opt.step()
+            raise ValueError("user error")
+    assert opt._pool is None

@@ -191,16 +191,23 @@ class CDSGD(DistributedOptimizer):
         """Wait for the pending exchange and stop the communication thread; later steps run
         synchronously (the same numbers)."""
         self.synchronize()
+        self._stop(wait=True)
+
+    def _stop(self, wait: bool) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
             self._finalizer.detach()
+            self._pool.shutdown(wait=wait)
             self._pool = None
 
     def __enter__(self) -> "CDSGD":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # leaving on an error (a lost peer?): do not wait for the exchange in flight
+            self._pending = None
+            self._stop(wait=False)
 
 
 def _hyperparameters_now(pairs):
