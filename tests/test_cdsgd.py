@@ -211,3 +211,151 @@ def test_bad_options(options, message):
     if "compressor" not in options and "k" not in options:
         with pytest.raises(GradzipError, match=message):
             ODSGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, **options)
+
+
+# -- issue 12, item 3: hyper-parameters captured at submit time --------------------------
+class LatePool:
+    """Stands in for the exchange thread at its slowest: a submitted exchange runs only when
+    its result is asked for (after the user's ``scheduler.step()``), a schedule the real
+    thread may take on a loaded machine."""
+
+    def submit(self, fn, *args):
+        pool = self
+
+        class Late:
+            def result(self):
+                return fn(*args)
+        return Late()
+
+    def shutdown(self, wait=True):
+        pass
+
+
+SCHEDULES = {
+    "lambda-1/t": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (e + 1)),
+    "cosine": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=6),
+}
+
+
+def scheduled_run(comm, schedule: str, overlap: bool, split=None, steps: int = 9, late=True):
+    """CD-SGD on the quadratic with an LR schedule stepped after every ``opt.step()``;
+    ``split``: save model, optimizer and scheduler there and continue in fresh ones.
+    (local model, global model, global momentum) at the end."""
+    opts = dict(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True, k=3, warmup_steps=2,
+                compressor="2bit:threshold=0.05", overlap=overlap)
+    A, b = cases.quadratic_problem(comm.rank)
+
+    def fresh(start):
+        x = torch.nn.Parameter(start)
+        opt = CDSGD([x], comm=comm, **opts)
+        if late and opt._pool is not None:
+            opt._pool.shutdown()
+            opt._pool = LatePool()
+        return x, opt, SCHEDULES[schedule](opt)
+
+    x, opt, sched = fresh(cases.quadratic_start())
+    for t in range(1, steps + 1):
+        if t == split:
+            saved = copy.deepcopy((opt.state_dict(), sched.state_dict()))
+            x, opt, sched = fresh(torch.zeros(6))
+            opt.load_state_dict(saved[0])
+            sched.load_state_dict(saved[1])
+        opt.zero_grad()
+        (0.5 * (A @ x - b).pow(2).sum()).backward()
+        opt.step()
+        sched.step()
+    W = opt.evaluation_parameters()[0].clone()
+    return x.detach().clone(), W, opt.state[x]["global_momentum_buffer"].clone()
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_scheduler_overlap_on_equals_off_bit_for_bit(schedule):
+    on = gradzip.simulate(2, lambda c: scheduled_run(c, schedule, True))
+    off = gradzip.simulate(2, lambda c: scheduled_run(c, schedule, False))
+    real_thread = gradzip.simulate(2, lambda c: scheduled_run(c, schedule, True, late=False))
+    for a, b, c in zip(on, off, real_thread):
+        for u, v, w in zip(a, b, c):
+            assert torch.equal(u, v) and torch.equal(u, w)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("overlap", [True, False])
+def test_scheduler_resume_is_bit_exact(schedule, overlap):
+    """Resumed (overlapped or not) == uninterrupted == uninterrupted without overlap."""
+    straight = gradzip.simulate(2, lambda c: scheduled_run(c, schedule, overlap))
+    resumed = gradzip.simulate(2, lambda c: scheduled_run(c, schedule, overlap, split=5))
+    synchronous = gradzip.simulate(2, lambda c: scheduled_run(c, schedule, False))
+    for a, b, c in zip(straight, resumed, synchronous):
+        for u, v, w in zip(a, b, c):
+            assert torch.equal(u, v) and torch.equal(v, w)
+
+
+# -- issue 12, item 17: the pool belongs to the optimizer, not to its wrappers -------------
+def test_a_wrapper_collected_while_the_optimizer_steps_leaves_the_pool_running():
+    import gc
+
+    x = torch.nn.Parameter(cases.quadratic_start())
+    A, b = cases.quadratic_problem(0)
+    opt = CDSGD([x], lr=0.05, k=2, warmup_steps=1)
+
+    class Copying:  # Lightning's LightningOptimizer: the optimizer's __dict__, a class inheriting its
+        def __init__(self, optimizer):
+            self.__dict__ = {k: v for k, v in optimizer.__dict__.items() if k != "step"}
+            self.__class__ = type("LightningCDSGD", (Copying, optimizer.__class__), {})
+
+    class Inheriting(CDSGD):  # a subclass instance sharing the pool, never stepped itself
+        def __init__(self, optimizer):
+            self.__dict__.update(optimizer.__dict__)
+
+    for make in (Copying, Inheriting):
+        for t in range(1, 5):
+            wrapper = make(opt)
+            opt.zero_grad()
+            (0.5 * (A @ x - b).pow(2).sum()).backward()
+            opt.step()
+            del wrapper
+            gc.collect()
+    opt.synchronize()
+    assert not opt._pool._shutdown
+
+
+def test_close_and_context_manager_stop_the_thread_and_keep_the_numbers():
+    def run(use_with):
+        x = torch.nn.Parameter(cases.quadratic_start())
+        A, b = cases.quadratic_problem(0)
+        with CDSGD([x], lr=0.05, k=2, warmup_steps=1) as opt:
+            for t in range(1, 7):
+                if t == 4 and not use_with:
+                    opt.close()
+                    assert opt._pool is None
+                opt.zero_grad()
+                (0.5 * (A @ x - b).pow(2).sum()).backward()
+                opt.step()
+        assert opt._pool is None
+        return x.detach().clone()
+    assert torch.equal(run(True), run(False))
+
+
+def test_collecting_the_optimizer_stops_its_thread():
+    import gc
+    import threading
+
+    x = torch.nn.Parameter(cases.quadratic_start())
+    opt = CDSGD([x], lr=0.05)
+    x.grad = torch.ones(6)
+    opt.step()
+    opt.synchronize()
+    pool = opt._pool
+    del opt
+    gc.collect()
+    assert pool._shutdown
+
+
+def test_leaving_the_with_block_on_an_error_does_not_wait_and_stops_the_thread():
+    x = torch.nn.Parameter(cases.quadratic_start())
+    with pytest.raises(ValueError, match="user error"):
+        with CDSGD([x], lr=0.05) as opt:
+            x.grad = torch.ones(6)
+            opt.step()
+            raise ValueError("user error")
+    assert opt._pool is None

@@ -123,3 +123,19 @@ def test_mix_seed_is_stable_and_sensitive():
     assert mix_seed(1, 2, 3) == mix_seed(1, 2, 3)
     assert len({mix_seed(1, 2, k) for k in range(100)}) == 100
     assert 0 <= mix_seed(2**70, -5) < 2**63
+
+
+# -- issue 13: the route is sized without building the summand -----------------------------
+@pytest.mark.parametrize("spec, n, builds", [("2bit", 2, 0), ("2bit", 8, 1), ("sign", 4, 0),
+                                             ("sign", 16, 1), ("none", 2, 1)])
+def test_route_builds_the_summand_only_when_allreduce_wins(spec, n, builds):
+    codec = build(spec)
+    calls = []
+    summand = codec.summand
+    object.__setattr__(codec, "summand", lambda packet, world: calls.append(1) or summand(packet, world))
+    psync = gradzip.PSync(gradzip.comm.make_group(n)[0], codec)
+    kind, flat = psync.route(codec.compress(torch.randn(1000)))
+    assert len(calls) == builds
+    assert kind == ("allreduce" if builds else "allgather")
+    if builds:
+        assert flat[0].dtype == codec.sum_dtype(n, torch.float32)

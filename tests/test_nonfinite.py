@@ -96,3 +96,101 @@ def test_a_sum_that_overflows_is_not_taken_for_a_nan():
     p.grad = torch.tensor([float("inf"), float("-inf"), 0.0, 1.0])  # a sum of NaN
     with pytest.raises(NonFiniteGradient, match="parameter #0"):
         opt.step()
+
+
+# -- issue 12, item 4: what the codec produces is guarded too ------------------------------
+import cases_optim  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(cases_optim.OVERFLOWS))
+def test_codec_overflow_raises_on_every_rank_before_the_model_changes(name):
+    errors = []
+
+    def worker(comm):
+        try:
+            return cases_optim.train_with_overflow(comm, name, "raise")
+        except NonFiniteGradient as exc:
+            errors.append(str(exc))
+            raise
+    with pytest.raises(NonFiniteGradient, match=r"step 3: .*non-finite aggregate.*overflowed"):
+        gradzip.simulate(2, worker)
+    assert len(errors) == 2  # every rank stopped at the same exchange, none named a "gone" peer
+
+
+@pytest.mark.parametrize("name", sorted(cases_optim.OVERFLOWS))
+def test_codec_overflow_skip_is_the_step_left_out_on_every_rank(name):
+    def pair(comm):
+        return (cases_optim.train_with_overflow(comm, name, "skip"),
+                cases_optim.train_with_overflow(comm, name, "skip", drop=True))
+    for (p_skip, s_skip, n_skip), (p_drop, s_drop, n_drop) in gradzip.simulate(2, pair):
+        assert (n_skip, n_drop) == (1, 0)
+        assert all(bool(torch.isfinite(p).all()) for p in p_skip)
+        s_skip["gradzip"].pop("skipped_steps"), s_drop["gradzip"].pop("skipped_steps")
+        for s in (s_skip, s_drop):  # the skipped step's packets were sent: bytes differ, as documented
+            s["gradzip"].pop("exchanges")
+        cases.assert_bitwise_equal(p_skip, p_drop, f"{name} parameters")
+        cases.assert_bitwise_equal(s_skip, s_drop, f"{name} state")
+
+
+def test_codec_overflow_in_a_method_that_cannot_undo_raises_under_skip():
+    def worker(comm):
+        model = cases.tiny_model()
+        opt = gradzip.optim.LocalSGD(model.parameters(), comm=comm, lr=1.0, H=1, nonfinite="skip")
+        with torch.no_grad():
+            next(model.parameters()).fill_(3e38)
+        x, y = cases.regression_batch(1, comm.rank, comm.world_size)
+        model.zero_grad()
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    with pytest.raises(NonFiniteGradient, match="cannot undo"):
+        gradzip.simulate(2, worker)
+
+
+def test_exchange_guard_costs_nothing_when_off():
+    psync = gradzip.PSync(gradzip.comm.make_group(1)[0], "fp16")
+    assert not psync.check_finite
+    assert not bool(torch.isfinite(psync([torch.full((3,), 1e5)], 1).aggregate[0]).all())
+
+
+def test_codec_overflow_under_raise_leaves_model_and_state_as_before_the_step():
+    def worker(comm):
+        model = cases.tiny_model()
+        opt = gradzip.optim.SSGD(model.parameters(), comm=comm, lr=0.1, momentum=0.9, compressor="fp16")
+        for t in (1, 2):
+            x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if t == 2:
+                before = ([p.detach().clone() for p in model.parameters()], opt.state_dict())
+                next(model.parameters()).grad.fill_(1e5)
+                with pytest.raises(NonFiniteGradient, match="SSGD step 2: the fp16 exchange of tensor #0"):
+                    opt.step()
+                after = ([p.detach().clone() for p in model.parameters()], opt.state_dict())
+                for s in (before[1], after[1]):
+                    s["gradzip"].pop("exchanges")
+                cases.assert_bitwise_equal(before, after)
+            else:
+                opt.step()
+        return "ok"
+    assert gradzip.simulate(2, worker) == ["ok", "ok"]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_codec_overflow_in_the_background_exchange_of_cdsgd_raises_on_every_rank(overlap):
+    errors = []
+
+    def worker(comm):
+        x = torch.nn.Parameter(torch.zeros(6))
+        opt = gradzip.optim.ODSGD([x], comm=comm, lr=1e-6, warmup_steps=1, overlap=overlap, nonfinite="skip")
+        try:
+            for t in range(1, 5):
+                x.grad = torch.full((6,), 3e38 if t == 2 else 1.0)
+                opt.step()
+            opt.synchronize()
+        except NonFiniteGradient as exc:
+            errors.append(str(exc))
+            raise
+    with pytest.raises(NonFiniteGradient, match="non-finite aggregate.*cannot undo"):
+        gradzip.simulate(2, worker)
+    assert len(errors) == 2

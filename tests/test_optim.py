@@ -171,3 +171,85 @@ def test_efsgd_rc_derives_the_error_reset_methods_codec():
         EFSGD(cases.tiny_model().parameters(), lr=0.1, rc=64, compressor="topk:ratio=0.1")
     with pytest.raises(GradzipError, match="rc"):
         EFSGD(cases.tiny_model().parameters(), lr=0.1, rc=0)
+
+
+# -- issue 12, item 9: load_state_dict refuses what it cannot use; add_param_group ----------
+def _two_workers_state(comm):
+    model = cases.tiny_model()
+    opt = EFSGD(model.parameters(), comm=comm, lr=0.1, compressor="topk:ratio=0.3")
+    x, y = cases.regression_batch(1, comm.rank, comm.world_size)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    return opt.state_dict()
+
+
+def test_a_state_from_another_world_size_is_refused():
+    state = gradzip.simulate(2, _two_workers_state)[0]
+    with pytest.raises(GradzipError, match=r"'world_size' is 2 in this state, the group has 1 workers"):
+        EFSGD(cases.tiny_model().parameters(), lr=0.1, compressor="topk:ratio=0.3").load_state_dict(state)
+
+
+def test_a_plain_torch_state_is_refused():
+    model = cases.tiny_model()
+    state = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).state_dict()
+    with pytest.raises(GradzipError, match=r"no 'gradzip' entry .*torch\.optim"):
+        SSGD(model.parameters(), lr=0.1).load_state_dict(state)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("lr", float("nan"), r"param_groups\[0\]\.lr must be a finite number"),
+    ("momentum", 5, r"param_groups\[0\]\.momentum must be in \[0, 1\), got 5"),
+    ("weight_decay", -1.0, r"param_groups\[0\]\.weight_decay"),
+    ("nesterov", "yes", r"param_groups\[0\]\.nesterov must be True or False"),
+])
+def test_param_group_hyperparameters_that_fail_the_constructor_checks_are_refused(field, value, message):
+    model = cases.tiny_model()
+    state = SSGD(model.parameters(), lr=0.1).state_dict()
+    state["param_groups"][0][field] = value
+    opt = SSGD(model.parameters(), lr=0.1)
+    with pytest.raises(GradzipError, match=message):
+        opt.load_state_dict(state)
+    assert opt.param_groups[0]["lr"] == 0.1  # nothing loaded
+
+
+def test_a_powersgd_state_of_another_rank_is_refused():
+    def state(rank):
+        model = torch.nn.Linear(32, 32)
+        opt = gradzip.optim.PowerSGD(model.parameters(), lr=0.1, rank=rank, start_iter=0)
+        model(torch.ones(2, 32)).sum().backward()
+        opt.step()
+        return model, opt.state_dict()
+    model, saved = state(2)
+    with pytest.raises(GradzipError, match=r"'q' of parameter #0 \(shape \(32, 32\)\) has shape \(32, 2\) "
+                                           r"\(rank 2\), this optimizer's rank=4 needs \(32, 4\)"):
+        gradzip.optim.PowerSGD(model.parameters(), lr=0.1, rank=4, start_iter=0).load_state_dict(saved)
+    gradzip.optim.PowerSGD(model.parameters(), lr=0.1, rank=2, start_iter=0).load_state_dict(saved)
+
+
+def test_add_param_group_mid_run_as_torch_does():
+    def run(comm, add_at):
+        torch.manual_seed(0)
+        first, second = cases.tiny_model(), torch.nn.Linear(4, 2)
+        with torch.no_grad():
+            second.weight.fill_(0.1), second.bias.fill_(0.2)
+        opt = EFSGD(first.parameters(), comm=comm, lr=0.1, compressor="topk:ratio=0.3", momentum=0.9)
+        if add_at == 0:
+            opt.add_param_group({"params": second.parameters(), "lr": 0.05})
+        for t in range(1, 5):
+            if t == add_at:
+                opt.add_param_group({"params": second.parameters(), "lr": 0.05})
+            x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(first(x), y)
+            if t >= add_at:
+                loss = loss + torch.nn.functional.mse_loss(second(x), y)
+            loss.backward()
+            opt.step()
+        assert opt.param_groups[1]["momentum"] == 0.9 and opt.param_groups[1]["lr"] == 0.05
+        return [p.detach().clone() for p in list(first.parameters()) + list(second.parameters())]
+    outs = gradzip.simulate(2, lambda c: run(c, 3))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert not torch.equal(outs[0][-1], torch.full((2,), 0.2))  # the added group trained
+    with pytest.raises(GradzipError, match=r"param_groups\[1\]\.momentum must be in \[0, 1\), got 5"):
+        SSGD(cases.tiny_model().parameters(), lr=0.1).add_param_group(
+            {"params": torch.nn.Linear(2, 2).parameters(), "momentum": 5})

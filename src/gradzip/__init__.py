@@ -8,5 +8,6 @@ from . import comm, compressors, exchange, optim
 from .comm import simulate
 from .errors import GradzipError
 from .exchange import PSync
+from .replicas import broadcast_parameters
 
-__all__ = ["comm", "compressors", "exchange", "optim", "simulate", "PSync", "GradzipError", "__version__"]
+__all__ = ["comm", "compressors", "exchange", "optim", "simulate", "PSync", "GradzipError", "broadcast_parameters", "__version__"]

@@ -38,9 +38,12 @@ def _canonical(fields: Mapping[str, Any]) -> bytes:
     return json.dumps({k: str(v) for k, v in fields.items()}, sort_keys=True).encode()
 
 
-def verify(comm, fields: Mapping[str, Any], what: str = "configuration") -> None:
+def verify(comm, fields: Mapping[str, Any], what: str = "configuration",
+           fixes: Mapping[str, str] | None = None) -> None:
     """Raise :class:`InconsistentWorkers` on every worker unless every worker passed equal
-    ``fields`` (compared by ``str(value)``). Collective: every worker must call it."""
+    ``fields`` (compared by ``str(value)``). Collective: every worker must call it.
+    ``fixes``: field-name prefix -> the advice the message ends with when that field is the
+    first that differs (default: start every worker with the same settings)."""
     if comm is None or comm.world_size == 1:
         return
     blob = _canonical(fields)
@@ -53,13 +56,17 @@ def verify(comm, fields: Mapping[str, Any], what: str = "configuration") -> None
     padded[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     rows = comm.allgather_control(padded)
     everyone = [json.loads(bytes(rows[r, :sizes[r]].tolist()).decode()) for r in range(comm.world_size)]
-    raise InconsistentWorkers(describe_difference(everyone, what))
+    raise InconsistentWorkers(describe_difference(everyone, what, fixes))
 
 
-def describe_difference(everyone: list[dict[str, str]], what: str = "configuration") -> str:
+def describe_difference(everyone: list[dict[str, str]], what: str = "configuration",
+                        fixes: Mapping[str, str] | None = None) -> str:
     """The message for workers whose settings differ: the first differing field (in sorted
-    order) with each worker's value, grouped by value."""
-    names = sorted(set().union(*everyone))
+    order) with each worker's value, grouped by value, and the fix (``fixes``, by prefix)."""
+    fixes = fixes or {}
+    # fields with their own fix (e.g. parameter values) come after the plain settings: a
+    # different shape or codec is the cause to name, not the values that follow from it
+    names = sorted(set().union(*everyone), key=lambda n: (any(n.startswith(p) for p in fixes), n))
     for name in names:
         values = [w.get(name, "<not set>") for w in everyone]
         if len(set(values)) > 1:
@@ -69,8 +76,9 @@ def describe_difference(everyone: list[dict[str, str]], what: str = "configurati
             listed = "; ".join(f"{_ranks(r)}: {v}" for v, r in by_value.items())
             others = sum(1 for n in names if len({w.get(n, '<not set>') for w in everyone}) > 1) - 1
             more = f" (and {others} more field{'s' * (others > 1)})" if others else ""
-            return (f"workers run with different {what}: {name!r} differs{more} — {listed}. "
-                    "Start every worker with the same settings and gradzip version.")
+            fix = next((text for prefix, text in fixes.items() if name.startswith(prefix)),
+                       "Start every worker with the same settings and gradzip version.")
+            return f"workers run with different {what}: {name!r} differs{more} — {listed}. {fix}"
     return f"workers run with different {what} (digests differ)"
 
 

@@ -22,6 +22,13 @@ Transport (never changes the numbers a method sees):
 
 ``start()`` compresses and launches the collectives asynchronously and returns a
 :class:`Pending`; ``Pending.wait()`` decodes. ``__call__`` does both.
+
+Overflow guard (``check_finite=True``, what the optimizers set unless ``nonfinite="off"``):
+a codec can turn finite inputs into Inf/NaN (fp16 above 65504, QSGD's norm of 1e20, a sum
+of two 3e38). ``wait()`` checks the decoded aggregates (one sum per tensor, an exact look
+only where a sum is not finite) and raises :class:`NonFiniteAggregate` naming the tensor.
+The aggregate is the same on every worker, so every worker raises at the same exchange,
+with no collective to agree.
 """
 from __future__ import annotations
 
@@ -36,11 +43,32 @@ import torch
 from . import seeds
 from .comm import Group, Work, allgather_wire_bytes, allreduce_wire_bytes
 from .compressors import Compressor, Packet, build
+from .errors import GradzipError
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 
 #: The codecs' seed derivation (:func:`gradzip.seeds.mix`), under the name callers know.
 mix_seed = seeds.mix
+
+
+class NonFiniteAggregate(GradzipError):
+    """An exchange decoded a non-finite aggregate (the codec overflowed); raised on every
+    worker at the same exchange. ``index``: the first such tensor's position."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+def first_nonfinite(tensors: Sequence[torch.Tensor]) -> int:
+    """Position of the first tensor holding a NaN or Inf, or -1: one sum per tensor (a sum is
+    finite iff every element is, unless it overflows), an exact look only where it is not."""
+    if not tensors:
+        return -1
+    sums = torch.stack([t.detach().sum().float() for t in tensors])
+    if bool(torch.isfinite(sums).all()):
+        return -1
+    return next((i for i, t in enumerate(tensors) if not bool(torch.isfinite(t).all())), -1)
 
 
 @dataclass
@@ -91,6 +119,7 @@ class Pending:
     buckets: list[_Bucket]
     residual: list[torch.Tensor] | None
     packet_bytes: int
+    step: int = 0
     _result: Result | None = field(default=None, repr=False)
 
     def wait(self) -> Result:
@@ -103,8 +132,9 @@ class PSync:
     """Compress → exchange → decode for one worker (see the module docstring)."""
 
     def __init__(self, comm: Group, compressor: "str | Compressor | None" = "none", *,
-                 seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_finite: bool = False):
         self.comm = comm
+        self.check_finite = bool(check_finite)  # raise NonFiniteAggregate (module docstring)
         self.compressor = build(compressor)
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
@@ -147,7 +177,7 @@ class PSync:
         self._add_compress(ended - began)
         if self.tracer is not None:
             self.tracer.add("compress", began, ended, bytes=payload)
-        return Pending(self, packets, buckets, residuals, payload)
+        return Pending(self, packets, buckets, residuals, payload, step)
 
     # -- internals ------------------------------------------------------------------------
     def _seed(self, step: int, key: int) -> int:
@@ -160,11 +190,15 @@ class PSync:
         summand for allreduce, the raw bytes of its wire tensors for allgather, whichever
         puts fewer bytes on the wire for this world size (ties: allreduce)."""
         codec, n = self.compressor, self.comm.world_size
-        if codec.sum_dtype(n) is not None:
-            summand = codec.summand(packet, n).reshape(-1)
-            sum_bytes = summand.numel() * summand.element_size()
-            if allreduce_wire_bytes(sum_bytes, n) <= allgather_wire_bytes(packet.nbytes, n):
-                return "allreduce", [summand]
+        sum_dtype = codec.sum_dtype(n, packet.dtype)
+        if sum_dtype is not None:
+            # sized without building the summand where the codec can (an int8 per entry for 2bit)
+            numel, summand = codec.summand_numel(packet, n), None
+            if numel is None:
+                summand = codec.summand(packet, n).reshape(-1)
+                numel = summand.numel()
+            if allreduce_wire_bytes(numel * _itemsize(sum_dtype), n) <= allgather_wire_bytes(packet.nbytes, n):
+                return "allreduce", [summand if summand is not None else codec.summand(packet, n).reshape(-1)]
         return "allgather", [w.reshape(-1).view(torch.uint8) for w in packet.wire.values()]
 
     def _launch(self, packets: list[Packet]) -> list[_Bucket]:
@@ -224,6 +258,14 @@ class PSync:
             self._add_compress(decoded - decoding)
             if self.tracer is not None:
                 self.tracer.add("decode", decoding, decoded)
+        if self.check_finite:
+            bad = first_nonfinite(out)
+            if bad >= 0:
+                packet = pending.packets[bad]
+                raise NonFiniteAggregate(
+                    f"the {codec.spec} exchange of tensor #{bad} (shape {tuple(packet.shape)}) decoded a "
+                    f"non-finite aggregate (NaN or Inf) from finite inputs: the codec or the sum over "
+                    f"{n} workers overflowed; stopped on every worker before it was applied", bad)
         return Result(out, pending.residual, sent, pending.packet_bytes)
 
 
@@ -235,6 +277,10 @@ def _unpack_wire(template: Packet, raw: torch.Tensor) -> dict[str, torch.Tensor]
         wire[name] = raw[offset:offset + nbytes].clone().view(t.dtype).view(t.shape)
         offset += nbytes
     return wire
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _device(packet: Packet) -> torch.device:

@@ -103,6 +103,11 @@ class Compressor:
         """Flat tensor this worker contributes to an allreduce-sum."""
         raise NotImplementedError(f"{self.name} packets do not sum")
 
+    def summand_numel(self, packet: Packet, world_size: int) -> int | None:
+        """Elements of :meth:`summand`, known without building it (PSync sizes the allreduce
+        with it before choosing); None: PSync builds the summand to size it."""
+        return None
+
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
         """The aggregate (same as :meth:`aggregate`) from the allreduced ``summand`` sum."""
         raise NotImplementedError(f"{self.name} packets do not sum")

@@ -45,6 +45,9 @@ class Sign(Compressor):
     def decompress(self, packet: Packet) -> torch.Tensor:
         return decode_lut(packet.wire["bits"], 1, _PM1, packet.numel, packet.dtype).view(packet.shape)
 
+    def summand_numel(self, packet: Packet, world_size: int) -> int:
+        return packet.numel  # one int8 per entry
+
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """Majority vote: ``sign(Σ_j sign_j)``, 0 on a tie."""
         first = packets[0]

@@ -66,6 +66,9 @@ class TwoBit(Compressor):
         values = (0.0, 0.0, -t, t)
         return decode_lut(packet.wire["codes"], 2, values, packet.numel, packet.dtype).view(packet.shape)
 
+    def summand_numel(self, packet: Packet, world_size: int) -> int:
+        return packet.numel  # one int8 per entry
+
     # -- summing as int8 codes ---------------------------------------------------------
     def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
         return torch.int8 if world_size <= 127 else None

@@ -14,10 +14,26 @@ of their settings (:mod:`gradzip.consistency`, one small control allgather); on 
 step, each worker checks its gradients for NaN or Inf (``nonfinite``: ``"raise"`` here,
 ``"skip"`` the step on every worker after agreeing with one small control allgather, or
 ``"off"``). Neither touches residuals, momentum or the step counter when it stops a step.
+The first step's digest also covers the parameters' values (replicas must start equal:
+:func:`gradzip.broadcast_parameters` makes them so). The same policy covers what the
+codecs produce: every exchange checks its decoded aggregate (identical on every worker, so
+no collective is needed to agree) and a codec overflow raises, or skips the step on every
+worker (see :meth:`DistributedOptimizer.irreversible`).
+
+**Missing gradients** (``params_with_grad``): every parameter of the optimizer that
+requires a gradient takes part in every step; one whose ``.grad`` is None on a worker
+counts as a zero gradient there (its ``.grad`` is set to zeros), as under
+``DistributedDataParallel(find_unused_parameters=True)``. Every worker thus exchanges the
+same tensors in the same order whatever its backward touched, with no collective to agree
+on the set. A parameter no worker touched still gets weight decay, momentum and any
+residual carried over (like DDP + ``torch.optim.SGD``, unlike ``torch.optim.SGD`` alone,
+which skips it): it stays unchanged only with ``weight_decay=0`` and no momentum / residual
+left. Parameters with ``requires_grad=False`` (frozen) never take part.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import typing
 from typing import Any, Callable, Iterable, Sequence
@@ -27,7 +43,7 @@ import torch
 from .. import comm as comm_lib
 from .. import consistency, seeds
 from ..errors import GradzipError
-from ..exchange import DEFAULT_BUCKET_BYTES, PSync, Timings
+from ..exchange import DEFAULT_BUCKET_BYTES, NonFiniteAggregate, PSync, Timings
 from ..compressors import Compressor
 from ..validation import is_int, is_real, require
 from ..version import __version__
@@ -44,10 +60,35 @@ NONFINITE_POLICIES = ("raise", "skip", "off")
 FLOAT32_MAX = 3.4028234663852886e38
 
 
+def check_hyperparameters(method: str, lr, momentum, weight_decay, nesterov, where: str = "") -> None:
+    """The common hyper-parameters' checks (constructor, ``load_state_dict``,
+    ``add_param_group``); ``where`` prefixes the field, e.g. ``"param_groups[1]."``."""
+    require(is_real(lr) and 0 <= lr <= FLOAT32_MAX, method, f"{where}lr must be a finite number >= 0, got {lr!r}")
+    require(is_real(momentum) and 0.0 <= momentum < 1.0, method,
+            f"{where}momentum must be in [0, 1), got {momentum!r}")
+    require(is_real(weight_decay) and 0.0 <= weight_decay <= FLOAT32_MAX, method,
+            f"{where}weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    require(isinstance(nesterov, bool), method, f"{where}nesterov must be True or False, got {nesterov!r}")
+    require(not nesterov or momentum > 0, method, f"{where}nesterov=True needs momentum > 0")
+
+
+def _check_group(method: str, group: dict, where: str) -> None:
+    check_hyperparameters(method, group.get("lr"), group.get("momentum"), group.get("weight_decay"),
+                          group.get("nesterov"), where)
+
+
+def parameter_digest(p: torch.Tensor) -> str:
+    """A digest of a tensor's bytes (its values, bit for bit): 16 hex digits of SHA-256."""
+    flat = p.detach().reshape(-1).contiguous().cpu()
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"").hexdigest()[:16]
+
+
 class NonFiniteGradient(GradzipError):
     """A worker's gradient held a NaN or Inf (``nonfinite="raise"``): raised on that worker
     before anything was compressed, sent or updated (its peers then stop with a
-    ``PeerFailure`` naming it)."""
+    ``PeerFailure`` naming it). Also raised on every worker at once when an exchange decoded
+    a non-finite aggregate from finite gradients (a codec overflow), the step undone where
+    the method allows it (:meth:`DistributedOptimizer.irreversible`)."""
 
 
 class _SkipStep(Exception):
@@ -66,6 +107,8 @@ def _skippable(step):
             return step(self, closure)
         except _SkipStep as skip:
             return skip.loss
+        except NonFiniteAggregate as overflow:
+            return self._codec_overflow(overflow)
     guarded.gradzip_skippable = True
     return guarded
 
@@ -114,12 +157,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         name = type(self).__name__
         require(nonfinite in NONFINITE_POLICIES, name,
                 f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
-        require(is_real(lr) and 0 <= lr <= FLOAT32_MAX, name, f"lr must be a finite number >= 0, got {lr!r}")
-        require(is_real(momentum) and 0.0 <= momentum < 1.0, name, f"momentum must be in [0, 1), got {momentum!r}")
-        require(is_real(weight_decay) and 0.0 <= weight_decay <= FLOAT32_MAX, name,
-                f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
-        require(isinstance(nesterov, bool), name, f"nesterov must be True or False, got {nesterov!r}")
-        require(not nesterov or momentum > 0, name, "nesterov=True needs momentum > 0")
+        check_hyperparameters(name, lr, momentum, weight_decay, nesterov)
         require(is_int(bucket_bytes) and bucket_bytes >= 1, name,
                 f"bucket_bytes must be an integer >= 1, got {bucket_bytes!r}")
         require(is_int(seed), name, f"seed must be an integer, got {seed!r}")
@@ -136,6 +174,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._tracer = None
         self._exchanges: list[PSync] = []
         self._keys = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        self._undo: list[tuple[dict, str, Any]] | None = []  # see irreversible()
+        self._loss = None
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As ``torch.optim.Optimizer.add_param_group`` (defaults filled in), with the
+        constructor's checks on the group's hyper-parameters. Added after the first step,
+        the settings (shapes, values) are compared across the workers again at the next
+        step: every worker must add the same group."""
+        super().add_param_group(param_group)
+        where = f"param_groups[{len(self.param_groups) - 1}]."
+        try:
+            _check_group(type(self).__name__, self.param_groups[-1], where)
+        except GradzipError:
+            self.param_groups.pop()
+            raise
+        if hasattr(self, "_keys"):  # not while the constructor adds the first groups
+            for p in self.param_groups[-1]["params"]:
+                self._keys.setdefault(p, len(self._keys))
+            self._verified = False
 
     # -- building blocks for step() -----------------------------------------------------
     def make_psync(self, compressor: "str | Compressor | None", salt: int = 0,
@@ -143,7 +200,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """A PSync on this optimizer's group (or ``comm``); ``salt`` separates the seeds of
         two exchanges."""
         psync = PSync(comm or self.comm, compressor, seed=seeds.exchange_seed(self.seed, salt),
-                      bucket_bytes=self.bucket_bytes)
+                      bucket_bytes=self.bucket_bytes, check_finite=self.nonfinite != "off")
         psync.tracer = self._tracer
         self._exchanges.append(psync)
         return psync
@@ -161,10 +218,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def begin_step(self, closure: Callable[[], Any] | None):
         """What every ``step()`` starts with: evaluate the closure; on the first step,
-        compare settings across workers (:meth:`verify_consistent`); check every worker's
-        gradients for NaN/Inf (``nonfinite``); count the step (from 1); list the
-        parameters that have gradients. Returns ``(loss, pairs, params)`` with ``pairs`` the
-        ``(group, param)`` of :meth:`params_with_grad`. A skipped step leaves ``step()``
+        compare settings across workers (:meth:`verify_consistent`); list the parameters
+        that take part (:meth:`params_with_grad`: missing gradients become zeros); check
+        every worker's gradients for NaN/Inf (``nonfinite``); count the step (from 1).
+        Returns ``(loss, pairs, params)`` with ``pairs`` the ``(group, param)`` of
+        :meth:`params_with_grad`. A skipped step leaves ``step()``
         here (it returns the loss) with nothing changed but ``skipped_steps``."""
         loss = self._evaluate(closure)
         if not self._verified:
@@ -175,7 +233,48 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.skipped_steps += 1
             raise _SkipStep(loss)
         self.steps += 1
+        self._undo, self._loss = [], loss
         return loss, pairs, [p for _, p in pairs]
+
+    def irreversible(self) -> None:
+        """Called by a ``step()`` before it changes the model or a residual ahead of an
+        exchange (local SGD's local step, CSER's error reset, CD-SGD's local update). Until
+        then a codec overflow (a non-finite decoded aggregate, the same on every worker)
+        under ``nonfinite="skip"`` skips the step exactly: the momentum buffers that
+        :meth:`local_direction` replaced are put back (methods keep every other change
+        until after their exchanges, or log it with :meth:`replaced`). After it, a codec
+        overflow raises under either policy."""
+        self._undo = None
+
+    def replaced(self, state: dict, key: str) -> None:
+        """Log ``state[key]`` before a step replaces it (with a new tensor, never in place),
+        so that a skipped step can put it back."""
+        if self._undo is not None:
+            self._undo.append((state, key, state.get(key)))
+
+    def _codec_overflow(self, overflow: NonFiniteAggregate):
+        """The step's exchange decoded a non-finite aggregate although every gradient was
+        finite: skip the step on every worker (``"skip"``, while it can be undone) or raise."""
+        name = type(self).__name__
+        undone = self._undo is not None
+        if undone:  # the step as if it never began (both policies)
+            for state, key, old in reversed(self._undo):
+                if old is None:
+                    state.pop(key, None)
+                else:
+                    state[key] = old
+            self._undo = []
+            self.steps -= 1
+        if self.nonfinite == "skip" and undone:
+            self.skipped_steps += 1
+            return self._loss
+        after = "" if self.nonfinite == "raise" else (
+            " (nonfinite='skip' cannot undo this method's step once it changed the model: raised instead)")
+        raise NonFiniteGradient(
+            f"{name} step {self.steps + undone}: {overflow}{after}. Lower the learning rate, clip "
+            "gradients or pick a codec with a wider range; or skip such steps on every worker with "
+            "nonfinite='skip' (CLI: --nonfinite skip)."
+        ) from overflow
 
     def _gradients_finite(self, params: list[torch.Tensor]) -> bool:
         """Whether this step may go on. ``"raise"``: this worker's gradients are checked
@@ -223,18 +322,44 @@ class DistributedOptimizer(torch.optim.Optimizer):
                        and isinstance(v, (bool, int, float, str))})
         for i, psync in enumerate(self._exchanges):
             fields[f"exchange {i} codec"] = psync.compressor.spec
+        fields["frozen parameters"] = [i for i, p in enumerate(self._all_params()) if not p.requires_grad]
+        if self.replicas_identical():
+            for i, p in enumerate(self._all_params()):
+                fields[f"parameter #{i:05d} values"] = f"{parameter_digest(p)} (shape {tuple(p.shape)})"
         return fields
+
+    def replicas_identical(self) -> bool:
+        """Whether every worker's parameters must hold the same values now: a fresh
+        optimizer, or one of a method whose replicas never differ (a resumed local SGD or
+        CSER holds per-worker models)."""
+        return self.steps == 0 or not self.replicas_differ
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
 
     def verify_consistent(self) -> None:
         """Compare :meth:`describe` across the group (once; collective): raises
         :class:`gradzip.consistency.InconsistentWorkers` on every worker, naming the first
         setting that differs, if any does. ``step()`` calls it on the first step."""
-        consistency.verify(self.comm, self.describe(), what=f"{type(self).__name__} settings")
+        if self.comm.world_size == 1:  # nothing to compare: no digest of the values either
+            self._verified = True
+            return
+        consistency.verify(self.comm, self.describe(), what=f"{type(self).__name__} settings",
+                           fixes={"parameter #": (
+                               "The replicas start from different weights: call "
+                               "gradzip.broadcast_parameters(model) on every worker before training "
+                               "(it copies rank 0's parameters and buffers to all).")})
         self._verified = True
 
     def params_with_grad(self) -> list[tuple[dict, torch.Tensor]]:
-        """``(group, param)`` for every parameter with a gradient, in a fixed order."""
-        return [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        """``(group, param)`` for every parameter that requires a gradient, in a fixed order,
+        the same on every worker; a missing ``.grad`` is set to zeros first (module
+        docstring: DDP's ``find_unused_parameters`` semantics)."""
+        pairs = [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+        for _, p in pairs:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return pairs
 
     def keys(self, params: Sequence[torch.Tensor]) -> list[int]:
         """Stable per-parameter keys (its position in the optimizer) for shared seeds."""
@@ -254,18 +379,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         direction = self._momentum(self.state[p], "global_momentum_buffer", aggregate, x, group)
         x.add_(direction, alpha=-group["lr"])
 
-    @staticmethod
-    def _momentum(state: dict, key: str, grad: torch.Tensor, p: torch.Tensor, group: dict) -> torch.Tensor:
+    def _momentum(self, state: dict, key: str, grad: torch.Tensor, p: torch.Tensor, group: dict) -> torch.Tensor:
         """``torch.optim.SGD``'s rule (dampening 0): ``d = g + wd·x; b = m·b + d;
         d = d + m·b`` (Nesterov) or ``b``."""
         d = grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else grad.clone()
         m = group["momentum"]
         if m == 0:
             return d
-        if key not in state:
-            state[key] = d.clone()
-        else:
-            state[key].mul_(m).add_(d)
+        self.replaced(state, key)  # a new tensor, so a skipped step can put the old one back
+        state[key] = d.clone() if key not in state else state[key].mul(m).add_(d)
         return d.add(state[key], alpha=m) if group["nesterov"] else state[key].clone()
 
     def _evaluate(self, closure: Callable[[], Any] | None) -> Any:
@@ -313,17 +435,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """``torch.optim``'s, refusing (naming the field) a state this optimizer cannot
+        continue from: not a gradzip state, another method, another world size, param
+        groups whose hyper-parameters fail the constructor's checks."""
+        name = type(self).__name__
         state_dict = dict(state_dict)
         extra = state_dict.pop("gradzip", None)
-        if extra is not None:
-            if extra["method"] != type(self).__name__:
-                raise GradzipError(
-                    f"this state_dict was saved by {extra['method']}, not {type(self).__name__}; "
-                    "load it into the method that saved it"
-                )
-            self.steps = int(extra["steps"])
-            self.skipped_steps = int(extra.get("skipped_steps", 0))
-            self.seed = int(extra["seed"])
-            for psync, counters in zip(self._exchanges, extra.get("exchanges", [])):
-                psync.load_counters(counters)
-        super().load_state_dict(state_dict)
+        if not isinstance(extra, dict):
+            raise GradzipError(
+                f"{name}.load_state_dict: this state has no 'gradzip' entry (a torch.optim state, "
+                f"e.g. torch.optim.SGD's?), so it holds none of {name}'s residuals, counters and seeds; "
+                f"load a state saved by {name}.state_dict()"
+            )
+        if extra.get("method") != name:
+            raise GradzipError(
+                f"this state_dict was saved by {extra.get('method')}, not {name}; "
+                "load it into the method that saved it"
+            )
+        if extra.get("world_size") != self.comm.world_size:
+            raise GradzipError(
+                f"{name}.load_state_dict: 'world_size' is {extra.get('world_size')} in this state, the "
+                f"group has {self.comm.world_size} workers; residuals and errors are per worker: "
+                "resume with as many workers as saved it"
+            )
+        for i, group in enumerate(state_dict.get("param_groups", [])):
+            _check_group(name, group, f"param_groups[{i}].")
+        super().load_state_dict(state_dict)   # torch's own checks (group sizes) first
+        self.steps = int(extra["steps"])
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        self.seed = int(extra["seed"])
+        for psync, counters in zip(self._exchanges, extra.get("exchanges", [])):
+            psync.load_counters(counters)
+        self._verified = False  # the loaded values (and settings) are compared at the next step

@@ -23,11 +23,23 @@ stream.
 ``k = 1`` is OD-SGD exactly (every step full precision), and :class:`ODSGD` is that.
 ``local_lr`` defaults to ``lr / world_size`` (the spec maps the authors' η_l to ours); with
 an LR scheduler the default follows the current ``lr``.
+
+**Hyper-parameters are read when step t is submitted**, not when its background exchange
+runs: lr, momentum, weight decay, Nesterov of every param group are copied into the
+exchange of step t, so a ``scheduler.step()`` after ``opt.step()`` changes step t+1 only,
+and ``overlap=True`` gives the bits of ``overlap=False``.
+
+**The pool**: ``close()`` (or ``with CDSGD(...) as opt:``) waits for the pending exchange
+and stops the communication thread; later steps run synchronously (same numbers). The
+thread is also stopped when the optimizer is collected (``weakref.finalize`` on this very
+object, not ``__del__``: a wrapper that copies its ``__dict__`` or inherits its class, as
+PyTorch Lightning's does, cannot stop it).
 """
 from __future__ import annotations
 
 import math
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -66,6 +78,8 @@ class CDSGD(DistributedOptimizer):
         self.compressed = self.make_psync(self.compressor, salt=2, comm=self.exchange_comm)
         self._pending: Future | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="gradzip-exchange") if self.overlap else None
+        # no waiting: the collector may run this on the exchange thread itself
+        self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False) if self._pool else None
         self._stream = None
         self._blocked_s = 0.0
 
@@ -76,7 +90,9 @@ class CDSGD(DistributedOptimizer):
         if self.steps <= self.warmup_steps:  # plain S-SGD, momentum after the reduction
             self._exchange(pairs, [p.grad for _, p in pairs], self.full, self.steps, globals_=None)
             return loss
+        self.irreversible()                                     # step t-1's update and this local update
         self.synchronize()                                      # W_t is ready
+        pairs = _hyperparameters_now(pairs)                     # step t's lr, momentum, ... (not t+1's)
         grads = [p.grad.clone() for _, p in pairs]              # G_i (the next backward overwrites p.grad)
         models = [self._global_model(p) for _, p in pairs]
         for (group, p), w, g in zip(pairs, models, grads):      # w_i ← W_t − η_l G_i
@@ -168,10 +184,43 @@ class CDSGD(DistributedOptimizer):
                 for p, value in zip((p for g in self.param_groups for p in g["params"]), local):
                     p.copy_(value)
 
-    def __del__(self):
-        # no waiting: the collector may run this on the exchange thread itself
-        if getattr(self, "_pool", None) is not None:
-            self._pool.shutdown(wait=False)
+    def replicas_identical(self) -> bool:
+        """The local models differ once the delayed phase began (the global models do not)."""
+        return self.steps <= self.warmup_steps
+
+    def close(self) -> None:
+        """Wait for the pending exchange and stop the communication thread; later steps run
+        synchronously (the same numbers)."""
+        self.synchronize()
+        self._stop(wait=True)
+
+    def _stop(self, wait: bool) -> None:
+        if self._pool is not None:
+            self._finalizer.detach()
+            self._pool.shutdown(wait=wait)
+            self._pool = None
+
+    def __enter__(self) -> "CDSGD":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # leaving on an error (a lost peer?): do not wait for the exchange in flight
+            self._pending = None
+            self._stop(wait=False)
+
+
+def _hyperparameters_now(pairs):
+    """``(group, p)`` with each group replaced by a copy of its hyper-parameters as they are
+    now (one copy per group), for an exchange that runs later."""
+    copies: dict[int, dict] = {}
+    out = []
+    for group, p in pairs:
+        if id(group) not in copies:
+            copies[id(group)] = {k: v for k, v in group.items() if k != "params"}
+        out.append((copies[id(group)], p))
+    return out
 
 
 class ODSGD(CDSGD):

@@ -73,6 +73,7 @@ class CSER(DistributedOptimizer):
     def _error(self, p: torch.Tensor) -> torch.Tensor:
         state = self.state[p]
         if "error" not in state:
+            self.replaced(state, "error")
             state["error"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state["error"]
 
@@ -83,11 +84,13 @@ class CSER(DistributedOptimizer):
         directions = [self.local_direction(p, group) for group, p in pairs]
         errors = [self._error(p) for p in params]
         if self.psync2 is None:                                  # C2 ≡ 0: g' = d, r = d
+            self.irreversible()
             for (group, p), d, e in zip(pairs, directions, errors):
                 p.sub_(d, alpha=group["lr"])
                 e.sub_(d, alpha=group["lr"])
         else:                                                    # gradient partial sync
             res = self.psync2(directions, self.steps, keys=keys)
+            self.irreversible()                                  # model and error change before C1
             for (group, p), agg, r, e in zip(pairs, res.aggregate, res.residual, errors):
                 p.sub_(agg.add(r), alpha=group["lr"])           # x ← x − η g'
                 e.sub_(r, alpha=group["lr"])                    # e ← e − η r

@@ -113,19 +113,22 @@ class DGC(DistributedOptimizer):
             carried = []
             for group, p in sparse:
                 st = self.state[p]
-                if "u" not in st:
-                    st["u"] = torch.zeros_like(p)
-                    st["v"] = torch.zeros_like(p)
-                st["u"].mul_(group["momentum"]).add_(grads[p])   # momentum correction
-                st["v"].add_(st["u"])
+                self.replaced(st, "u")                           # new tensors: a skipped step
+                self.replaced(st, "v")                           # puts the old ones back
+                u = st["u"] if "u" in st else torch.zeros_like(p)
+                v = st["v"] if "v" in st else torch.zeros_like(p)
+                st["u"] = u.mul(group["momentum"]).add_(grads[p])   # momentum correction
+                st["v"] = v.add(st["u"])
                 carried.append(st["v"])
             psync = self._psync_for(rho)
             pending_sparse = psync.start(carried, t, keys=self.keys([p for _, p in sparse]))
         pending_dense = self.dense.start([grads[p] for _, p in dense], t,
                                          keys=self.keys([p for _, p in dense]), residual=False) if dense else None
 
+        # both exchanges decoded before anything is applied (an overflow leaves the step undone)
+        result = pending_sparse.wait() if pending_sparse is not None else None
+        dense_result = pending_dense.wait() if pending_dense is not None else None
         if pending_sparse is not None:
-            result = pending_sparse.wait()
             selected = entries = 0
             for (group, p), packet, agg, res in zip(sparse, pending_sparse.packets, result.aggregate, result.residual):
                 st = self.state[p]
@@ -141,8 +144,8 @@ class DGC(DistributedOptimizer):
             self._entries_total += entries
             self._target_sum += rho
             self._target_steps += 1
-        if pending_dense is not None:
-            for (group, p), agg in zip(dense, pending_dense.wait().aggregate):
+        if dense_result is not None:
+            for (group, p), agg in zip(dense, dense_result.aggregate):
                 direction = self._momentum(self.state[p], "global_momentum_buffer", agg, p, group)
                 p.add_(direction, alpha=-group["lr"] * scale)
         return loss

@@ -37,6 +37,7 @@ class LocalSGD(DistributedOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss, pairs, _ = self.begin_step(closure)
+        self.irreversible()  # the local step changes the model before the averaging
         for group, p in pairs:
             p.sub_(self.local_direction(p, group), alpha=group["lr"])
         if self.steps % self.H == 0:

@@ -75,6 +75,22 @@ class PowerSGD(DistributedOptimizer):
         self.p_round = self.make_psync("none", salt=1)
         self.q_round = self.make_psync("none", salt=2)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Refuses a state whose ``Q`` (``state[i]["q"]``) has another rank or shape than this
+        optimizer's (e.g. saved with ``rank=2``, loaded with ``rank=4``), naming the parameter."""
+        saved = state_dict.get("state", {})
+        for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
+            q = saved.get(i, {}).get("q")
+            if q is None:
+                continue
+            _, cols = matrix_shape(p.shape)
+            expected = (cols, effective_rank(p.shape, self.rank))
+            require(tuple(q.shape) == expected, "PowerSGD",
+                    f"load_state_dict: the state's 'q' of parameter #{i} (shape {tuple(p.shape)}) has shape "
+                    f"{tuple(q.shape)} (rank {q.shape[-1]}), this optimizer's rank={self.rank} needs {expected}; "
+                    f"load it with rank={q.shape[-1]} (the rank is part of the state)")
+        super().load_state_dict(state_dict)
+
     def _initial_q(self, p: torch.Tensor, cols: int, r: int, step: int) -> torch.Tensor:
         key = self.keys([p])[0]
         seed = mix_seed(self.seed, key) if self.warm_start else mix_seed(self.seed, step, key)
@@ -114,6 +130,8 @@ class PowerSGD(DistributedOptimizer):
             ps = [orthogonalize(pm.view_as(p).clone(), self.epsilon) for pm, p in zip(p_mean, ps)]
             qs = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(ms, ps)]
             q_mean = self.q_round([q.reshape(-1) for q in qs], t, residual=False).aggregate
+        dense_mean = pending_dense.wait().aggregate if pending_dense is not None else []
+        if low_rank:  # every exchange decoded before anything is applied (an overflow leaves the step undone)
             for ((rows, cols, r), members), m, p_hat, qm, q in zip(batches.items(), ms, ps, q_mean, qs):
                 q_new = qm.view_as(q)
                 approx = torch.bmm(p_hat, q_new.transpose(1, 2))
@@ -124,7 +142,6 @@ class PowerSGD(DistributedOptimizer):
                     if self.warm_start:
                         st["q"] = q_new[i].clone()
                     self.global_update(p, approx[i].reshape(p.shape).to(p.dtype), group)
-        if pending_dense is not None:
-            for (group, p), agg in zip(dense, pending_dense.wait().aggregate):
-                self.global_update(p, agg, group)
+        for (group, p), agg in zip(dense, dense_mean):
+            self.global_update(p, agg, group)
         return loss

@@ -50,6 +50,7 @@ class QSparseLocalSGD(DistributedOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss, pairs, _ = self.begin_step(closure)
+        self.irreversible()  # the local step changes the model before the synchronisation
         for group, p in pairs:
             state = self.state[p]
             if "synced" not in state:

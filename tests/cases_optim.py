@@ -1,0 +1,150 @@
+"""Worker functions of the optimizer-level reliability tests (issue 12): importable, so
+spawned gloo processes can run them."""
+from __future__ import annotations
+
+import torch
+
+import cases
+
+
+class TwoBranch(torch.nn.Module):
+    """Parameters A and B of the same shape, plus a shared head; ``uses`` picks which of A,
+    B a forward pass touches (the rest get no gradient on this rank)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.A = torch.nn.Parameter(torch.randn(4, 3, generator=g))
+        self.B = torch.nn.Parameter(torch.randn(4, 3, generator=g))
+        self.head = torch.nn.Parameter(torch.randn(3, 2, generator=g))
+
+    def forward(self, x, uses):
+        h = sum(x @ getattr(self, name) for name in uses)
+        return torch.tanh(h) @ self.head
+
+
+def train_partial(comm, method: str, options: dict, uses_per_rank, steps: int = 4, explicit_zeros=False):
+    """``steps`` steps where rank r's loss touches only ``uses_per_rank[r]`` of A, B;
+    ``explicit_zeros=True``: the missing gradients are set to zeros by hand (the reference
+    semantics, DDP's find_unused_parameters). Final parameters."""
+    import gradzip
+
+    model = TwoBranch()
+    opt = gradzip.optim.METHODS[method](model.parameters(), comm=comm, lr=0.05, **options)
+    uses = uses_per_rank[comm.rank]
+    for t in range(1, steps + 1):
+        x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x[:, :4], uses), y).backward()
+        if explicit_zeros:
+            for p in model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        opt.step()
+    if hasattr(opt, "close"):
+        opt.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+#: Rank 0 touches only A, rank 1 only B (the issue's scenario); rank 2 both.
+AB = (("A",), ("B",), ("A", "B"))
+#: Different tensor counts: rank 0 touches A only, rank 1 A and B.
+COUNTS = (("A",), ("A", "B"))
+
+
+def partial_pairs(comm, uses_per_rank, methods=tuple(cases.SHORT_RUNS)):
+    """Per method: (run with missing gradients, run with explicit zero gradients)."""
+    return {m: (train_partial(comm, m, cases.SHORT_RUNS[m], uses_per_rank),
+                train_partial(comm, m, cases.SHORT_RUNS[m], uses_per_rank, explicit_zeros=True))
+            for m in methods}
+
+
+# -- codec overflow (issue 12, item 4) -----------------------------------------------------
+#: (method, options, lr, finite gradient value that the codec or the sum turns into Inf /
+#: NaN, ranks whose gradient holds it)
+OVERFLOWS = {
+    "ssgd@fp16": ("ssgd", {"compressor": "fp16", "momentum": 0.9}, 1e-6, 1e5, (0,)),
+    "ssgd@qsgd": ("ssgd", {"compressor": "qsgd"}, 1e-6, 1e20, (0,)),
+    "ssgd@terngrad": ("ssgd", {"compressor": "terngrad"}, 1e-6, 3e38, (0, 1)),
+    "ssgd@powersgd": ("ssgd", {"compressor": "powersgd"}, 1e-6, 3e38, (0,)),
+    "powersgd": ("powersgd", {"start_iter": 0, "momentum": 0.9}, 1e-6, 3e38, (0,)),
+    "efsgd@fp16": ("efsgd", {"compressor": "fp16", "momentum": 0.9}, 1.0, 1e5, (0,)),
+    "dgc": ("dgc", {"ratio": 0.3, "momentum": 0.9}, 1e-6, 3e38, (0, 1)),
+}
+
+
+def train_with_overflow(comm, name: str, nonfinite: str = "raise", drop: bool = False, bad_step: int = 3,
+                        steps: int = 5):
+    """``steps`` steps where some ranks' gradient at ``bad_step`` holds a large finite value
+    in every coordinate of the first tensor (``drop``: that step left out instead).
+    (final parameters, final state_dict, skipped steps)."""
+    import gradzip
+
+    method, options, lr, value, ranks = OVERFLOWS[name]
+    model = cases.tiny_model()
+    opt = gradzip.optim.METHODS[method](model.parameters(), comm=comm, lr=lr, nonfinite=nonfinite, **options)
+    for t in range(1, steps + 1):
+        if drop and t == bad_step:
+            continue
+        x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if t == bad_step and comm.rank in ranks:
+            next(model.parameters()).grad.fill_(value)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt.state_dict(), opt.skipped_steps
+
+
+# -- replicas that start different (issue 12, item 5) --------------------------------------
+def seeded_model(seed: int) -> torch.nn.Module:
+    """A small network with a buffer (batch norm), built from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))
+    with torch.no_grad():
+        for t in list(model.parameters()) + [model[1].running_mean]:
+            t.copy_(torch.randn(t.shape, generator=g))
+    return model
+
+
+def step_from_per_rank_init(comm, method: str = "ssgd", broadcast: bool = False, use_module: bool = True):
+    """One step of ``method`` from weights seeded by the rank (``broadcast``: after
+    ``gradzip.broadcast_parameters``); the parameters and buffers afterwards."""
+    import gradzip
+
+    model = seeded_model(comm.rank).eval()  # eval: the batch-norm buffers keep the broadcast values
+    if broadcast:
+        gradzip.broadcast_parameters(model if use_module else model.parameters(), comm=comm)
+    opt = gradzip.optim.METHODS[method](model.parameters(), comm=comm, lr=0.1)
+    x, y = cases.regression_batch(1, comm.rank, comm.world_size)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    return [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
+
+
+def resume_differing(comm, method: str, options: dict, split: int = 3, steps: int = 5):
+    """``cases.train_with_resume`` (the saved models differ per rank for local SGD / CSER
+    between synchronisations)."""
+    return cases.train_with_resume(comm, method, options, steps, split)[0]
+
+
+def resume_with_tampered_model(comm):
+    """S-SGD resumed at step 3 where rank 1's model was altered: the first step after the
+    load must refuse."""
+    import copy
+
+    import gradzip
+
+    model = cases.tiny_model()
+    opt = gradzip.optim.SSGD(model.parameters(), comm=comm, lr=0.1)
+    for t in range(1, 5):
+        if t == 3:
+            saved = copy.deepcopy(opt.state_dict())
+            if comm.rank == 1:
+                with torch.no_grad():
+                    model[2].bias.add_(1.0)
+            opt = gradzip.optim.SSGD(model.parameters(), comm=comm, lr=0.1)
+            opt.load_state_dict(saved)
+        x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
