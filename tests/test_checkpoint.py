@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import cases
+from checkpoint_diff import differences
 import gradzip
 from gradzip.errors import GradzipError
 from gradzip.launch import run_processes
@@ -133,9 +134,9 @@ def test_differences_name_the_paths_and_leave_clocks_out():
          "timings": {"x": 1}, "history": [{"time_compute_s": 0.5, "loss": 0.25}]}
     b = {"model": {"w": torch.tensor([1.0, float("nan")])}, "loop": {"wall_time_s": 9.0, "done": 3},
          "timings": {"x": 2}, "history": [{"time_compute_s": 0.7, "loss": 0.25}]}
-    assert checkpoint.differences(a, b) == []
+    assert differences(a, b) == []
     b["model"]["w"] = torch.tensor([1.0 + 2 ** -23, float("nan")])  # one ulp
     b["history"][0]["loss"] = 0.5
     b["extra"] = 1
-    assert checkpoint.differences(a, b) == ["checkpoint.model.w", "checkpoint.history[0].loss", "checkpoint.extra"]
-    assert checkpoint.differences(torch.zeros(2), torch.zeros(2, dtype=torch.float64)) == ["checkpoint"]
+    assert differences(a, b) == ["checkpoint.model.w", "checkpoint.history[0].loss", "checkpoint.extra"]
+    assert differences(torch.zeros(2), torch.zeros(2, dtype=torch.float64)) == ["checkpoint"]
