@@ -266,6 +266,7 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path, sig):
     launcher = subprocess.Popen([sys.executable, "-m", "gradzip.cli", "train", "--workers", "2", "--epochs", "500",
                                  "--quiet", "--checkpoint-dir", str(tmp_path / "ck")],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = []
     try:
         deadline = time.monotonic() + 300  # hang guard only
         while not list((tmp_path / "ck").glob("step-*/rank-1-of-2.pt")):  # the workers are training
@@ -279,8 +280,8 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path, sig):
         while any(_alive(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not any(_alive(w) for w in workers), "workers outlived their launcher"
-    finally:
-        for pid in [launcher.pid] + _children(launcher.pid):
+    finally:  # (what the launcher did not take with it)
+        for pid in [launcher.pid] + _children(launcher.pid) + [w for w in workers if _alive(w)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
