@@ -231,8 +231,8 @@ def _statable(path: str, flag: str) -> None:
         os.stat(path)
     except FileNotFoundError:
         pass
-    except OSError as exc:
-        raise GradzipError(f"{flag} {path}: {exc.strerror or exc}") from None
+    except (OSError, ValueError) as exc:  # ValueError: an embedded NUL
+        raise GradzipError(f"{flag} {path!r}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _writable_directory(path: str, flag: str) -> None:
@@ -303,15 +303,15 @@ def _trace_paths(path: str, labels: list[str]) -> list[Path]:
 def _writable_file(path: Path, flag: str) -> None:
     """Create ``path`` (and its directory) now and remove it again, so that a bad
     ``--trace`` fails before training, not after."""
-    existed = path.exists() if len(path.name) < 256 else False
     try:
+        existed = path.exists()
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a"):
             pass
         if not existed:
             path.unlink()
-    except OSError as exc:
-        raise GradzipError(f"{flag} {path}: cannot write this file ({exc.strerror or exc})") from None
+    except (OSError, ValueError) as exc:  # ValueError: an embedded NUL
+        raise GradzipError(f"{flag} {path}: cannot write this file ({getattr(exc, 'strerror', None) or exc})") from None
 
 
 def _write_traces(paths: list[Path], per_worker: list[list[dict]]) -> None:

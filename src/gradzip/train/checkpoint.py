@@ -69,7 +69,7 @@ def save(root: str | os.PathLike, step: int, rank: int, world_size: int, payload
             os.fsync(f.fileno())
         os.replace(tmp_sum, checksum_file(final))
         _fsync_dir(final.parent)
-    except (OSError, RuntimeError) as exc:  # torch.save raises RuntimeError (inline_container.cc) on a full disk
+    except (OSError, RuntimeError, ValueError) as exc:  # torch.save: RuntimeError (inline_container.cc) on a full disk
         for leftover in (tmp, tmp_sum, checksum_file(final), final):
             _unlink(leftover)
         raise GradzipError(_write_failure(final, exc, payload)) from None
@@ -142,6 +142,8 @@ def check_directory(root: str | os.PathLike | None) -> None:
     if not root:
         return
     path = Path(root)
+    if "\0" in str(path):
+        raise GradzipError(f"checkpoint directory {str(path)!r} holds a NUL character")
     if _STEP_DIR.match(path.name):
         raise GradzipError(f"checkpoint directory {path} is one step of a checkpoint directory; give its "
                            f"parent, {path.parent}")
@@ -149,8 +151,8 @@ def check_directory(root: str | os.PathLike | None) -> None:
         if path.exists() and not path.is_dir():
             raise GradzipError(f"checkpoint directory {path} exists and is not a directory")
         foreign = sorted(e.name for e in path.iterdir() if not _STEP_DIR.match(e.name)) if path.is_dir() else []
-    except OSError as exc:
-        raise GradzipError(f"checkpoint directory {path}: {exc.strerror or exc}") from None
+    except (OSError, ValueError) as exc:  # ValueError: an embedded NUL
+        raise GradzipError(f"checkpoint directory {path}: {getattr(exc, 'strerror', None) or exc}") from None
     if foreign:
         raise GradzipError(f"checkpoint directory {path} holds files that are not gradzip checkpoints "
                            f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); give the "
