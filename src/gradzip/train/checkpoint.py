@@ -277,8 +277,8 @@ def load(root: str | os.PathLike, step: int, rank: int, world_size: int) -> dict
     except Exception as exc:  # torch raises several types for a damaged file
         raise GradzipError(
             f"checkpoint file {path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
-            f"delete the directory {path.parent} on every worker to resume from the step before it, or "
-            "start in a new directory"
+            f"delete the directory {path.parent} on every worker to resume from the step before it (from "
+            "scratch if there is none), or start in a new directory"
         ) from None
 
 
