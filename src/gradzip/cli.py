@@ -86,15 +86,17 @@ def _common(p: argparse.ArgumentParser) -> None:
     r.add_argument("--checkpoint-every", type=positive_int, metavar="STEPS",
                    help="steps between checkpoints (default: at the end of every epoch)")
     r.add_argument("--resume", metavar="DIR",
-                   help="continue from the newest checkpoint in DIR, bit for bit, and keep writing "
-                        "checkpoints there; starts from scratch if DIR holds none (so the same "
-                        "command serves torchrun --max-restarts)")
+                   help="continue from the newest checkpoint in DIR that verifies on every worker, bit "
+                        "for bit, and keep writing checkpoints there; starts from scratch if DIR holds "
+                        "none or does not exist (so the same command serves torchrun --max-restarts); "
+                        "refuses a step-... directory and a directory of other files")
     r.add_argument("--nonfinite", choices=["raise", "skip", "off"], default="raise",
                    help="a NaN/Inf gradient on any worker: raise (stop every worker), skip the step "
                         "on every worker (one small extra collective per step), or off (default: %(default)s)")
     r.add_argument("--timeout", type=seconds, default=300.0, metavar="SECONDS",
-                   help="how long a worker waits for a lost or stuck peer before failing with its "
-                        "rank named (default: %(default)s)")
+                   help="how long a worker waits inside one collective for a lost or stuck peer before "
+                        "failing with its rank named; it does not bound a worker's own computation "
+                        "(default: %(default)s; docs/reliability.md)")
     o = p.add_argument_group("output")
     o.add_argument("--out", help="directory for metrics.jsonl, summary.json and accuracy.png")
     o.add_argument("--no-plot", action="store_true", help="skip accuracy.png")
