@@ -16,6 +16,7 @@ outlive the death of any worker, rank 0 included.
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import pickle
@@ -59,8 +60,6 @@ def die_with_parent(parent_pid: int) -> None:
     for other systems (and for a parent gone before the call), a daemon thread that
     checks the parent's pid every ``PARENT_POLL_S`` seconds."""
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux
