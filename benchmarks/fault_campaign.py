@@ -27,6 +27,9 @@ from benchmarks.faults import kill_during
 from gradzip.cli import main as gradzip_main
 from gradzip.train import checkpoint
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from checkpoint_diff import differences  # noqa: E402  (test tooling, not shipped)
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 METHODS = ["efsgd", "cdsgd", "powersgd", "cser", "dgc", "localsgd"]
 
@@ -69,8 +72,8 @@ def main() -> None:
                               delay_s=delay, timeout_s=600)
             final = checkpoint.steps_held(ck, 0, 2)[-1:]
             identical = run.returncode == 0 and bool(final) and not any(
-                checkpoint.differences(checkpoint.load(ck, final[0], r, 2),
-                                       checkpoint.load(references[method], final[0], r, 2)) for r in range(2))
+                differences(checkpoint.load(ck, final[0], r, 2),
+                            checkpoint.load(references[method], final[0], r, 2)) for r in range(2))
             named = re.search(r"gradzip: error: (rank \d+: peer rank \d+[^;(]*)", run.stderr)
             rows.append((method, signal.Signals(sig).name, rank, after, round(delay, 2), run.killed_after_step,
                          run.stderr.count("exitcode"), run.returncode, identical,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from checkpoint_diff import differences
+
 from gradzip.comm import allgather_wire_bytes, allreduce_wire_bytes
 
 
@@ -256,9 +258,7 @@ def resume_runs(comm, root: str, methods=tuple(RESUME_RUNS), epochs: int = 2):
 
 def assert_bitwise_equal(a, b, where="state"):
     """Nested dicts / lists / tensors equal bit for bit, clock readings left out
-    (``gradzip.train.checkpoint.differences``)."""
-    from gradzip.train.checkpoint import differences
-
+    (:func:`checkpoint_diff.differences`)."""
     diff = differences(a, b, where)
     assert not diff, f"differ at {', '.join(diff[:5])}" + (f" and {len(diff) - 5} more" if len(diff) > 5 else "")
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import cases
+from checkpoint_diff import differences
 import gradzip
 from gradzip.errors import GradzipError
 from gradzip.launch import run_processes
@@ -133,9 +134,195 @@ def test_differences_name_the_paths_and_leave_clocks_out():
          "timings": {"x": 1}, "history": [{"time_compute_s": 0.5, "loss": 0.25}]}
     b = {"model": {"w": torch.tensor([1.0, float("nan")])}, "loop": {"wall_time_s": 9.0, "done": 3},
          "timings": {"x": 2}, "history": [{"time_compute_s": 0.7, "loss": 0.25}]}
-    assert checkpoint.differences(a, b) == []
+    assert differences(a, b) == []
     b["model"]["w"] = torch.tensor([1.0 + 2 ** -23, float("nan")])  # one ulp
     b["history"][0]["loss"] = 0.5
     b["extra"] = 1
-    assert checkpoint.differences(a, b) == ["checkpoint.model.w", "checkpoint.history[0].loss", "checkpoint.extra"]
-    assert checkpoint.differences(torch.zeros(2), torch.zeros(2, dtype=torch.float64)) == ["checkpoint"]
+    assert differences(a, b) == ["checkpoint.model.w", "checkpoint.history[0].loss", "checkpoint.extra"]
+    assert differences(torch.zeros(2), torch.zeros(2, dtype=torch.float64)) == ["checkpoint"]
+
+
+# -- integrity, interrupted saves, full disks (issue 12: items 2, 10, 11, 12, 15, 16) ------
+def _flip_tensor_bytes(path):
+    """Flip two bytes in the middle of the largest tensor's data inside a torch.save file
+    (a zip archive: the data of each tensor is one stored member)."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26:info.header_offset + 30])
+    at = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+    raw[at] ^= 0xFF
+    raw[at + 1] ^= 0x0F
+    path.write_bytes(bytes(raw))
+
+
+def test_a_damaged_file_on_one_rank_falls_back_to_the_newest_step_that_verifies(tmp_path):
+    for step in (8, 16):
+        for rank in (0, 1):
+            checkpoint.save(tmp_path, step, rank, 2, {"w": torch.arange(1000.0) + step})
+    _flip_tensor_bytes(checkpoint.rank_file(tmp_path, 16, 1, 2))
+    notes = []
+    assert gradzip.simulate(2, lambda c: checkpoint.newest_common(c, tmp_path, notes.append if c.rank == 0 else None)) \
+        == [8, 8]
+    assert len(notes) == 1 and "\n" not in notes[0]
+    assert f"{checkpoint.rank_file(tmp_path, 16, 1, 2)} does not match its SHA-256 checksum" in notes[0]
+    assert "resuming from step 8" in notes[0]
+    _flip_tensor_bytes(checkpoint.rank_file(tmp_path, 8, 0, 2))
+    notes.clear()
+    assert gradzip.simulate(2, lambda c: checkpoint.newest_common(c, tmp_path, notes.append if c.rank == 0 else None)) \
+        == [None, None]
+    assert "step-000000016/rank-1-of-2.pt does not match its SHA-256 checksum" in notes[0]
+    assert "(and 1 older step(s) fail too)" in notes[0] and "starting from scratch" in notes[0]
+
+
+def _models(root, step, world_size=2):
+    return [checkpoint.load(root, step, r, world_size)["model"] for r in range(world_size)]
+
+
+def test_resume_over_a_damaged_checkpoint_falls_back_or_starts_over_with_one_line(tmp_path, capsys):
+    import shutil
+
+    ck = tmp_path / "ck"
+    cfg = RunConfig(algo="efsgd", epochs=1, progress=False, checkpoint_dir=str(ck), checkpoint_every=10,
+                    resume=True)
+    with pytest.raises(cases.Interrupted):
+        gradzip.simulate(2, lambda c: run_worker(c, cfg, after_step=cases.interrupt_after(21)))
+    shutil.copytree(ck / "step-000000020", tmp_path / "keep")
+    gradzip.simulate(2, lambda c: run_worker(c, cfg))  # completes: step 22 only is kept
+    assert checkpoint.steps_held(ck, 1, 2) == [22]
+    shutil.copytree(tmp_path / "keep", ck / "step-000000020")
+    _flip_tensor_bytes(checkpoint.rank_file(ck, 22, 1, 2))
+    capsys.readouterr()
+    longer = RunConfig(**{**vars(cfg), "epochs": 2})
+    out = gradzip.simulate(2, lambda c: run_worker(c, longer))
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert out[0]["summary"]["resumed_from_step"] == 20
+    assert len(err) == 1 and "rank-1-of-2.pt does not match its SHA-256" in err[0] and "step 20" in err[0], err
+    final = _models(ck, 44)
+    cases.assert_bitwise_equal(final[0], final[1], "replicas")
+    # none verifies: from scratch, one line, the replicas agree
+    _flip_tensor_bytes(checkpoint.rank_file(ck, 44, 0, 2))
+    capsys.readouterr()
+    out = gradzip.simulate(2, lambda c: run_worker(c, longer))
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert out[0]["summary"]["resumed_from_step"] is None
+    assert len(err) == 1 and "SHA-256" in err[0] and "starting from scratch" in err[0], err
+    final = _models(ck, 44)
+    cases.assert_bitwise_equal(final[0], final[1], "replicas")
+
+
+def test_a_kill_during_the_first_checkpoint_resumes_from_scratch_and_cleans_up(tmp_path, capsys):
+    # rank 0 wrote step 10, rank 1 was killed while writing it: only its temporary file is there
+    ck = tmp_path / "ck"
+    checkpoint.save(ck, 10, 0, 2, {"x": torch.arange(3)})
+    orphan = checkpoint.rank_file(ck, 10, 1, 2).with_name(".rank-1-of-2.pt.tmp-4242")
+    orphan.write_bytes(b"half")
+    cfg = RunConfig(epochs=1, progress=False, checkpoint_dir=str(ck), checkpoint_every=10, resume=True)
+    out = gradzip.simulate(2, lambda c: run_worker(c, cfg))
+    assert out[0]["summary"]["resumed_from_step"] is None and out[0]["summary"]["steps"] == 22
+    assert not orphan.exists()
+    assert checkpoint.steps_held(ck, 0, 2) == checkpoint.steps_held(ck, 1, 2) == [22]
+    assert "holds no step that every rank has" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("failure", [
+    RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file "
+                 "data/3: file write failed"),
+    OSError(28, "No space left on device"),
+])
+def test_a_full_disk_is_one_line_naming_the_directory_and_leaves_no_temporaries(tmp_path, monkeypatch, failure):
+    checkpoint.save(tmp_path, 8, 0, 1, {"x": torch.arange(3)})
+
+    def full(obj, f, *a, **k):
+        f.write(b"x" * 1000)
+        raise failure
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(GradzipError) as info:
+        checkpoint.save(tmp_path, 16, 0, 1, {"x": torch.zeros(250_000)})
+    monkeypatch.undo()
+    message = str(info.value)
+    assert "\n" not in message and f"in {tmp_path} (" in message and "needs about 1.0 MB" in message, message
+    assert "MB free there" in message and "previous checkpoint is kept" in message
+    assert not list(tmp_path.glob("step-*/.*"))  # no temporaries
+    assert checkpoint.steps_held(tmp_path, 0, 1) == [8]
+    assert torch.equal(checkpoint.load(tmp_path, 8, 0, 1)["x"], torch.arange(3))
+
+
+def test_a_real_full_disk(tmp_path):
+    import subprocess
+
+    disk = tmp_path / "tiny"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        checkpoint.save(disk, 8, 0, 1, {"x": torch.arange(3)})
+        with pytest.raises(GradzipError, match=f"cannot write checkpoint .*in {disk} "):
+            checkpoint.save(disk, 16, 0, 1, {"x": torch.zeros(1_000_000)})
+        assert not list(disk.glob("step-*/.*")) and checkpoint.steps_held(disk, 0, 1) == [8]
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def _per_rank(cfgs):
+    def fn(comm):
+        try:
+            run_worker(comm, cfgs[comm.rank])
+        except GradzipError as exc:
+            return str(exc)
+        return "ran"
+    return fn
+
+
+@pytest.mark.parametrize("field, rank1", [("checkpoint_dir given", {"checkpoint_dir": None, "checkpoint_every": 0}),
+                                          ("checkpoint_every", {"checkpoint_every": 7})])
+def test_settings_that_change_the_collectives_are_compared_across_ranks(tmp_path, field, rank1):
+    cfg = RunConfig(epochs=1, progress=False, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=10)
+    cfgs = [cfg, RunConfig(**{**vars(cfg), **rank1})]
+    out = gradzip.simulate(2, _per_rank(cfgs), timeout_s=20)
+    for message in out:
+        assert "workers run with different run settings" in message and repr(field) in message, message
+
+
+def test_resuming_past_the_end_of_the_run_is_refused(tmp_path):
+    cfg = RunConfig(epochs=2, progress=False, checkpoint_dir=str(tmp_path))
+    gradzip.simulate(1, lambda c: run_worker(c, cfg))
+    shorter = RunConfig(**{**vars(cfg), "epochs": 1, "resume": True})
+    with pytest.raises(GradzipError, match=r"at step 88 \(epoch 2\), past the end of this run \(1 epochs, 44 "
+                                           r"steps\); resume with --epochs 2 or more"):
+        gradzip.simulate(1, lambda c: run_worker(c, shorter))
+
+
+def test_an_explicit_default_codec_resumes_a_run_that_used_the_default(tmp_path):
+    from gradzip.optim.efsgd import DEFAULT_CODEC
+
+    cfg = RunConfig(algo="efsgd", epochs=1, progress=False, checkpoint_dir=str(tmp_path))
+    gradzip.simulate(1, lambda c: run_worker(c, cfg))
+    explicit = RunConfig(**{**vars(cfg), "epochs": 2, "resume": True, "options": {"compressor": DEFAULT_CODEC}})
+    out = gradzip.simulate(1, lambda c: run_worker(c, explicit))[0]
+    assert out["summary"]["resumed_from_step"] == 44
+    other = RunConfig(**{**vars(cfg), "epochs": 3, "resume": True, "options": {"compressor": "topk:ratio=0.5"}})
+    with pytest.raises(GradzipError, match="written with exchange 0 codec="):
+        gradzip.simulate(1, lambda c: run_worker(c, other))
+
+
+def test_a_torch_file_that_is_not_a_gradzip_checkpoint_is_named(tmp_path):
+    checkpoint.save(tmp_path, 8, 0, 1, {"weights": torch.arange(3)})
+    cfg = RunConfig(epochs=1, progress=False, checkpoint_dir=str(tmp_path), resume=True)
+    with pytest.raises(GradzipError, match=r"rank-0-of-1\.pt is not a gradzip checkpoint"):
+        gradzip.simulate(1, lambda c: run_worker(c, cfg))
+
+
+@pytest.mark.parametrize("name, message", [("step-000000022", "is one step of a checkpoint directory"),
+                                           ("mine", "holds files that are not gradzip checkpoints")])
+def test_a_directory_that_is_not_a_checkpoint_directory_is_refused(tmp_path, name, message):
+    (tmp_path / name).mkdir()
+    if name == "mine":
+        (tmp_path / name / "notes.txt").write_text("x")
+    cfg = RunConfig(epochs=1, progress=False, checkpoint_dir=str(tmp_path / name), resume=True)
+    with pytest.raises(GradzipError, match=message):
+        gradzip.simulate(1, lambda c: run_worker(c, cfg))

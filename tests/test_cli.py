@@ -169,3 +169,60 @@ def test_table_shows_skips_and_resumes_only_when_there_are_some():
     assert "skipped" not in report.table([plain]) and "resumed" not in report.table([plain])
     text = report.table([plain, {"algo": "efsgd", "skipped_steps": 3, "resumed_from_step": 20}])
     assert "skipped" in text and "resumed at" in text and text.splitlines()[-1].split()[-2:] == ["3", "20"]
+
+
+# -- issue 12, items 15 and 16: one line each, outputs validated before training ----------
+LONG = "x" * 300
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--seed", str(10 ** 26)], "--seed: expected an integer in [0, 2**32)"),
+    (["train", "--seed", "-1"], "--seed: expected an integer in [0, 2**32)"),
+    (["train", "--out", f"/tmp/{LONG}"], "--out /tmp/xxx"),
+    (["train", "--checkpoint-dir", f"/tmp/{LONG}"], "checkpoint directory /tmp/xxx"),
+    (["train", "--resume", f"/tmp/{LONG}"], "checkpoint directory /tmp/xxx"),
+    (["train", "--trace", f"/tmp/{LONG}.json"], "--trace /tmp/xxx"),
+    (["train", "--dataset", "mnist", "--data-dir", f"/tmp/{LONG}"], "/tmp/xxx"),
+    (["train", "--trace", "/proc/version/t.json"], "--trace /proc/version/t.json: cannot write"),
+])
+def test_bad_paths_and_seeds_are_one_line_before_training(args, message, capsys):
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err, err
+
+
+def test_trace_on_a_directory_fails_before_training(tmp_path, capsys):
+    assert main(["train", "--epochs", "50", "--quiet", "--trace", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--trace {tmp_path}: cannot write" in err, err
+
+
+def test_a_trace_that_cannot_be_written_loses_neither_the_table_nor_out(tmp_path, monkeypatch, capsys):
+    from gradzip import trace
+
+    def full(path, events):
+        raise OSError(28, "No space left on device", str(path))
+    monkeypatch.setattr(trace, "write", full)
+    code = main(["train", "--epochs", "1", "--quiet", "--no-plot", "--backend", "threads", "--workers", "2",
+                 "--trace", str(tmp_path / "t.json"), "--out", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    assert code == 1 and "test acc" in captured.out and (tmp_path / "out" / "summary.json").is_file()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and "No space left on device" in err and "t.json" in err, err
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: (d / "step-000000022").mkdir(parents=True) or d / "step-000000022",
+     "is one step of a checkpoint directory; give its parent"),
+    (lambda d: (d.mkdir(), (d / "model.pt").write_bytes(b"x"))[0] or d,
+     "holds files that are not gradzip checkpoints (model.pt)"),
+])
+def test_resume_at_a_step_directory_or_a_foreign_directory_is_refused(tmp_path, make, message, capsys):
+    target = make(tmp_path / "ck")
+    assert main(["train", "--epochs", "1", "--quiet", "--resume", str(target)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err

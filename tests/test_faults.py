@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import re
+import signal
 import threading
 import time
 
@@ -226,3 +227,85 @@ def test_peer_failure_is_one_class_and_keeps_its_fields_through_pickle():
     back = pickle.loads(pickle.dumps(exc))
     assert (str(back), back.rank, back.lost, back.collective) == (str(exc), 0, (2,), "allreduce #5")
     assert isinstance(back, RuntimeError)
+
+
+# -- issue 12: one-line failures, orphans, slow evaluation ---------------------------------
+def test_a_stuck_peer_under_the_launcher_is_one_line_per_rank_without_a_traceback():
+    failure = PeerFailure("rank 0: peer rank 1 is alive but stuck: it has not started this collective",
+                          rank=0, lost=(1,), collective="allreduce #5")
+    tb = "Traceback (most recent call last):\n  File \"x.py\", line 1\nPeerFailure: ..."
+    with pytest.raises(WorkerError) as info:
+        launch._raise_failure({0: (failure, tb)}, {}, [1])
+    text = str(info.value)
+    assert "Traceback" not in text and "\n" not in text, text
+    assert text.startswith(f"worker rank 0 failed: {failure}") and "still running, terminated: rank(s) [1]" in text
+
+
+def _children(pid):
+    try:
+        return [int(c) for p in os.listdir(f"/proc/{pid}/task")
+                for c in open(f"/proc/{pid}/task/{p}/children").read().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_workers_stop_when_their_launcher_is_killed(tmp_path, sig):
+    import subprocess
+    import sys
+
+    launcher = subprocess.Popen([sys.executable, "-m", "gradzip.cli", "train", "--workers", "2", "--epochs", "500",
+                                 "--quiet", "--checkpoint-dir", str(tmp_path / "ck")],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = []
+    try:
+        deadline = time.monotonic() + 300  # hang guard only
+        while not list((tmp_path / "ck").glob("step-*/rank-1-of-2.pt")):  # the workers are training
+            assert launcher.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.2)
+        workers = [c for c in _children(launcher.pid) if "spawn" in open(f"/proc/{c}/cmdline").read()]
+        assert len(workers) == 2, workers
+        launcher.send_signal(sig)
+        launcher.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(w) for w in workers), "workers outlived their launcher"
+    finally:  # (what the launcher did not take with it)
+        for pid in [launcher.pid] + _children(launcher.pid) + [w for w in workers if _alive(w)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def test_a_slow_evaluation_does_not_fail_a_healthy_job_with_a_short_timeout(monkeypatch):
+    # evaluating the whole test set takes 4 s (in the model's forward); the timeout is 1.5 s
+    from gradzip.train import loop, models
+
+    build = models.build
+
+    class SlowToEvaluate(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            if not self.training:
+                time.sleep(4.0 * len(x) / 360)  # digits: 360 test samples
+            return self.inner(x)
+
+    monkeypatch.setattr(models, "build", lambda *a, **k: SlowToEvaluate(build(*a, **k)))
+    cfg = loop.RunConfig(epochs=1, progress=False)
+    out = simulate(2, lambda c: loop.run_worker(c, cfg), timeout_s=1.5)
+    assert [h["test_accuracy"] for h in out[0]["history"]] == [h["test_accuracy"] for h in out[1]["history"]]
+    assert out[0]["summary"]["final_test_accuracy"] > 0.5

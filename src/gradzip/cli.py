@@ -21,6 +21,8 @@ from .comm.base import DEFAULT_TIMEOUT_S
 from .errors import GradzipError
 from .optim.base import FLOAT32_MAX
 from .train.config import method_label, parse_algos
+from .train import checkpoint
+from .train.loop import SEED_LIMIT
 
 DEFAULT_COMPARE = "ssgd,efsgd@topk:ratio=0.01,efsgd@1bit,bitsgd,ssgd@qsgd,ssgd@terngrad"
 
@@ -50,6 +52,7 @@ positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1")
 non_negative = _checked(float, lambda v: 0 <= v <= FLOAT32_MAX, "a number >= 0 and finite (<= 3.4e38)")
 fraction = _checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 positive = _checked(float, lambda v: 0 < v <= FLOAT32_MAX, "a number > 0 and finite (<= 3.4e38)")
+seed_int = _checked(int, lambda v: 0 <= v < SEED_LIMIT, "an integer in [0, 2**32)")
 seconds = _checked(float, lambda v: 0 < v <= 365 * 86400, "seconds > 0 (at most a year)")
 
 
@@ -70,7 +73,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="default: %(default)s (BIT-SGD with momentum 0.9 at lr 0.1 is unstable: docs/benchmarks.md)")
     g.add_argument("--nesterov", action="store_true")
     g.add_argument("--weight-decay", type=non_negative, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=seed_int, default=0)
     w = p.add_argument_group("workers")
     w.add_argument("--workers", type=positive_int, default=None,
                    help="worker count (default: 1 for train, 4 for compare; under torchrun: its world)")
@@ -86,15 +89,17 @@ def _common(p: argparse.ArgumentParser) -> None:
     r.add_argument("--checkpoint-every", type=positive_int, metavar="STEPS",
                    help="steps between checkpoints (default: at the end of every epoch)")
     r.add_argument("--resume", metavar="DIR",
-                   help="continue from the newest checkpoint in DIR, bit for bit, and keep writing "
-                        "checkpoints there; starts from scratch if DIR holds none (so the same "
-                        "command serves torchrun --max-restarts)")
+                   help="continue from the newest checkpoint in DIR that verifies on every worker, bit "
+                        "for bit, and keep writing checkpoints there; starts from scratch if DIR holds "
+                        "none or does not exist (so the same command serves torchrun --max-restarts); "
+                        "refuses a step-... directory and a directory of other files")
     r.add_argument("--nonfinite", choices=["raise", "skip", "off"], default="raise",
                    help="a NaN/Inf gradient on any worker: raise (stop every worker), skip the step "
                         "on every worker (one small extra collective per step), or off (default: %(default)s)")
     r.add_argument("--timeout", type=seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                   help="how long a worker waits for a lost or stuck peer before failing with its "
-                        "rank named (default: %(default)s)")
+                   help="how long a worker waits inside one collective for a lost or stuck peer before "
+                        "failing with its rank named; it does not bound a worker's own computation "
+                        "(default: %(default)s; docs/reliability.md)")
     o = p.add_argument_group("output")
     o.add_argument("--out", help="directory for metrics.jsonl, summary.json and accuracy.png")
     o.add_argument("--no-plot", action="store_true", help="skip accuracy.png")
@@ -179,6 +184,8 @@ def _configs(args) -> list:
     unused = sorted(set(given) - used)
     if unused:
         raise GradzipError(f"no method in --algos takes --{', --'.join(u.replace('_', '-') for u in unused)}")
+    for cfg in cfgs:
+        checkpoint.check_directory(cfg.checkpoint_dir)
     return cfgs
 
 
@@ -195,10 +202,20 @@ def _checkpointing(args) -> dict[str, Any]:
     directory = args.resume or args.checkpoint_dir
     if args.checkpoint_every and not directory:
         raise GradzipError("--checkpoint-every needs a directory: add --checkpoint-dir DIR (or --resume DIR)")
-    if directory and Path(directory).exists() and not Path(directory).is_dir():
+    if directory and os.path.isfile(directory):  # (train: checked with its contents in _configs)
         raise GradzipError(f"checkpoint directory {directory} exists and is not a directory")
     return {"checkpoint_dir": directory, "checkpoint_every": args.checkpoint_every or 0,
             "resume": bool(args.resume)}
+
+
+def _statable(path: str, flag: str) -> None:
+    """A path the system can look up (it may not exist): not over-long, not below a file."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as exc:  # ValueError: an embedded NUL
+        raise GradzipError(f"{flag} {path!r}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _writable_directory(path: str, flag: str) -> None:
@@ -255,22 +272,37 @@ def _run(cfgs, workers: int | None, backend: str, timeout_s: float) -> list[list
     return run_processes(n, run_many, cfgs, timeout_s=timeout_s)
 
 
-def _write_traces(path: str, per_worker: list[list[dict]]) -> list[Path]:
+def _trace_paths(path: str, labels: list[str]) -> list[Path]:
     """One trace file per run: ``path`` itself for one run, else ``stem-<method>.json``.
     Under torchrun each process writes its own worker's events (``stem.rank<r>.json``)."""
+    base = Path(path)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        base = base.with_name(f"{base.stem}.rank{os.environ['RANK']}{base.suffix or '.json'}")
+    if len(labels) == 1:
+        return [base]
+    return [base.with_name(f"{base.stem}-{_file_safe(label)}{base.suffix or '.json'}") for label in labels]
+
+
+def _writable_file(path: Path, flag: str) -> None:
+    """Create ``path`` (and its directory) now and remove it again, so that a bad
+    ``--trace`` fails before training, not after."""
+    try:
+        existed = path.exists()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except (OSError, ValueError) as exc:  # ValueError: an embedded NUL
+        raise GradzipError(f"{flag} {path}: cannot write this file ({getattr(exc, 'strerror', None) or exc})") from None
+
+
+def _write_traces(paths: list[Path], per_worker: list[list[dict]]) -> None:
     from . import trace
 
-    base = Path(path)
-    if len(per_worker) == 1 and "RANK" in os.environ:
-        base = base.with_name(f"{base.stem}.rank{os.environ['RANK']}{base.suffix or '.json'}")
-    written = []
-    for i in range(len(per_worker[0])):
-        target = base
-        if len(per_worker[0]) > 1:
-            label = _file_safe(per_worker[0][i]["summary"]["algo"])
-            target = base.with_name(f"{base.stem}-{label}{base.suffix or '.json'}")
-        written.append(trace.write(target, [worker[i]["trace"] for worker in per_worker]))
-    return written
+    for i, target in enumerate(paths):
+        written = trace.write(target, [worker[i]["trace"] for worker in per_worker])
+        print(f"wrote trace {written}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -296,9 +328,14 @@ def _main(args, argv) -> int:
         if args.command == "bench":
             from .bench.cli import run as run_bench
             return run_bench(args, argv)
+        if args.data_dir:
+            _statable(args.data_dir, "--data-dir")
         cfgs = _configs(args)
         if args.out:
             _writable_directory(args.out, "--out")
+        traces = _trace_paths(args.trace, [cfg.name for cfg in cfgs]) if args.trace else []
+        for path in traces:
+            _writable_file(path, "--trace")
         if args.command == "compare" and args.workers is None and "RANK" not in os.environ:
             args.workers = 4
         per_worker = _run(cfgs, args.workers, args.backend, args.timeout)
@@ -311,19 +348,25 @@ def _main(args, argv) -> int:
     except KeyboardInterrupt:
         print("gradzip: interrupted", file=sys.stderr)
         return 130
-    if args.trace:
-        for path in _write_traces(args.trace, per_worker):
-            print(f"wrote trace {path}")
-    if os.environ.get("RANK", "0") != "0" and _under_torchrun(args.workers):
-        return 0
-    runs = per_worker[0]
+    try:  # the results first, optional outputs after: a failing trace loses nothing else
+        if not (os.environ.get("RANK", "0") != "0" and _under_torchrun(args.workers)):
+            _report(args, per_worker[0])
+        if traces:
+            _write_traces(traces, per_worker)
+    except OSError as exc:
+        print(f"gradzip: error: cannot write {exc.filename or 'an output'}: {exc.strerror or exc} (the run "
+              "itself completed)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _report(args, runs: list[dict]) -> None:
     from .train import report
 
     print(report.table([r["summary"] for r in runs]))
     if args.out:
         out = report.write(args.out, runs, plot=not args.no_plot)
         print(f"wrote {out}/metrics.jsonl, {out}/summary.json" + ("" if args.no_plot else f", {out}/accuracy.png"))
-    return 0
 
 
 if __name__ == "__main__":

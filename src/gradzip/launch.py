@@ -16,12 +16,14 @@ outlive the death of any worker, rank 0 included.
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import pickle
 import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -52,8 +54,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """End this process when its parent (the launcher) dies, by SIGKILL or otherwise: the
+    kernel's parent-death signal (Linux ``prctl(PR_SET_PDEATHSIG)``), and, as a fallback
+    for other systems (and for a parent gone before the call), a daemon thread that
+    checks the parent's pid every ``PARENT_POLL_S`` seconds."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        pass
+    if os.getppid() != parent_pid:  # gone already, before the signal was armed
+        os._exit(_ORPHANED)
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != parent_pid:
+                os._exit(_ORPHANED)
+    threading.Thread(target=watch, name="gradzip-parent-watch", daemon=True).start()
+
+
+_PR_SET_PDEATHSIG = 1
+_ORPHANED = 70
+#: Seconds between a worker's checks that its launcher is alive (the fallback to the parent-death signal).
+PARENT_POLL_S = 1.0
+
+
 def _worker(rank: int, world_size: int, port: int, agent_store: bool, timeout_s: float, results,
-            fn, args) -> None:
+            fn, args, parent_pid: int) -> None:
+    die_with_parent(parent_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       TORCHELASTIC_USE_AGENT_STORE=str(agent_store))
@@ -102,7 +132,7 @@ def run_processes(world_size: int, fn: Callable[..., Any], *args: Any,
     else:
         port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, store is not None, timeout_s, results,
-                                               fn, args),
+                                               fn, args, os.getpid()),
                          name=f"gradzip-rank{r}", daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -173,12 +203,12 @@ def _raise_failure(reports: dict, deaths: dict, running: list[int]) -> None:
         if views or others:
             text += "; the others reported:\n" + "\n".join(views + others)
         raise WorkerError(text + tail)
-    r = next(iter(reports))
-    exc, tb = reports[r]
-    text = f"worker rank {r} failed:\n{tb}"
+    r = next(iter(reports))  # every report is a PeerFailure: its message says it all, no traceback
+    exc, _ = reports[r]
+    text = f"worker rank {r} failed: {exc}"
     if len(views) > 1:
-        text += "the others reported:\n" + "\n".join(v for v in views if not v.startswith(f"  rank {r}:"))
-    raise WorkerError(text + tail) from exc
+        text += "; the others reported:\n" + "\n".join(v for v in views if not v.startswith(f"  rank {r}:"))
+    raise WorkerError(text + tail.replace("\n", "; " if len(views) <= 1 else "\n")) from exc
 
 
 def _exit_text(code: int) -> str:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import sys
 import time
-from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,8 +27,10 @@ from ..version import __version__
 from ..comm import Group
 from ..errors import GradzipError
 from ..trace import Tracer, maybe_span
+from ..validation import is_int
 from . import checkpoint, datasets, models
 from .config import method_class
+from .evaluation import evaluate, evaluate_shared, evaluation_model  # noqa: F401 (evaluate: public here too)
 
 
 @dataclass
@@ -88,46 +90,16 @@ def trajectory_fields(cfg: RunConfig) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _FREE_FIELDS}
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1024) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of ``model`` on ``(x, y)``."""
-    model.eval()
-    correct, loss = 0, 0.0
-    for i in range(0, len(x), batch):
-        out = model(x[i:i + batch])
-        loss += F.cross_entropy(out, y[i:i + batch], reduction="sum").item()
-        correct += (out.argmax(1) == y[i:i + batch]).sum().item()
-    model.train()
-    return correct / len(x), loss / len(x)
+def collective_fields(cfg: RunConfig) -> dict[str, Any]:
+    """Settings free to change between a run and its resumption that still change the
+    sequence of collectives (checkpoint saves and their barriers, the resume agreement):
+    every worker must have the same."""
+    return {"checkpoint_dir given": bool(cfg.checkpoint_dir), "checkpoint_every": cfg.checkpoint_every,
+            "resume": cfg.resume}
 
 
-def evaluation_model(model: torch.nn.Module, opt: optim.DistributedOptimizer, comm: Group,
-                     eval_on: str) -> torch.nn.Module:
-    """The model to evaluate, without touching training state: the optimizer's evaluation
-    parameters if it has any, else the model's own; averaged over the workers (one
-    allreduce of parameters and float buffers) for ``"average"``, or for ``"auto"`` when the
-    method's replicas differ. Collective when averaging: every rank must call it."""
-    if eval_on not in ("auto", "average", "local"):
-        raise GradzipError(f"eval_on must be 'auto', 'average' or 'local', got {eval_on!r}")
-    override = opt.evaluation_parameters()
-    average = eval_on == "average" or (eval_on == "auto" and opt.replicas_differ)
-    if override is None and not (average and comm.world_size > 1):
-        return model
-    copy = deepcopy(model)
-    params = list(copy.parameters())
-    with torch.no_grad():
-        if override is not None:
-            for p, value in zip(params, override):
-                p.copy_(value)
-        if average and comm.world_size > 1:
-            tensors = params + [b for b in copy.buffers() if b.is_floating_point()]
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            comm.allreduce(flat).div_(comm.world_size)
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
-    return copy
+#: Seeds are integers in [0, SEED_LIMIT) (the per-rank seeds derived from them fit torch's generators).
+SEED_LIMIT = 2 ** 32
 
 
 PHASES = ("compute", "compress", "communicate", "wait", "update")
@@ -140,22 +112,97 @@ def _phase_times(compute_s: float, step_s: float, t) -> list[float]:
             max(0.0, step_s - t.wait_s - t.inline_compress_s)]
 
 
+@dataclass
+class LoopState:
+    """Where the loop is: what a checkpoint saves besides model, optimizer and generators."""
+
+    done: int = 0                  # steps done (hence epoch and batch: the data order is a function of seed and epoch)
+    history: list[dict[str, Any]] = field(default_factory=list)   # one record per epoch so far
+    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # this epoch's train loss so far
+    compute_s: float = 0.0         # clock readings, summed over the steps done
+    step_s: float = 0.0
+    previous: list[float] = field(default_factory=lambda: [0.0] * len(PHASES))  # phase times at the last epoch's end
+    diverged: bool = False
+    wall_time_s: float = 0.0       # training time before this process's start (a resumed run)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields by name, not copied (a checkpoint's ``"loop"``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> "LoopState":
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(saved, dict) or set(saved) != names:
+            raise GradzipError("the checkpoint's loop state has other fields than this gradzip version's; "
+                               "resume with the version that wrote it, or start in a new directory")
+        return cls(**saved)
+
+
+@dataclass
+class _Job:
+    """One run on one worker: what the loop's helpers share."""
+
+    comm: Group
+    cfg: RunConfig
+    ds: Any
+    model: torch.nn.Module
+    opt: optim.DistributedOptimizer
+    steps_per_epoch: int
+    state: LoopState
+    settings: dict[str, str]       # the optimizer's resolved settings (describe()), saved with a checkpoint
+    after_step: Callable[[int], None] | None = None
+    tracer: Tracer | None = None
+    bar: Any = None
+    began: float = 0.0             # perf_counter() at which the run's clock (resumed: its clock) started
+
+    @property
+    def total(self) -> int:
+        return self.steps_per_epoch * self.cfg.epochs
+
+
 def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Train ``cfg`` on this worker; ``{"summary": ..., "history": [...]}``. Wall time
     counts from the first step (set-up, i.e. data loading and the first collective, is
     ``setup_time_s``).
 
-    Before training, the workers compare their settings (:mod:`gradzip.consistency`). With
-    ``cfg.checkpoint_dir`` the run writes checkpoints (:mod:`gradzip.train.checkpoint`):
-    model, optimizer (residuals, errors, global/local models, momentum, counters), data
-    position, random generators and the records so far; with ``cfg.resume`` it continues
-    from the newest one every rank holds, and ends with the same bits as a run never
-    interrupted. ``after_step(steps_done)`` is called after every step (tests inject faults
-    with it)."""
+    Before training, the workers compare their settings (:mod:`gradzip.consistency`),
+    including those that change the sequence of collectives (checkpointing, epochs,
+    evaluation). With ``cfg.checkpoint_dir`` the run writes checkpoints
+    (:mod:`gradzip.train.checkpoint`): model, optimizer (residuals, errors, global/local
+    models, momentum, counters), data position, random generators and the records so far;
+    with ``cfg.resume`` it continues from the newest one every rank holds and that
+    verifies, and ends with the same bits as a run never interrupted. ``after_step(steps_done)``
+    is called after every step (tests inject faults with it)."""
     setup_began = time.perf_counter()
+    job = _prepare(comm, cfg, after_step)
+    resumed_from = _resume(job)
+    job.tracer = Tracer(comm.rank) if cfg.trace else None
+    job.opt.tracer = job.tracer
+    job.bar = _progress(cfg, comm, job.total, job.state.done)
+    comm.barrier()  # start every worker's clock together
+    job.began = time.perf_counter() - job.state.wall_time_s
+    first_epoch, first_batch = divmod(job.state.done, job.steps_per_epoch)
+    for epoch in range(first_epoch + 1, cfg.epochs + 1):
+        _train_epoch(job, epoch, first_batch if epoch == first_epoch + 1 else 0)
+        job.state.history.append(_epoch_record(job, epoch))
+        if cfg.checkpoint_dir and (job.state.done == job.total or not cfg.checkpoint_every
+                                   or job.state.done % cfg.checkpoint_every == 0):
+            _save(job)
+    if job.bar is not None:
+        job.bar.close()
+    return {"summary": _summary(job, resumed_from, setup_began), "history": job.state.history,
+            "config": dataclasses.asdict(cfg), "trace": job.tracer.events if job.tracer is not None else None}
+
+
+def _prepare(comm: Group, cfg: RunConfig, after_step) -> _Job:
+    """Data, model (identical on every worker), optimizer, after the workers agreed on the
+    settings; the global generators seeded from the run's seed and this rank."""
+    checkpoint.check_directory(cfg.checkpoint_dir)
+    if not is_int(cfg.seed) or not 0 <= cfg.seed < SEED_LIMIT:
+        raise GradzipError(f"seed must be an integer in [0, 2**32), got {cfg.seed!r}")
     ds = datasets.load(cfg.dataset, cfg.data_dir, download=cfg.download)
     model = models.build(cfg.model, ds.input_shape, ds.num_classes, seed=cfg.seed)
-    consistency.verify(comm, {**trajectory_fields(cfg), "gradzip version": __version__,
+    consistency.verify(comm, {**trajectory_fields(cfg), **collective_fields(cfg), "gradzip version": __version__,
                               "world size": comm.world_size, "training samples": len(ds.train_x),
                               "parameter shapes": [tuple(p.shape) for p in model.parameters()]},
                        what="run settings")
@@ -169,81 +216,76 @@ def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | 
             f"{cfg.dataset} has {len(ds.train_x)} training samples, fewer than one batch of "
             f"{cfg.batch_size} per worker for {comm.world_size} workers; lower --batch-size"
         )
-    total = steps_per_epoch * cfg.epochs
-    loop = {"done": 0, "history": [], "loss_sum": torch.zeros(()), "compute_s": 0.0, "step_s": 0.0,
-            "previous": [0.0] * len(PHASES), "diverged": False, "wall_time_s": 0.0}
     # the global generators (dropout, augmentation in user code) start from the run's seed
     # and this rank, whatever launched the process; a resume restores their saved state
     torch.manual_seed(seeds.worker_seed(cfg.seed, comm.rank))
     random.seed(seeds.worker_seed(cfg.seed, comm.rank))
-    resumed_from = _resume(comm, cfg, model, opt, loop)
-    tracer = Tracer(comm.rank) if cfg.trace else None
-    opt.tracer = tracer
-    bar = _progress(cfg, comm, total, loop["done"])
-    comm.barrier()  # start every worker's clock together
-    began = time.perf_counter() - loop["wall_time_s"]
-    history = loop["history"]
+    settings = {k: str(v) for k, v in opt.describe().items() if k != "gradzip version"}
+    return _Job(comm, cfg, ds, model, opt, steps_per_epoch, LoopState(), settings, after_step)
 
-    def save_checkpoint() -> None:
-        loop["wall_time_s"] = time.perf_counter() - began
-        _save(comm, cfg, model, opt, loop)
 
-    first_epoch, first_batch = divmod(loop["done"], steps_per_epoch)
-    first_epoch += 1
-    for epoch in range(first_epoch, cfg.epochs + 1):
-        order = datasets.shard(len(ds.train_x), comm.rank, comm.world_size, epoch, cfg.seed)
-        for b in range(first_batch if epoch == first_epoch else 0, steps_per_epoch):
-            idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(ds.train_x[idx]), ds.train_y[idx])
-            loss.backward()
-            t1 = time.perf_counter()
-            opt.step()
-            t2 = time.perf_counter()
-            loop["compute_s"] += t1 - t0
-            loop["step_s"] += t2 - t1
-            if tracer is not None:
-                tracer.add("compute", t0, t1, step=opt.steps)
-                tracer.add("step", t1, t2, cat="optimizer", step=opt.steps)
-            loop["loss_sum"] += loss.detach()
-            loop["done"] += 1
-            if bar is not None:
-                bar.update(1)
-            if after_step is not None:
-                after_step(loop["done"])
-            if cfg.checkpoint_dir and cfg.checkpoint_every and loop["done"] % cfg.checkpoint_every == 0 \
-                    and b < steps_per_epoch - 1:  # at an epoch's end: after its record, below
-                save_checkpoint()
-        # one small allreduce per epoch: the train loss and this epoch's phase times, averaged
-        phases = _phase_times(loop["compute_s"], loop["step_s"], opt.timings)
-        epoch_stats = torch.tensor([loop["loss_sum"].item() / steps_per_epoch,
-                                    *(a - b for a, b in zip(phases, loop["previous"]))], dtype=torch.float64)
-        loop["previous"], loop["loss_sum"] = phases, torch.zeros(())
-        epoch_stats = comm.allreduce(epoch_stats).div_(comm.world_size).tolist()
-        train_loss = epoch_stats[0]
-        loop["diverged"] = loop["diverged"] or not math.isfinite(train_loss)
-        wall = time.perf_counter() - began
-        with maybe_span(tracer, "evaluate", cat="harness"):
-            evaluated = evaluation_model(model, opt, comm, cfg.eval_on)  # waits for a background exchange
-            record = {"algo": cfg.name, "epoch": epoch, "step": opt.steps, "train_loss": train_loss,
-                      "bytes_sent_per_worker": opt.bytes_sent, "wall_time_s": wall,
-                      **{f"time_{k}_s": v for k, v in zip(PHASES, epoch_stats[1:])},
-                      "skipped_steps": opt.skipped_steps, **opt.metrics()}
-            if comm.rank == 0:
-                record["test_accuracy"], record["test_loss"] = evaluate(evaluated, ds.test_x, ds.test_y)
-            if bar is not None:
-                bar.set_postfix(loss=f"{train_loss:.3f}", acc=f"{record['test_accuracy']:.3f}")
-        history.append(record)
-        if cfg.checkpoint_dir and (loop["done"] == total or not cfg.checkpoint_every
-                                   or loop["done"] % cfg.checkpoint_every == 0):
-            save_checkpoint()
-    if bar is not None:
-        bar.close()
-    mine = torch.tensor(_phase_times(loop["compute_s"], loop["step_s"], opt.timings), dtype=torch.float64)
+def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
+    """The steps of ``epoch`` from ``first_batch`` on; a checkpoint every
+    ``checkpoint_every`` steps (one at the epoch's end is written after its record)."""
+    cfg, comm, state, opt = job.cfg, job.comm, job.state, job.opt
+    order = datasets.shard(len(job.ds.train_x), comm.rank, comm.world_size, epoch, cfg.seed)
+    for b in range(first_batch, job.steps_per_epoch):
+        idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(job.model(job.ds.train_x[idx]), job.ds.train_y[idx])
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        state.compute_s += t1 - t0
+        state.step_s += t2 - t1
+        if job.tracer is not None:
+            job.tracer.add("compute", t0, t1, step=opt.steps)
+            job.tracer.add("step", t1, t2, cat="optimizer", step=opt.steps)
+        state.loss_sum += loss.detach()
+        state.done += 1
+        if job.bar is not None:
+            job.bar.update(1)
+        if job.after_step is not None:
+            job.after_step(state.done)
+        if cfg.checkpoint_dir and cfg.checkpoint_every and state.done % cfg.checkpoint_every == 0 \
+                and b < job.steps_per_epoch - 1:  # at an epoch's end: after its record
+            _save(job)
+
+
+def _epoch_record(job: _Job, epoch: int) -> dict[str, Any]:
+    """The epoch's record, the same on every worker: train loss and phase times averaged
+    over the workers (one small allreduce), test accuracy and loss of the evaluation model
+    (every worker evaluates its share of the test set: one more small allreduce)."""
+    comm, state, opt = job.comm, job.state, job.opt
+    phases = _phase_times(state.compute_s, state.step_s, opt.timings)
+    epoch_stats = torch.tensor([state.loss_sum.item() / job.steps_per_epoch,
+                                *(a - b for a, b in zip(phases, state.previous))], dtype=torch.float64)
+    state.previous, state.loss_sum = phases, torch.zeros(())
+    epoch_stats = comm.allreduce(epoch_stats).div_(comm.world_size).tolist()
+    train_loss = epoch_stats[0]
+    state.diverged = state.diverged or not math.isfinite(train_loss)
+    wall = time.perf_counter() - job.began
+    with maybe_span(job.tracer, "evaluate", cat="harness"):
+        evaluated = evaluation_model(job.model, opt, comm, job.cfg.eval_on)  # waits for a background exchange
+        record = {"algo": job.cfg.name, "epoch": epoch, "step": opt.steps, "train_loss": train_loss,
+                  "bytes_sent_per_worker": opt.bytes_sent, "wall_time_s": wall,
+                  **{f"time_{k}_s": v for k, v in zip(PHASES, epoch_stats[1:])},
+                  "skipped_steps": opt.skipped_steps, **opt.metrics()}
+        record["test_accuracy"], record["test_loss"] = evaluate_shared(evaluated, comm, job.ds.test_x, job.ds.test_y)
+        if job.bar is not None:
+            job.bar.set_postfix(loss=f"{train_loss:.3f}", acc=f"{record['test_accuracy']:.3f}")
+    return record
+
+
+def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[str, Any]:
+    """The run's summary; collective (one allgather of every worker's phase times)."""
+    comm, cfg, state, opt, history = job.comm, job.cfg, job.state, job.opt, job.state.history
+    mine = torch.tensor(_phase_times(state.compute_s, state.step_s, opt.timings), dtype=torch.float64)
     per_worker = comm.allgather(mine)  # one row of phase times per worker
-    wall = time.perf_counter() - began
-    summary = {
+    wall = time.perf_counter() - job.began
+    return {
         "algo": cfg.name,
         "method": cfg.algo,
         "options": {k: str(v) for k, v in cfg.options.items()},
@@ -260,21 +302,19 @@ def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | 
         "resumed_from_step": resumed_from,
         "final_test_accuracy": history[-1].get("test_accuracy") if history else None,
         "best_test_accuracy": max((h.get("test_accuracy") or 0.0) for h in history) if history else None,
-        "diverged": loop["diverged"],
+        "diverged": state.diverged,
         "bytes_sent_per_worker": opt.bytes_sent,
         "compression_ratio": opt.compression_ratio,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": sum(p.numel() for p in job.model.parameters()),
         "eval_on": cfg.eval_on,
         **opt.metrics(),
         "wall_time_s": wall,
-        "setup_time_s": began + loop["wall_time_s"] - setup_began,  # this process's set-up
-        "time_per_step_s": wall / max(loop["done"], 1),
+        "setup_time_s": job.began + state.wall_time_s - setup_began,  # this process's set-up
+        "time_per_step_s": wall / max(state.done, 1),
         # phase times: mean over workers, and every worker's own row
         **{f"time_{k}_s": per_worker[:, i].mean().item() for i, k in enumerate(PHASES)},
         "time_per_worker_s": {k: per_worker[:, i].tolist() for i, k in enumerate(PHASES)},
     }
-    return {"summary": summary, "history": history, "config": dataclasses.asdict(cfg),
-            "trace": tracer.events if tracer is not None else None}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -291,46 +331,79 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _save(comm: Group, cfg: RunConfig, model, opt, loop: dict[str, Any]) -> None:
-    """This rank's checkpoint at ``loop["done"]`` steps; once every rank has written it (a
+#: What a gradzip checkpoint file holds (anything else is not one).
+_PAYLOAD_KEYS = {"format", "gradzip_version", "config", "settings", "model", "optimizer", "rng", "loop"}
+
+
+def _save(job: _Job) -> None:
+    """This rank's checkpoint at ``state.done`` steps; once every rank has written it (a
     barrier), the earlier ones are deleted."""
-    step = loop["done"]
-    checkpoint.save(cfg.checkpoint_dir, step, comm.rank, comm.world_size, {
-        "format": 1, "gradzip_version": __version__, "config": trajectory_fields(cfg),
-        "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": _rng_state(),
-        "loop": loop,
+    comm, cfg, state = job.comm, job.cfg, job.state
+    state.wall_time_s = time.perf_counter() - job.began
+    checkpoint.save(cfg.checkpoint_dir, state.done, comm.rank, comm.world_size, {
+        "format": 2, "gradzip_version": __version__, "config": trajectory_fields(cfg), "settings": job.settings,
+        "model": job.model.state_dict(), "optimizer": job.opt.state_dict(), "rng": _rng_state(),
+        "loop": state.as_dict(),
     })
     comm.barrier()
-    checkpoint.prune(cfg.checkpoint_dir, comm.rank, comm.world_size, keep_from=step)
+    checkpoint.prune(cfg.checkpoint_dir, comm.rank, comm.world_size, keep_from=state.done)
 
 
-def _resume(comm: Group, cfg: RunConfig, model, opt, loop: dict[str, Any]) -> int | None:
-    """Load the newest checkpoint every rank holds into ``model``, ``opt`` and ``loop``;
-    the step resumed from, or None. Collective."""
+def _resume(job: _Job) -> int | None:
+    """Load the newest checkpoint every rank holds and that verifies into the model, the
+    optimizer and the loop state (model and optimizer state first: the optimizer's first
+    step comes after); the step resumed from, or None. Collective."""
+    comm, cfg = job.comm, job.cfg
     if not cfg.checkpoint_dir:
         return None
-    step = checkpoint.newest_common(comm, cfg.checkpoint_dir)
-    if step is None:
-        return None
-    if not cfg.resume:
+    checkpoint.remove_temporaries(cfg.checkpoint_dir, comm.rank, comm.world_size)
+    held = checkpoint.gather_held(comm, cfg.checkpoint_dir)
+    if any(held) and not cfg.resume:
         raise GradzipError(
-            f"{cfg.checkpoint_dir} already holds a checkpoint (step {step}); continue that run with "
-            "--resume DIR, or write checkpoints to an empty directory"
+            f"{cfg.checkpoint_dir} already holds a checkpoint (step {max(max(h) for h in held if h)}); continue "
+            "that run with --resume DIR, or write checkpoints to an empty directory"
         )
+    note = (lambda text: print(f"gradzip: note: {text}", file=sys.stderr, flush=True)) if comm.rank == 0 else None
+    step = checkpoint.choose(comm, cfg.checkpoint_dir, held, note)
+    checkpoint.discard_after(cfg.checkpoint_dir, comm.rank, comm.world_size, step)
+    if step is None:
+        if cfg.resume and not any(held) and note is not None:
+            note(f"no checkpoint in {cfg.checkpoint_dir}: starting from scratch")
+        return None
     saved = checkpoint.load(cfg.checkpoint_dir, step, comm.rank, comm.world_size)
-    now = trajectory_fields(cfg)
-    for name in sorted((set(now) | set(saved["config"])) - set(_FREE_FIELDS)):
-        if name != "epochs" and saved["config"].get(name) != now.get(name):
-            raise GradzipError(
-                f"cannot resume from {cfg.checkpoint_dir}: it was written with {name}="
-                f"{saved['config'].get(name)!r}, this run has {name}={now.get(name)!r}; resume with "
-                "the same settings (only the number of epochs may change), or start in a new directory"
-            )
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["optimizer"])
-    loop.update(saved["loop"])
+    path = checkpoint.rank_file(cfg.checkpoint_dir, step, comm.rank, comm.world_size)
+    if not isinstance(saved, dict) or not _PAYLOAD_KEYS <= set(saved):
+        raise GradzipError(f"{path} is not a gradzip checkpoint (it lacks "
+                           f"{', '.join(sorted(_PAYLOAD_KEYS - set(saved if isinstance(saved, dict) else ())))}); "
+                           "give the directory a gradzip run wrote, or start in a new directory")
+    _check_resumable(job, saved, step)
+    job.model.load_state_dict(saved["model"])
+    job.opt.load_state_dict(saved["optimizer"])
+    job.state = LoopState.from_dict(saved["loop"])
     _set_rng_state(saved["rng"])
     return step
+
+
+def _check_resumable(job: _Job, saved: dict[str, Any], step: int) -> None:
+    """Refuse a checkpoint of other settings (compared as resolved: an option given
+    explicitly at its default value is the same setting) or one past this run's end."""
+    cfg = job.cfg
+    now = {**{k: v for k, v in trajectory_fields(cfg).items() if k != "options"}, **job.settings}
+    then = {**{k: v for k, v in saved["config"].items() if k != "options"}, **saved["settings"]}
+    for name in sorted((set(now) | set(then)) - set(_FREE_FIELDS)):
+        if name != "epochs" and then.get(name) != now.get(name):
+            raise GradzipError(
+                f"cannot resume from {cfg.checkpoint_dir}: it was written with {name}="
+                f"{then.get(name)!r}, this run has {name}={now.get(name)!r}; resume with "
+                "the same settings (only the number of epochs may change), or start in a new directory"
+            )
+    if step > job.total:
+        epochs = -(-step // job.steps_per_epoch)
+        raise GradzipError(
+            f"cannot resume from {cfg.checkpoint_dir}: its checkpoint is at step {step} (epoch {epochs}), past "
+            f"the end of this run ({cfg.epochs} epochs, {job.total} steps); resume with --epochs {epochs} or "
+            "more, or start in a new directory"
+        )
 
 
 def run_many(comm: Group, cfgs: list[RunConfig]) -> list[dict[str, Any]]:
