@@ -15,7 +15,8 @@ import sys
 from benchmarks.docs_section import replace_section
 
 import gradzip  # noqa: E402
-from gradzip.train.loop import RunConfig, run_many  # noqa: E402
+from gradzip.train.config import RunConfig  # noqa: E402
+from gradzip.train.loop import run_many  # noqa: E402
 
 
 def main() -> None:

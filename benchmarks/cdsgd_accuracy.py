@@ -19,7 +19,8 @@ from benchmarks.docs_section import replace_section
 import torch  # noqa: E402
 
 import gradzip  # noqa: E402
-from gradzip.train.loop import RunConfig, run_many  # noqa: E402
+from gradzip.train.config import RunConfig  # noqa: E402
+from gradzip.train.loop import run_many  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist-5k"
 

@@ -33,7 +33,8 @@ from benchmarks.docs_section import replace_marked, replace_section
 
 import gradzip  # noqa: E402
 from gradzip.optim.ratios import codec_for_ratio  # noqa: E402
-from gradzip.train.loop import RunConfig, run_many  # noqa: E402
+from gradzip.train.config import RunConfig  # noqa: E402
+from gradzip.train.loop import run_many  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "cser.md"

@@ -26,7 +26,8 @@ from benchmarks.docs_section import replace_section
 
 import gradzip  # noqa: E402
 from gradzip.train import datasets as data  # noqa: E402
-from gradzip.train.loop import RunConfig, run_many  # noqa: E402
+from gradzip.train.config import RunConfig  # noqa: E402
+from gradzip.train.loop import run_many  # noqa: E402
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ from gradzip.comm.base import Group
 from gradzip.errors import GradzipError
 from gradzip.launch import run_processes
 from gradzip.optim import CDSGD, CPSGD, ODSGD
-from gradzip.train.loop import RunConfig, run_worker
+from gradzip.train.config import RunConfig
+from gradzip.train.loop import run_worker
 
 import cases
 

@@ -13,7 +13,8 @@ import gradzip
 from gradzip.errors import GradzipError
 from gradzip.launch import run_processes
 from gradzip.train import checkpoint
-from gradzip.train.loop import RunConfig, run_worker
+from gradzip.train.config import RunConfig
+from gradzip.train.loop import run_worker
 
 
 def _check_resumed(root, out, world_size=2, shared_generators=False):

@@ -109,7 +109,7 @@ def test_evaluation_on_the_average_of_differing_replicas_leaves_training_untouch
 
     import gradzip
     from gradzip.optim import SSGD
-    from gradzip.train.loop import evaluation_model
+    from gradzip.train.evaluation import evaluation_model
 
     def fn(comm):
         model = torch.nn.Linear(3, 2)

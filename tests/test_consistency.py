@@ -8,7 +8,8 @@ import cases
 import gradzip
 from gradzip.consistency import InconsistentWorkers, describe_difference, verify
 from gradzip.launch import run_processes
-from gradzip.train.loop import RunConfig, run_worker
+from gradzip.train.config import RunConfig
+from gradzip.train.loop import run_worker
 
 
 def test_equal_settings_pass_with_one_small_collective():

@@ -16,13 +16,20 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import specs
+import torch.distributed as dist
+
+from . import compressors, optim, specs, trace
+from .bench.cli import add_parser as add_bench
+from .bench.cli import run as run_bench
+from .comm import PeerFailure, init_from_env, simulate
 from .comm.base import DEFAULT_TIMEOUT_S
+from .comm.liveness import announce_failure
 from .errors import GradzipError
+from .launch import WorkerError, run_processes
 from .optim.base import FLOAT32_MAX
-from .train.config import method_label, parse_algos
-from .train import checkpoint
-from .train.loop import SEED_LIMIT
+from .train import checkpoint, datasets, models, report
+from .train.config import SEED_LIMIT, RunConfig, make_optimizer, method_label, parse_algos
+from .train.loop import run_many
 
 DEFAULT_COMPARE = "ssgd,efsgd@topk:ratio=0.01,efsgd@1bit,bitsgd,ssgd@qsgd,ssgd@terngrad"
 
@@ -57,8 +64,6 @@ seconds = _checked(float, lambda v: 0 < v <= 365 * 86400, "seconds > 0 (at most 
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    from .train import datasets, models
-
     g = p.add_argument_group("task")
     g.add_argument("--dataset", default="digits",
                    help=f"one of {', '.join(datasets.names())} (digits is embedded; default: %(default)s)")
@@ -113,7 +118,7 @@ _FLAG_TYPES = {int: int, float: float, str: str,
                bool: _checked(specs.parse_bool, lambda v: True, "true or false")}
 
 
-def _method_flags(p: argparse.ArgumentParser, optim, compressors) -> None:
+def _method_flags(p: argparse.ArgumentParser) -> None:
     """One flag per method option (from the methods' signatures): adding a method adds its
     flags here without CLI code. Unset flags leave the method's default."""
     takers: dict[str, list[str]] = {}
@@ -133,14 +138,12 @@ def _given_options(args) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import compressors, optim
-
     parser = _Parser(prog="gradzip", description="Communication-efficient distributed data-parallel training.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     train = sub.add_parser("train", help="train one method", description="Train one method.")
     train.add_argument("--algo", default="ssgd", choices=list(optim.METHODS), help="default: %(default)s")
-    _method_flags(train, optim, compressors)
+    _method_flags(train)
     _common(train)
 
     compare = sub.add_parser("compare", help="compare several methods on the same task (the main job)",
@@ -148,18 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--algos", default=DEFAULT_COMPARE,
                          help="comma-separated methods, each optionally METHOD@CODEC "
                               "(default: %(default)s)")
-    _method_flags(compare, optim, compressors)
+    _method_flags(compare)
     _common(compare)
 
-    from .bench.cli import add_parser as add_bench
     add_bench(sub)  # gradzip bench net|model (src/gradzip/bench)
     return parser
 
 
 def _configs(args) -> list:
-    from . import optim
-    from .train.loop import RunConfig
-
     common = dict(dataset=args.dataset, data_dir=args.data_dir, download=args.download, model=args.model, epochs=args.epochs,
                   batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
                   weight_decay=args.weight_decay, seed=args.seed, eval_on=args.eval_on,
@@ -228,8 +227,6 @@ def _writable_directory(path: str, flag: str) -> None:
 
 def _validate(cfgs, workers: int) -> None:
     """Fail fast, in this process, on what would otherwise fail inside every worker."""
-    from .train import datasets, models
-    from .train.loop import make_optimizer
 
     ds = datasets.load(cfgs[0].dataset, cfgs[0].data_dir, download=cfgs[0].download)
     model = models.build(cfgs[0].model, ds.input_shape, ds.num_classes)
@@ -248,15 +245,8 @@ def _under_torchrun(workers: int | None) -> bool:
 
 def _run(cfgs, workers: int | None, backend: str, timeout_s: float) -> list[list[dict]]:
     """Every worker's results (rank order; under torchrun, this process's only)."""
-    from .comm import init_from_env, simulate
-    from .launch import run_processes
-    from .train.loop import run_many
 
     if _under_torchrun(workers):
-        import torch.distributed as dist
-
-        from .comm.liveness import announce_failure
-
         try:
             return [run_many(init_from_env(timeout_s=timeout_s), cfgs)]
         except BaseException as exc:
@@ -298,8 +288,6 @@ def _writable_file(path: Path, flag: str) -> None:
 
 
 def _write_traces(paths: list[Path], per_worker: list[list[dict]]) -> None:
-    from . import trace
-
     for i, target in enumerate(paths):
         written = trace.write(target, [worker[i]["trace"] for worker in per_worker])
         print(f"wrote trace {written}")
@@ -321,12 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args, argv) -> int:
-    from .comm import PeerFailure
-    from .launch import WorkerError
-
     try:
         if args.command == "bench":
-            from .bench.cli import run as run_bench
             return run_bench(args, argv)
         if args.data_dir:
             _statable(args.data_dir, "--data-dir")
@@ -361,8 +345,6 @@ def _main(args, argv) -> int:
 
 
 def _report(args, runs: list[dict]) -> None:
-    from .train import report
-
     print(report.table([r["summary"] for r in runs]))
     if args.out:
         out = report.write(args.out, runs, plot=not args.no_plot)

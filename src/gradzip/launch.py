@@ -28,9 +28,13 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .comm import init_from_env
 from .comm.base import DEFAULT_TIMEOUT_S, PeerFailure, check_timeout, check_world_size
+from .comm.liveness import announce_failure
 from .errors import GradzipError
 
 #: Seconds the other workers get to finish after one failed, before they are terminated.
@@ -87,12 +91,6 @@ def _worker(rank: int, world_size: int, port: int, agent_store: bool, timeout_s:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       TORCHELASTIC_USE_AGENT_STORE=str(agent_store))
-    import torch
-    import torch.distributed as dist
-
-    from .comm import init_from_env
-    from .comm.liveness import announce_failure
-
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         group = init_from_env(timeout_s=timeout_s)

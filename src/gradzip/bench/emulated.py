@@ -40,7 +40,8 @@ import torch.distributed as dist
 from ..comm import allreduce_wire_bytes, init_from_env
 from ..errors import GradzipError
 from ..train.config import method_label
-from ..train.loop import RunConfig, run_worker
+from ..train.config import RunConfig
+from ..train.loop import run_worker
 from . import netns
 from .units import format_rate
 

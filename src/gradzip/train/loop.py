@@ -29,77 +29,8 @@ from ..errors import GradzipError
 from ..trace import Tracer, maybe_span
 from ..validation import is_int
 from . import checkpoint, datasets, models
-from .config import method_class
-from .evaluation import evaluate, evaluate_shared, evaluation_model  # noqa: F401 (evaluate: public here too)
-
-
-@dataclass
-class RunConfig:
-    """One training run (the CLI's flags, and what ``summary.json`` records)."""
-
-    algo: str = "ssgd"
-    options: dict[str, Any] = field(default_factory=dict)  # method options: compressor=, threshold=, ...
-    label: str = ""
-    dataset: str = "digits"
-    data_dir: str | None = None
-    download: bool = False        # fetch missing dataset files (off: no surprise network traffic)
-    model: str = "mlp"
-    epochs: int = 20
-    batch_size: int = 32          # per worker; the global batch is batch_size * workers
-    lr: float = 0.1
-    momentum: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    seed: int = 0
-    trace: bool = False           # record a timeline (gradzip.trace) of every step
-    eval_on: str = "auto"         # "local" model, the workers' "average", or "auto" (average where they differ)
-    nonfinite: str = "raise"      # a NaN/Inf gradient: "raise", "skip" the step on every worker, or "off"
-    checkpoint_dir: str | None = None   # write checkpoints here (per rank, atomically)
-    checkpoint_every: int = 0     # steps between checkpoints; 0: at the end of every epoch
-    resume: bool = False          # continue from the newest checkpoint in checkpoint_dir, if any
-    progress: bool = True
-
-    @property
-    def name(self) -> str:
-        return self.label or self.algo
-
-
-def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOptimizer:
-    """The method named ``cfg.algo`` with the common hyper-parameters and its own options;
-    an option the method does not take is an error that names the method's options."""
-    cls = method_class(cfg.algo)
-    accepted = set(optim.method_options(cls))
-    unknown = sorted(set(cfg.options) - accepted)
-    if unknown:
-        raise GradzipError(
-            f"method {cfg.algo!r} takes no option {', '.join(unknown)}; its options: "
-            f"{', '.join(sorted(accepted)) or 'none'}"
-        )
-    return cls(params, lr=cfg.lr, comm=comm, momentum=cfg.momentum, nesterov=cfg.nesterov,
-               weight_decay=cfg.weight_decay, seed=cfg.seed, nonfinite=cfg.nonfinite, **cfg.options)
-
-
-#: RunConfig fields that do not change a run's numbers: they may differ between workers and
-#: between a run and its resumption (a resumed run may also train for more epochs).
-_FREE_FIELDS = ("label", "data_dir", "download", "trace", "progress", "checkpoint_dir", "checkpoint_every", "resume")
-
-
-def trajectory_fields(cfg: RunConfig) -> dict[str, Any]:
-    """The settings that determine a run's numbers (compared across workers and against a
-    checkpoint)."""
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _FREE_FIELDS}
-
-
-def collective_fields(cfg: RunConfig) -> dict[str, Any]:
-    """Settings free to change between a run and its resumption that still change the
-    sequence of collectives (checkpoint saves and their barriers, the resume agreement):
-    every worker must have the same."""
-    return {"checkpoint_dir given": bool(cfg.checkpoint_dir), "checkpoint_every": cfg.checkpoint_every,
-            "resume": cfg.resume}
-
-
-#: Seeds are integers in [0, SEED_LIMIT) (the per-rank seeds derived from them fit torch's generators).
-SEED_LIMIT = 2 ** 32
+from .config import FREE_FIELDS, SEED_LIMIT, RunConfig, collective_fields, make_optimizer, trajectory_fields
+from .evaluation import evaluate_shared, evaluation_model
 
 
 PHASES = ("compute", "compress", "communicate", "wait", "update")
@@ -390,7 +321,7 @@ def _check_resumable(job: _Job, saved: dict[str, Any], step: int) -> None:
     cfg = job.cfg
     now = {**{k: v for k, v in trajectory_fields(cfg).items() if k != "options"}, **job.settings}
     then = {**{k: v for k, v in saved["config"].items() if k != "options"}, **saved["settings"]}
-    for name in sorted((set(now) | set(then)) - set(_FREE_FIELDS)):
+    for name in sorted((set(now) | set(then)) - set(FREE_FIELDS)):
         if name != "epochs" and then.get(name) != now.get(name):
             raise GradzipError(
                 f"cannot resume from {cfg.checkpoint_dir}: it was written with {name}="

@@ -1,0 +1,94 @@
+"""The package's structure (docs/architecture.md): imports at module level only and pointing
+one way (no cycle), and ``import gradzip`` light (no plotting, no scikit-learn, nothing that
+torch itself does not already import)."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import gradzip
+
+PACKAGE = Path(gradzip.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its ``__init__``)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imported(name: str, path: Path, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The gradzip modules an import statement of module ``name`` names."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "gradzip"]
+    if node.level:
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+    else:
+        base = node.module or ""
+    if base.split(".")[0] != "gradzip":
+        return []
+    # "from X import y": y is a module of its own when it is one, else an attribute of X
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+
+
+def _imports(name: str, path: Path) -> tuple[set[str], list[str]]:
+    """(modules imported anywhere in the module, ``file:line`` of imports inside functions)."""
+    tree = ast.parse(path.read_text(), str(path))
+    top, nested = set(), []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                targets = _imported(name, path, child)
+                if targets and in_function:
+                    nested.append(f"{path.relative_to(PACKAGE.parent)}:{child.lineno}")
+                top.update(targets)
+            visit(child, inside)
+
+    visit(tree, False)
+    return top, nested
+
+
+def test_no_function_level_import_of_a_gradzip_module():
+    nested = [where for name, path in MODULES.items() for where in _imports(name, path)[1]]
+    assert nested == [], f"imports of gradzip modules inside functions (move them to the top): {nested}"
+
+
+def test_the_imports_have_no_cycle():
+    graph = {name: {m for m in _imports(name, path)[0] if m != name} for name, path in MODULES.items()}
+    assert graph["gradzip"] >= {"gradzip.optim", "gradzip.compressors"}  # the walk sees imports
+    done: set[str] = set()
+
+    def walk(name: str, stack: list[str]) -> None:
+        if name in stack:
+            cycle = stack[stack.index(name):] + [name]
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+        if name in done:
+            return
+        for dep in sorted(graph.get(name, ())):
+            walk(dep, stack + [name])
+        done.add(name)
+
+    for name in graph:
+        walk(name, [])
+
+
+def test_importing_gradzip_pulls_in_no_plotting_no_sklearn_and_nothing_torch_does_not():
+    code = ("import sys, torch; before = set(sys.modules); import gradzip, gradzip.cli; "
+            "print(sorted({m.split('.')[0] for m in set(sys.modules) - before}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    added = eval(out.stdout)  # a printed list of names
+    assert not {"matplotlib", "sklearn", "scipy", "tqdm"} & set(added), added
+    assert "gradzip" in added
