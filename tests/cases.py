@@ -237,7 +237,7 @@ def resume_runs(comm, root: str, methods=tuple(RESUME_RUNS), epochs: int = 2):
     run interrupted after :data:`INTERRUPT_AFTER` steps then resumed in
     ``root/<m>-resumed``; their histories and the resumed run's ``resumed_from_step``."""
     from gradzip.train.config import RunConfig
-from gradzip.train.loop import run_worker
+    from gradzip.train.loop import run_worker
 
     out = {}
     for name in methods:
@@ -334,7 +334,7 @@ def repeat_runs(comm, root: str, tag: str, methods=("efsgd", "cdsgd", "powersgd"
     """One 1-epoch run per method, checkpoint at the end in ``root/<tag>-<method>``; the
     histories."""
     from gradzip.train.config import RunConfig
-from gradzip.train.loop import run_worker
+    from gradzip.train.loop import run_worker
 
     return {m: run_worker(comm, RunConfig(algo=m, options=RESUME_RUNS[m], epochs=1, progress=False, momentum=0.5,
                                           checkpoint_dir=f"{root}/{tag}-{m}"))["history"] for m in methods}

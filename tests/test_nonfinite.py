@@ -81,7 +81,7 @@ def test_bad_policy_is_refused():
 def test_cli_skip_counts_skipped_steps():
     # every gradient finite: nothing skipped, and the summary says so
     from gradzip.train.config import RunConfig
-from gradzip.train.loop import run_worker
+    from gradzip.train.loop import run_worker
 
     cfg = RunConfig(epochs=1, progress=False, nonfinite="skip")
     out = gradzip.simulate(2, lambda c: run_worker(c, cfg))[0]
