@@ -1,4 +1,4 @@
-"""``qsgd``: QSGD with ``s`` levels (Alistarh et al.; spec, "Compressors").
+"""``qsgd``: QSGD with ``s`` levels (Alistarh et al.; docs/algorithms.md §codec: qsgd).
 
 ``C(v)_j = ‖v‖₂ · sign(v_j) · ξ_j / s`` where ``ξ_j`` rounds ``s·|v_j|/‖v‖₂`` down or up at
 random with the probabilities that make it unbiased (``ξ = floor(r + u)``, u uniform in

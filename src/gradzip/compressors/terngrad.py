@@ -1,4 +1,4 @@
-"""``terngrad``: TernGrad (Wen et al.; spec, "Compressors").
+"""``terngrad``: TernGrad (Wen et al.; docs/algorithms.md §codec: terngrad).
 
 ``C(v) = s·sign(v)∘b`` with ``s = max|v|`` per tensor and ``b_j ~ Bernoulli(|v_j|/s)``
 drawn from a generator seeded with ``seed``; unbiased, ``E[C(v)] = v``. Wire: ternary codes
