@@ -6,9 +6,9 @@ import math
 import numpy as np
 import torch
 
-from gradzip import seeds, specs
-from gradzip.errors import GradzipError
-from gradzip.validation import is_int
+from ... import seeds, specs
+from ...errors import GradzipError
+from ...validation import is_int
 
 from .base import Dataset, normalize
 
