@@ -78,6 +78,9 @@ class Compressor:
     name: ClassVar[str] = ""
     #: Random choices must be identical on every worker (same step, same tensor).
     shared_randomness: ClassVar[bool] = False
+    #: ``E[C(v)] = v``: error feedback would only add the codec's variance to the next step,
+    #: so the DDP hook leaves it off by default and refuses it. ``randomk`` makes it a field.
+    unbiased: ClassVar[bool] = False
 
     # -- the codec -------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:

@@ -22,6 +22,7 @@ from .registry import register
 @dataclass(frozen=True)
 class QSGD(Compressor):
     name = "qsgd"
+    unbiased = True
     levels: int = 16
 
     def __post_init__(self):

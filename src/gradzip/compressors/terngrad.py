@@ -22,6 +22,7 @@ _SIGNS = (0.0, 0.0, -1.0, 1.0)
 @dataclass(frozen=True)
 class TernGrad(Compressor):
     name = "terngrad"
+    unbiased = True
 
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
         v = as_float32(tensor.detach())
