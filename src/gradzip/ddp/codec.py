@@ -3,7 +3,7 @@ hook"). Per parameter tensor ``i`` of each bucket::
 
     v_i = g_i + e_i;   g_i ← aggregate_j C(v_j);   e_i ← v_i − C(v_i)
 
-PSync (docs/algorithms.md, "Notation") with the residual kept as error memory: EF-SGD on
+PSync (docs/algorithms.md §PSync) with the residual kept as error memory: EF-SGD on
 the raw gradient; the optimizer after DDP applies learning rate, momentum and weight decay.
 """
 
