@@ -111,7 +111,24 @@ class _BasicBlock(nn.Module):
         return torch.relu(out + self.shortcut(x))
 
 
-class ResNet(nn.Module):
+class _ResNetBase(nn.Module):
+    """What both ResNets share: stem -> stages -> global average pooling -> linear head,
+    with Kaiming-normal convolutions."""
+
+    def _finish(self, stages: list, channels: int, num_classes: int) -> None:
+        """Set the stages and the head (after the stem), then initialise the convolutions."""
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Linear(channels, num_classes))
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)))
+
+
+class ResNet(_ResNetBase):
     """CIFAR-style ResNet (depth 6n+2): a 3x3 stem, three stages of n basic blocks."""
 
     def __init__(self, input_shape: tuple, num_classes: int, depth: int = 20,
@@ -127,18 +144,10 @@ class ResNet(nn.Module):
                 stride = 2 if (i > 0 and j == 0) else 1
                 stages.append(_BasicBlock(cin, cout, stride, norm))
                 cin = cout
-        self.stages = nn.Sequential(*stages)
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                                  nn.Linear(cin, num_classes))
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.stages(self.stem(x)))
+        self._finish(stages, cin, num_classes)
 
 
-class ResNet18(nn.Module):
+class ResNet18(_ResNetBase):
     """ResNet-18, CIFAR variant: a 3x3 stem (no max-pool), four stages of two basic blocks
     (``width``, 2, 4, 8 × ``width`` channels; strides 1, 2, 2, 2), global average pooling."""
 
@@ -152,14 +161,7 @@ class ResNet18(nn.Module):
             for j in range(2):
                 stages.append(_BasicBlock(cin, width * mult, 2 if (i > 0 and j == 0) else 1, norm))
                 cin = width * mult
-        self.stages = nn.Sequential(*stages)
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes))
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.stages(self.stem(x)))
+        self._finish(stages, cin, num_classes)
 
 
 def mlp_width_for(params: int, features: int, num_classes: int) -> int:
@@ -235,8 +237,7 @@ def register(name: str, **options: str):
         @register("wide", width="1024")
         def _wide(opts, shape, num_classes): ...
     """
-    if not isinstance(name, str) or not name.strip() or name != name.strip().lower() \
-            or ":" in name or "," in name:
+    if not specs.is_name(name):
         raise GradzipError(f"model name must be a lower-case name without ':' or ',', got "
                            f"{name!r}; register it as e.g. 'mymodel'.")
     if name in _REGISTRY:

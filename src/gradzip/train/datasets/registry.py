@@ -43,8 +43,7 @@ def register(name: str, *, files: bool = False, options: bool = False,
         def _tiny(options): ...
     """
     for key in (name, *aliases):
-        if not isinstance(key, str) or not key.strip() or key != key.strip().lower() \
-                or ":" in key or "," in key:
+        if not specs.is_name(key):
             raise GradzipError(f"dataset name must be a lower-case name without ':' or ',', "
                                f"got {key!r}; register it as e.g. 'mydata'.")
         if key in _REGISTRY or key in _ALIASES:
