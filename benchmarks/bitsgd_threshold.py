@@ -1,7 +1,7 @@
 """Choose the 2-bit threshold for mean gradients: BIT-SGD accuracy across thresholds.
 
 MXNet compares its threshold (0.5) with batch-*summed* gradients; gradzip quantizes mean
-gradients (spec, "2-bit threshold quantization"), so its default must be chosen for that
+gradients (docs/algorithms.md §codec: 2bit), so its default must be chosen for that
 scale. This sweep trains BIT-SGD at several thresholds next to S-SGD on the same task and
 prints a markdown table (and writes it into docs/benchmarks.md with --write).
 

@@ -1,6 +1,6 @@
 """CD-SGD's free choices, measured: warm-up length and the local learning rate.
 
-The spec leaves ``local_lr`` free (default lr / n) and the authors warm up with S-SGD.
+docs/algorithms.md §OD-SGD leaves ``local_lr`` free (default lr / n) and the authors warm up with S-SGD.
 This runs, on mnist-5k / LeNet with 4 workers (threads), S-SGD and CD-SGD (k = 5) with
 warm-up 0 or 60 steps and local_lr ∈ {lr/n, lr, 0}, plus OD-SGD, over seeds.
 

@@ -97,7 +97,7 @@ def markdown(results: dict[tuple[int, int], list[dict]], command: str, device: t
         "bytes / median(compress + decompress); × clone = codec throughput / clone throughput;",
         "wire / fp32 = measured `packet.nbytes` / input bytes. `none` does no work (its wire is",
         "the input itself), so its row only measures call overhead; `powersgd` sends 1-D tensors "
-        "dense (spec: vectors go dense), so on this flat input it measures only its pass-through. "
+        "dense (algorithms.md §codec: powersgd), so on this flat input it measures only its pass-through. "
         "With several threads on a",
         "machine that other jobs oversubscribe, every parallel torch op can wait for a",
         "descheduled thread (clone's time at 1M elements shows one such wait), so those times",

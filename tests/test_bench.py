@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -348,3 +349,23 @@ def test_topology_cleans_up_on_sigint_when_started_with_sigint_ignored():
             proc.kill()
             proc.wait()
         netns.remove_stale()
+
+
+def test_remove_stale_deletes_namespaces_of_zombie_owners(monkeypatch):
+    """A run killed but not yet reaped (a zombie) owns stale namespaces too: remove_stale()
+    deletes them (it shares comm.liveness.process_gone); a live owner's are kept."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 120   # a hang guard: wait for the child to exit
+        while not os.path.exists(f"/proc/{child.pid}/stat") or \
+                open(f"/proc/{child.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child never became a zombie"
+            time.sleep(0.05)
+        zombie, live = f"{netns.PREFIX}{child.pid}xabc", f"{netns.PREFIX}{os.getpid()}xdef"
+        deleted = []
+        monkeypatch.setattr(netns, "list_namespaces", lambda: [zombie, live])
+        monkeypatch.setattr(netns.subprocess, "run", lambda cmd, **kw: deleted.append(cmd))
+        assert netns.remove_stale() == [zombie]
+        assert deleted == [["ip", "netns", "delete", zombie]]
+    finally:
+        child.wait()

@@ -1,8 +1,13 @@
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
 import gradzip
-from gradzip.comm import PeerFailure, allgather_wire_bytes, allreduce_wire_bytes, make_group
+from gradzip.comm import PeerFailure, liveness, allgather_wire_bytes, allreduce_wire_bytes, make_group
 from gradzip.errors import GradzipError
 from gradzip.launch import WorkerError, run_processes
 
@@ -104,3 +109,16 @@ def test_gloo_collectives_match_direct_computation():
 def test_gloo_worker_error_is_reraised_with_rank():
     with pytest.raises(WorkerError, match="worker rank 1 failed"):
         run_processes(2, cases.fail_on_rank, 1)
+
+
+def test_process_gone_counts_ended_and_zombie_processes():
+    """``comm.liveness.process_gone``: this process is alive; a child that exited and was
+    not reaped (a zombie) is gone, and so is it once reaped."""
+    assert liveness.process_gone(os.getpid()) is False
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 120   # a hang guard, not a timing assertion
+    while not liveness.process_gone(child.pid):
+        assert time.monotonic() < deadline, "the child never became a zombie"
+        time.sleep(0.05)
+    child.wait()
+    assert liveness.process_gone(child.pid) is True

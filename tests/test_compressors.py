@@ -660,3 +660,15 @@ def test_cuda_agrees_with_cpu(spec):
     if c.name not in ("qsgd", "terngrad"):  # private randomness differs between device generators
         torch.testing.assert_close(out.cpu(), c.decompress(pc), rtol=1e-5, atol=1e-6)
     assert c.aggregate([pg, pg]).device.type == "cuda"
+
+
+def test_unbiased_is_a_property_of_the_codec():
+    """``Compressor.unbiased`` (``E[C(v)] = v``): qsgd, terngrad and randomk with
+    ``unbiased=true``; a class attribute, not a spec parameter, except randomk's field."""
+    for name in names():
+        assert build(name).unbiased is (name in ("qsgd", "terngrad")), name
+    assert build("randomk:ratio=0.1,unbiased=true").unbiased is True
+    assert build("randomk:ratio=0.1").unbiased is False
+    assert build("qsgd").spec == "qsgd:levels=16"
+    with pytest.raises(GradzipError, match="no parameter 'unbiased'"):
+        build("qsgd:unbiased=false")

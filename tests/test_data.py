@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from gradzip.errors import GradzipError
 from datafiles import idx_bytes, mnist_arrays, mnist_file_bytes, write_files
 from gradzip.train import datasets as data
-from gradzip.train.datasets import generated
+from gradzip.train.datasets import generated, registry
 
 MNIST_5K = Path(__file__).parents[2] / "shared/data/mnist-5k"
 MNIST_NAMES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
@@ -510,3 +510,39 @@ def test_load_takes_no_run_seed():
     """``load(seed=)`` was accepted and ignored: a seed that changes nothing is refused."""
     with pytest.raises(TypeError):
         data.load("digits", seed=123)
+
+
+def test_register_adds_a_loadable_dataset(tmp_path):
+    """``datasets.register`` is public, like ``compressors.register``: a registered loader is
+    listed and loaded (with its options, or from its data directory), aliases resolve, and
+    a name is refused twice."""
+    tiny = data.Dataset("tiny", torch.zeros(4, 2), torch.tensor([0, 1, 0, 1]),
+                        torch.zeros(2, 2), torch.tensor([0, 1]), 2)
+    got = []
+
+    @data.register("tinytest", options=True, aliases=("tiny_test",))
+    def _tiny(options):
+        got.append([(o.key, o.value) for o in options])
+        return tiny
+
+    @data.register("tinyfiles", files=True)
+    def _files(root, download):
+        got.append((root, download))
+        return tiny
+
+    try:
+        assert {"tinytest", "tinyfiles"} <= set(data.names())
+        assert data.load("tiny_test:n=3") is tiny
+        assert data.load("tinyfiles", tmp_path, download=False) is tiny
+        assert got[0] == [("n", "3")]
+        assert Path(got[1][0]) == tmp_path and got[1][1] is False
+        with pytest.raises(GradzipError, match="registered twice"):
+            data.register("tinytest")(_tiny)
+        with pytest.raises(GradzipError, match="registered twice"):
+            data.register("other", aliases=("tiny_test",))
+        with pytest.raises(GradzipError, match="lower-case name"):
+            data.register("Tiny")
+    finally:
+        for name in ("tinytest", "tinyfiles"):
+            registry._REGISTRY.pop(name, None)
+        registry._ALIASES.pop("tiny_test", None)

@@ -6,6 +6,7 @@ generic hook with ``none`` is DDP's default allreduce (also under ``no_sync()``
 accumulation), every codec runs through it, and a checkpoint restored into a new DDP
 instance continues identically (while losing the hook state does not).
 """
+import dataclasses
 import pickle
 
 import pytest
@@ -13,6 +14,8 @@ import torch
 
 import cases_ddp
 import gradzip.ddp
+from gradzip.compressors.qsgd import QSGD
+from gradzip.compressors.sparsify import TopK
 from gradzip.errors import GradzipError
 from gradzip.launch import run_processes
 
@@ -183,3 +186,19 @@ def test_hook_refuses_single_round_powersgd_and_ef_with_unbiased_codecs():
     assert gradzip.ddp.hook("topk:ratio=0.1", error_feedback=False).error_feedback is False
     with pytest.raises(GradzipError, match="nonfinite"):
         gradzip.ddp.hook("topk:ratio=0.1", nonfinite="ignore")
+
+
+def test_hook_error_feedback_default_reads_the_codec_property():
+    """The hook's default follows ``Compressor.unbiased``, not a list of codec names."""
+    @dataclasses.dataclass(frozen=True)
+    class BiasedQSGD(QSGD):
+        unbiased = False
+
+    @dataclasses.dataclass(frozen=True)
+    class UnbiasedTopK(TopK):
+        unbiased = True
+
+    assert gradzip.ddp.hook(BiasedQSGD()).error_feedback is True
+    assert gradzip.ddp.hook(UnbiasedTopK(ratio=0.1)).error_feedback is False
+    with pytest.raises(GradzipError, match="unbiased"):
+        gradzip.ddp.hook(UnbiasedTopK(ratio=0.1), error_feedback=True)

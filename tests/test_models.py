@@ -101,3 +101,29 @@ def test_unknown_model_lists_names():
 def test_bad_arguments(name, shape, classes, match):
     with pytest.raises(GradzipError, match=match):
         models.build(name, shape, classes)
+
+
+def test_register_adds_a_buildable_model():
+    """``models.register`` is public, like ``compressors.register``: a registered builder is
+    listed, built with its default and given options, and a name is refused twice."""
+    seen = []
+
+    @models.register("widthtest", width="3")
+    def _make(opts, shape, num_classes):
+        seen.append(opts)
+        return models.MLP(shape[0], (int(opts["width"]),), num_classes)
+
+    try:
+        assert "widthtest" in models.names()
+        assert models.build("widthtest", (5,), 2)[1].out_features == 3
+        assert models.build("WidthTest:width=7", (5,), 2)[1].out_features == 7
+        assert seen == [{"width": "3"}, {"width": "7"}]
+        with pytest.raises(GradzipError, match="bad option 'depth=2' for model 'widthtest'"):
+            models.build("widthtest:depth=2", (5,), 2)
+        with pytest.raises(GradzipError, match="registered twice"):
+            models.register("widthtest")(_make)
+        with pytest.raises(GradzipError, match="lower-case name"):
+            models.register("Bad:name")
+    finally:
+        models._REGISTRY.pop("widthtest", None)
+    assert "widthtest" not in models.names()

@@ -1,7 +1,8 @@
 """gradzip: communication-efficient distributed data-parallel training for PyTorch.
 
 ``gradzip.compressors.build("topk:ratio=0.01")``, ``gradzip.optim.EFSGD(...)``,
-``gradzip.simulate(n, fn)``; see DESIGN.md for the architecture.
+``gradzip.simulate(n, fn)``; see docs/architecture.md for the architecture and
+docs/algorithms.md for the algorithms.
 """
 from .version import __version__
 from . import comm, compressors, exchange, optim

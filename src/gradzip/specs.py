@@ -33,6 +33,13 @@ class Option:
     has_value: bool
 
 
+def is_name(name: object) -> bool:
+    """Whether ``name`` can be registered: a non-empty lower-case string, stripped, without
+    ``:`` or ``,`` (what :func:`split` gives back for it)."""
+    return (isinstance(name, str) and bool(name) and name == name.strip().lower()
+            and ":" not in name and "," not in name)
+
+
 def split(spec: str) -> tuple[str, str, list[Option]]:
     """``(name, options_text, options)`` of a spec string: ``name`` stripped and
     lower-cased, the text after the first ``:`` as given, and its non-empty

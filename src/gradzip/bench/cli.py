@@ -101,15 +101,19 @@ def net_bench(args) -> emulated.NetBench:
                              check_mb=args.check_mb, out=args.out)
 
 
+def _read_net_results(path: Path, flag: str) -> dict[str, Any]:
+    """A ``results.json`` written by ``gradzip bench net``, given as ``flag``."""
+    if not path.exists():
+        raise GradzipError(f"{flag} {path}: no such file; run `gradzip bench net` first")
+    return json.loads(path.read_text())
+
+
 def run_net(args, command: str) -> dict[str, Any]:
     """``bench net``: run (or, with ``--from``, read) the emulated-network records, print
     their tables; the results dict (``command`` is the one recorded in it)."""
     if args.from_results:
-        path = Path(args.from_results)
-        if not path.exists():
-            raise GradzipError(f"--from {path}: no such file; run `gradzip bench net` first")
-        result = json.loads(path.read_text())
-        out = path
+        out = Path(args.from_results)
+        result = _read_net_results(out, "--from")
     else:
         bench = net_bench(args)
         result = bench.run(command=command)
@@ -190,10 +194,7 @@ def run_model(args, command: str) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     result: dict[str, Any] = {"command": command}
     if args.measured:
-        path = Path(args.measured)
-        if not path.exists():
-            raise GradzipError(f"--measured {path}: no such file; run `gradzip bench net` first")
-        measured = json.loads(path.read_text())
+        measured = _read_net_results(Path(args.measured), "--measured")
         alpha = (100.0 if args.alpha_us is None else args.alpha_us) * 1e-6
         rows = timeline.validate(measured, alpha, args.host_gbit * 1e9 / 8 if args.host_gbit else None)
         result["validation"] = rows

@@ -32,6 +32,7 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 
+from ..comm.liveness import process_gone
 from ..errors import GradzipError
 from ..validation import is_int
 
@@ -74,25 +75,15 @@ def list_namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale() -> list[str]:
-    """Delete the namespaces of emulator runs whose process no longer exists (a run killed
-    with SIGKILL cannot clean up after itself); returns their names."""
+    """Delete the namespaces of emulator runs whose process no longer exists or is a zombie
+    (a run killed with SIGKILL cannot clean up after itself); returns their names."""
     removed = []
     for name in list_namespaces():
         if not name.startswith(PREFIX) or "x" not in name:
             continue
         pid = name[len(PREFIX):].split("x", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and process_gone(int(pid)):
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
             removed.append(name)
     return removed

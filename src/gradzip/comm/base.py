@@ -1,4 +1,4 @@
-"""The communication interface every method talks to (DESIGN.md, "comm").
+"""The communication interface every method talks to (docs/architecture.md, "Layers").
 
 A :class:`Group` is one worker's handle on a set of ``world_size`` workers. Collectives
 take a tensor and return a :class:`Work` when ``async_op=True`` (``work.wait()`` gives the

@@ -96,7 +96,9 @@ def _host_key() -> str | None:
     return f"{socket.gethostname()}/{boot}/{ns}"
 
 
-def _process_gone(pid: int) -> bool:
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` on this host has ended: it does not exist, or it is a zombie
+    (killed, not yet reaped by its parent). A process of another user counts as alive."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -252,7 +254,7 @@ class Heartbeat:
         while True:
             # pids first: a peer announces its failure before it exits, so a peer found gone
             # here without an announcement below died without a word
-            gone = [r for r in peers if self._local(r) and _process_gone(self.infos[r]["pid"])]
+            gone = [r for r in peers if self._local(r) and process_gone(self.infos[r]["pid"])]
             if 0 in gone and _store_on_rank0():
                 store_error = self.store_error = "its host, rank 0, is gone"  # no use asking it
             if store_error is None:

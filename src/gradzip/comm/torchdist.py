@@ -82,22 +82,25 @@ class TorchGroup(Group):
         try:
             handle = launch()
         except RuntimeError as exc:
-            failure = self._translate(kind, seq, exc)
-            if failure is None:
-                raise
-            raise failure from exc
+            self._raise_translated(kind, seq, exc)
+            raise
 
         def wait():
             try:
                 handle.wait()
             except RuntimeError as exc:
-                failure = self._translate(kind, seq, exc)
-                if failure is None:
-                    raise
-                raise failure from exc
+                self._raise_translated(kind, seq, exc)
+                raise
             return result()
 
         return Work(wait, nbytes)
+
+    def _raise_translated(self, kind: str, seq: int, exc: RuntimeError) -> None:
+        """Raise :meth:`_translate`'s :class:`PeerFailure` from ``exc``; return when there is
+        none (the caller then re-raises ``exc`` as it is)."""
+        failure = self._translate(kind, seq, exc)
+        if failure is not None:
+            raise failure from exc
 
     def _translate(self, kind: str, seq: int, exc: RuntimeError) -> PeerFailure | None:
         """The :class:`PeerFailure` for a failed collective; None if ``exc`` is not a

@@ -1,4 +1,4 @@
-"""Gradient codecs (spec, "Compressors"). ``build("topk:ratio=0.01")``, ``names()``.
+"""Gradient codecs (docs/algorithms.md, "Codecs"). ``build("topk:ratio=0.01")``, ``names()``.
 
 Adding a codec: one module with a ``@register``-ed :class:`Compressor` subclass, and one
 import line below.

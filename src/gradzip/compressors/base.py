@@ -1,6 +1,6 @@
 """The codec protocol: ``compress(tensor) -> Packet``, ``decompress(packet) -> tensor``.
 
-A codec is stateless (spec, "Compressors"): error memory belongs to the methods, so the
+A codec is stateless (docs/algorithms.md, "Codecs"): error memory belongs to the methods, so the
 same codec object can serve every tensor, worker and step. Randomness comes from an
 explicit ``seed`` argument, never from global RNG state, so runs are reproducible and
 resumable. Codecs whose random choices must agree on every worker (random-k, random
@@ -65,7 +65,8 @@ class Packet:
 
 
 def keep_count(ratio: float, numel: int) -> int:
-    """``k = max(1, ceil(ratio * d))`` in float64 (spec, "Notation": float32 rounds differently)."""
+    """``k = max(1, ceil(ratio * d))`` in float64 (float32 rounds differently; docs/algorithms.md
+    §Layer-wise compression and k)."""
     return max(1, math.ceil(float(ratio) * numel))
 
 
@@ -77,6 +78,9 @@ class Compressor:
     name: ClassVar[str] = ""
     #: Random choices must be identical on every worker (same step, same tensor).
     shared_randomness: ClassVar[bool] = False
+    #: ``E[C(v)] = v``: error feedback would only add the codec's variance to the next step,
+    #: so the DDP hook leaves it off by default and refuses it. ``randomk`` makes it a field.
+    unbiased: ClassVar[bool] = False
 
     # -- the codec -------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
@@ -114,7 +118,7 @@ class Compressor:
 
     # -- description -----------------------------------------------------------------
     def wire_nbytes(self, shape: Sequence[int]) -> int:
-        """Expected wire bytes for a float32 tensor of this shape (the spec's formula)."""
+        """Expected wire bytes for a float32 tensor of this shape (docs/algorithms.md, the "Codecs" table)."""
         return self.compress(torch.zeros(tuple(shape))).nbytes
 
     @property

@@ -1,7 +1,7 @@
 """``dgc``: Deep Gradient Compression's top-k by a sampled threshold (Lin et al., ICLR 2018).
 
-``dgc:ratio=ρ,sample_ratio=s`` (defaults ρ = 0.001, s = 0.01; spec, "Compressors" and
-"Methods: DGC"). Instead of an exact ``torch.topk`` over the whole tensor, the threshold is
+``dgc:ratio=ρ,sample_ratio=s`` (defaults ρ = 0.001, s = 0.01; docs/algorithms.md
+§codec: dgc and §DGC). Instead of an exact ``torch.topk`` over the whole tensor, the threshold is
 read off a strided sample (stride ``⌈1/s⌉``, random start), then refined until the
 number of entries at or above it lands in ``[0.8k, 1.3k]`` (``k = max(1, ⌈ρd⌉)``), as the
 reference code (synxlin/deep-gradient-compression) does with its ``compress_lower_bound``
@@ -19,7 +19,7 @@ small to sample (fewer than :data:`MIN_SAMPLE` sampled entries, or ``k > d/4``),
 top-k is used instead. So the selection always holds between ``0.8k`` and ``1.3k`` entries
 before the codec trims it to ``k``.
 
-Wire: exactly ``k`` float values + ``k`` int32 indices (``8k`` bytes, the spec's size,
+Wire: exactly ``k`` float values + ``k`` int32 indices (``8k`` bytes, as ``topk``,
 the same on every worker so packets go through allgather without a size exchange). When
 more than ``k`` entries pass, the ``k`` largest of those candidates are kept (an exact
 top-k over at most ``1.3k`` values, as the reference does); when fewer pass, the slots

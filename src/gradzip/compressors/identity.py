@@ -1,8 +1,9 @@
-"""``none``, ``fp16``, ``bf16``: send the tensor as it is, or cast to 16 bits (spec,
-"Compressors": identity, 4d bytes; cast, 2d bytes; all three sum in compressed form).
+"""``none``, ``fp16``, ``bf16``: send the tensor as it is, or cast to 16 bits
+(docs/algorithms.md §codec: none, fp16, bf16: identity, 4d bytes; cast, 2d bytes; all
+three sum in compressed form).
 
 Casting packets sum in their 16-bit dtype after dividing by ``n`` first, so the sum of n
-workers cannot overflow where each term fits (spec: "divide by n before summing");
+workers cannot overflow where each term fits;
 ``from_sum`` then already holds the mean. ``none`` sums in the tensor's own dtype and
 divides after the sum (``sum_dtype(n, dtype)`` is that dtype), as an uncompressed
 allreduce does.

@@ -1,4 +1,4 @@
-"""``1bit``: Seide et al.'s 1-bit quantization (spec, "Compressors").
+"""``1bit``: Seide et al.'s 1-bit quantization (docs/algorithms.md §codec: 1bit).
 
 Matrix view ``tensor.reshape(shape[0], -1)`` (a 0-d or 1-d tensor is a single column of
 ``d`` entries). Per column: bit = (v >= 0); the two reconstruction values are the mean of

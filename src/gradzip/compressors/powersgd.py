@@ -1,7 +1,7 @@
-"""``powersgd``: low-rank gradient compression (Vogels et al., NeurIPS 2019), the one-round codec,
-and the linear algebra that the ``PowerSGD`` method and the DDP hook share.
+"""``powersgd``: low-rank gradient compression (Vogels et al., NeurIPS 2019), the one-round codec
+(docs/algorithms.md §codec: powersgd), and the linear algebra that the ``PowerSGD`` method and the DDP hook share.
 
-The full PowerSGD algorithm (spec, "Methods: PowerSGD") is stateful (a warm-started
+The full PowerSGD algorithm (docs/algorithms.md §PowerSGD) is stateful (a warm-started
 ``Q`` per matrix, error feedback) and needs two allreduce rounds (``P = mean_j M_j Q``,
 then ``Q = mean_j M_jᵀ P̂``). The single ``compress`` / ``decompress`` interface of a codec
 cannot express that, so the two-round algorithm lives in

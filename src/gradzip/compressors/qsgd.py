@@ -1,4 +1,4 @@
-"""``qsgd``: QSGD with ``s`` levels (Alistarh et al.; spec, "Compressors").
+"""``qsgd``: QSGD with ``s`` levels (Alistarh et al.; docs/algorithms.md §codec: qsgd).
 
 ``C(v)_j = ‖v‖₂ · sign(v_j) · ξ_j / s`` where ``ξ_j`` rounds ``s·|v_j|/‖v‖₂`` down or up at
 random with the probabilities that make it unbiased (``ξ = floor(r + u)``, u uniform in
@@ -22,6 +22,7 @@ from .registry import register
 @dataclass(frozen=True)
 class QSGD(Compressor):
     name = "qsgd"
+    unbiased = True
     levels: int = 16
 
     def __post_init__(self):

@@ -1,10 +1,10 @@
-"""``sign`` (signSGD with majority vote) and ``scaled_sign`` (EF-signSGD) (spec,
-"Compressors").
+"""``sign`` (signSGD with majority vote) and ``scaled_sign`` (EF-signSGD)
+(docs/algorithms.md §codec: sign, scaled_sign).
 
 Both send one bit per entry, ``v >= 0`` -> 1, packed MSB-first (``ceil(d/8)`` bytes); one
 bit cannot say 0, so sign(0) is +1 here. ``sign`` decodes to ±1 and aggregates by majority
 vote ``sign(Σ_j sign_j)`` (ties -> 0); as int8 ±1 its packets also sum exactly through an
-allreduce for n <= 127, which the exchange picks from 8 workers on (as for ``2bit``).
+allreduce for n <= 127, which the exchange picks from 16 workers on (``2bit``: from 8).
 ``scaled_sign`` decodes to ``(‖v‖₁/d)·sign(v)`` with the scale sent as float32 (4 more
 bytes); its aggregate is the plain mean and it does not sum.
 """

@@ -1,4 +1,5 @@
-"""Sparsifiers: ``topk``, ``randomk``, ``randblock`` (spec, "Compressors").
+"""Sparsifiers: ``topk``, ``randomk``, ``randblock`` (docs/algorithms.md §codec: topk,
+§codec: randomk, §codec: randblock).
 
 * ``topk:ratio=ρ``: the ``k = max(1, ceil(ρd))`` entries of largest magnitude; wire = values
   (the tensor's dtype) + int32 indices, ``8k`` bytes for float32. Does not sum (every

@@ -1,4 +1,4 @@
-"""``terngrad``: TernGrad (Wen et al.; spec, "Compressors").
+"""``terngrad``: TernGrad (Wen et al.; docs/algorithms.md §codec: terngrad).
 
 ``C(v) = s·sign(v)∘b`` with ``s = max|v|`` per tensor and ``b_j ~ Bernoulli(|v_j|/s)``
 drawn from a generator seeded with ``seed``; unbiased, ``E[C(v)] = v``. Wire: ternary codes
@@ -22,6 +22,7 @@ _SIGNS = (0.0, 0.0, -1.0, 1.0)
 @dataclass(frozen=True)
 class TernGrad(Compressor):
     name = "terngrad"
+    unbiased = True
 
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
         v = as_float32(tensor.detach())

@@ -1,5 +1,5 @@
-"""``2bit``: MXNet's 2-bit threshold quantization, stateless (spec, "Compressors", the
-2-bit paragraph).
+"""``2bit``: MXNet's 2-bit threshold quantization, stateless (docs/algorithms.md
+§codec: 2bit).
 
 ``Q(p) = t·sign(p)·[|p| >= t]``. MXNet's residual loop (``e += v``; ``e >= t`` sends +t and
 ``e -= t``; ``e <= -t`` sends -t and ``e += t``) is exactly error feedback ``p = e + v``,
@@ -12,12 +12,9 @@ Wire: the codes packed four a byte in MXNet's layout (first value in the top two
 setting, not sent. Summing: widened to int8 codes in {−1, 0, 1} (``d`` bytes) the packets
 sum exactly through an allreduce for n ≤ 127 workers.
 
-Default threshold 0.01 **[choice, measured]**: MXNet's default 0.5 is compared with
-batch-*summed* gradients, while gradzip quantizes *mean* gradients (spec), whose entries
-are smaller by about the batch size (0.5 / 32 ≈ 0.016). A sweep of BIT-SGD over
-t ∈ {0.002 … 0.1} on digits (MLP and LeNet, 4 workers, 20 epochs, 2 seeds;
-``benchmarks/bitsgd_threshold.py``, table in docs/benchmarks.md) found 0.01–0.02 best
-without momentum (MLP 96.1% vs S-SGD 96.3%; LeNet 87.9% vs 86.4%), so 0.01.
+Default threshold 0.01 **[choice]**: MXNet's 0.5 applies to batch-summed gradients,
+gradzip quantizes mean gradients (docs/algorithms.md §codec: 2bit); the sweep that
+chose it is in docs/benchmarks.md, "BIT-SGD threshold on mean gradients".
 """
 from __future__ import annotations
 

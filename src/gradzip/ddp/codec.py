@@ -3,7 +3,7 @@ hook"). Per parameter tensor ``i`` of each bucket::
 
     v_i = g_i + e_i;   g_i ← aggregate_j C(v_j);   e_i ← v_i − C(v_i)
 
-PSync (docs/algorithms.md, "Notation") with the residual kept as error memory: EF-SGD on
+PSync (docs/algorithms.md §PSync) with the residual kept as error memory: EF-SGD on
 the raw gradient; the optimizer after DDP applies learning rate, momentum and weight decay.
 """
 
@@ -16,16 +16,6 @@ from ..compressors import Compressor, build
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync
 from .state import HookState, finite, views
-
-#: Codecs whose expectation is the input (``E[C(v)] = v``): error feedback only adds their
-#: variance to the next step (``qsgd`` with it reaches NaN within 20 steps in tests/test_ddp.py).
-UNBIASED = ("qsgd", "terngrad")
-
-
-def unbiased(codec: Compressor) -> bool:
-    """Whether ``codec`` is unbiased (``qsgd``, ``terngrad``, ``randomk:…,unbiased=true``)."""
-    return codec.name in UNBIASED or getattr(codec, "unbiased", False) is True
-
 
 class _Bucket(NamedTuple):
     """One bucket in flight: its future, exchange, gradient views, keys, buffer, and
@@ -41,7 +31,9 @@ class _Bucket(NamedTuple):
 class CodecState(HookState):
     """State of :func:`codec_hook`: the codec, error feedback, residuals by parameter key.
 
-    ``error_feedback=None`` (default): on for biased codecs, off for unbiased ones;
+    ``error_feedback=None`` (default): on for biased codecs, off for unbiased ones
+    (:attr:`Compressor.unbiased`: error feedback only adds their variance to the next step;
+    ``qsgd`` with it reaches NaN within 20 steps in tests/test_ddp.py);
     ``True`` with an unbiased codec is refused, as is the single-round ``powersgd`` codec
     unless ``single_round_powersgd=True`` (the two-round PowerSGD is :func:`powersgd_hook`).
     ``nonfinite``: see :meth:`HookState.settle`."""
@@ -58,8 +50,8 @@ class CodecState(HookState):
                 "gradzip.ddp.PowerSGDState(rank=..., model=model), gradzip.ddp.powersgd_hook) "
                 "(or pass single_round_powersgd=True to mean the codec)")
         if error_feedback is None:
-            error_feedback = not unbiased(self.codec)
-        elif error_feedback is True and unbiased(self.codec):
+            error_feedback = not self.codec.unbiased
+        elif error_feedback is True and self.codec.unbiased:
             raise GradzipError(
                 f"DDP hook: error feedback with the unbiased codec {self.codec.spec!r} accumulates its "
                 "variance and diverges; leave error_feedback unset (off for unbiased codecs)")

@@ -1,8 +1,8 @@
 """PowerSGD as a DDP hook: PyTorch's ``powerSGD_hook`` algorithm, options and random ``Q``
 draws (its results agree to float rounding; tests/test_ddp.py checks it), with state keyed
 by parameter, collectives issued in bucket order from the hook's thread and two rounds per
-bucket instead of three (docs/ddp.md, "PowerSGDState + powersgd_hook"; docs/algorithms.md,
-"PowerSGD")."""
+bucket instead of three (docs/ddp.md, "PowerSGDState + powersgd_hook"; docs/algorithms.md
+§PowerSGD)."""
 
 from collections import defaultdict
 from typing import Any

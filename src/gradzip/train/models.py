@@ -22,7 +22,8 @@ Names (``names()``), with optional ``name:key=value,...`` options:
   ``params=`` sets another target (e.g. ``mlp10m:params=2000000``).
 
 Initialization is a function of ``seed`` alone: the same seed gives bitwise-identical
-parameters, and building a model leaves the global RNG state untouched.
+parameters, and building a model leaves the global RNG state untouched. A new model is a
+builder function under the :func:`register` decorator.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from gradzip import specs
-from gradzip.errors import GradzipError
-from gradzip.validation import is_int
+from .. import specs
+from ..errors import GradzipError
+from ..validation import is_int
 
 __all__ = ["names", "build", "MLP", "LeNet", "ResNet", "ResNet18"]
 
@@ -110,7 +111,24 @@ class _BasicBlock(nn.Module):
         return torch.relu(out + self.shortcut(x))
 
 
-class ResNet(nn.Module):
+class _ResNetBase(nn.Module):
+    """What both ResNets share: stem -> stages -> global average pooling -> linear head,
+    with Kaiming-normal convolutions."""
+
+    def _finish(self, stages: list, channels: int, num_classes: int) -> None:
+        """Set the stages and the head (after the stem), then initialise the convolutions."""
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Linear(channels, num_classes))
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)))
+
+
+class ResNet(_ResNetBase):
     """CIFAR-style ResNet (depth 6n+2): a 3x3 stem, three stages of n basic blocks."""
 
     def __init__(self, input_shape: tuple, num_classes: int, depth: int = 20,
@@ -126,18 +144,10 @@ class ResNet(nn.Module):
                 stride = 2 if (i > 0 and j == 0) else 1
                 stages.append(_BasicBlock(cin, cout, stride, norm))
                 cin = cout
-        self.stages = nn.Sequential(*stages)
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                                  nn.Linear(cin, num_classes))
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.stages(self.stem(x)))
+        self._finish(stages, cin, num_classes)
 
 
-class ResNet18(nn.Module):
+class ResNet18(_ResNetBase):
     """ResNet-18, CIFAR variant: a 3x3 stem (no max-pool), four stages of two basic blocks
     (``width``, 2, 4, 8 × ``width`` channels; strides 1, 2, 2, 2), global average pooling."""
 
@@ -151,14 +161,7 @@ class ResNet18(nn.Module):
             for j in range(2):
                 stages.append(_BasicBlock(cin, width * mult, 2 if (i > 0 and j == 0) else 1, norm))
                 cin = width * mult
-        self.stages = nn.Sequential(*stages)
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes))
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.stages(self.stem(x)))
+        self._finish(stages, cin, num_classes)
 
 
 def mlp_width_for(params: int, features: int, num_classes: int) -> int:
@@ -226,8 +229,20 @@ class _Entry:
 _REGISTRY: dict[str, _Entry] = {}
 
 
-def _register(name: str, **options: str):
-    """Decorator: make the builder buildable as ``name`` with ``options`` (key -> default)."""
+def register(name: str, **options: str):
+    """Decorator: make ``make(opts, shape, num_classes) -> nn.Module`` buildable by
+    :func:`build` as ``name`` (lower-case), taking the spec options ``options`` (key ->
+    default string; every key is in ``opts``, given or default)::
+
+        @register("wide", width="1024")
+        def _wide(opts, shape, num_classes): ...
+    """
+    if not specs.is_name(name):
+        raise GradzipError(f"model name must be a lower-case name without ':' or ',', got "
+                           f"{name!r}; register it as e.g. 'mymodel'.")
+    if name in _REGISTRY:
+        raise GradzipError(f"model name {name!r} registered twice; pick another name.")
+
     def add(make):
         _REGISTRY[name] = _Entry(make, options)
         return make
@@ -239,12 +254,12 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
-@_register("logreg")
+@register("logreg")
 def _logreg(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
     return MLP(math.prod(shape), (), num_classes)
 
 
-@_register("mlp", hidden="256x128")
+@register("mlp", hidden="256x128")
 def _mlp(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
     try:
         hidden = tuple(int(h) for h in opts["hidden"].lower().split("x"))
@@ -257,13 +272,13 @@ def _mlp(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
     return MLP(math.prod(shape), hidden, num_classes)
 
 
-@_register("lenet")
+@register("lenet")
 def _lenet(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
     _need_image("lenet", shape, 4)
     return LeNet(shape, num_classes)
 
 
-@_register("resnet", depth="20", width="16", norm="bn")
+@register("resnet", depth="20", width="16", norm="bn")
 def _resnet(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
     _need_image("resnet", shape, 1)
     depth = _int_option("resnet", "depth", opts["depth"], 8)
@@ -274,14 +289,14 @@ def _resnet(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
     return ResNet(shape, num_classes, depth=depth, width=width, norm=_norm_option("resnet", opts))
 
 
-@_register("resnet18", width="64", norm="bn")
+@register("resnet18", width="64", norm="bn")
 def _resnet18(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
     _need_image("resnet18", shape, 1)
     width = _int_option("resnet18", "width", opts["width"], 1)
     return ResNet18(shape, num_classes, width=width, norm=_norm_option("resnet18", opts))
 
 
-@_register("mlp10m", params="10000000")
+@register("mlp10m", params="10000000")
 def _mlp10m(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
     target = _int_option("mlp10m", "params", opts["params"], 1000)
     width = mlp_width_for(target, math.prod(shape), num_classes)

@@ -18,7 +18,7 @@ A ``SHA256SUMS`` file (``sha256sum`` format) beside the data files is verified w
 No dataset depends on the run's seed: each is a fixed function of its name, so test sets
 are the same across runs; the per-epoch shuffling is :func:`shard`'s job.
 
-Modules: :mod:`.registry` (names -> loaders), :mod:`.base` (``Dataset``, normalisation),
+Modules: :mod:`.registry` (names -> loaders; :func:`register` adds one), :mod:`.base` (``Dataset``, normalisation),
 :mod:`.sampler` (``shard``), :mod:`.generated` (``synthetic``), :mod:`.digits`,
 :mod:`.storage` (finding, downloading and checking files), :mod:`.mnist` (IDX),
 :mod:`.cifar`.
@@ -26,8 +26,8 @@ Modules: :mod:`.registry` (names -> loaders), :mod:`.base` (``Dataset``, normali
 from .base import Dataset
 from .generated import synthetic
 from .mnist import read_idx
-from .registry import load, names
+from .registry import load, names, register
 from .sampler import shard
 from .storage import MD5, MIRRORS
 
-__all__ = ["Dataset", "names", "load", "synthetic", "shard", "read_idx", "MIRRORS", "MD5"]
+__all__ = ["Dataset", "names", "load", "register", "synthetic", "shard", "read_idx", "MIRRORS", "MD5"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gradzip.errors import GradzipError
+from ...errors import GradzipError
 
 from . import storage
 from .base import Dataset, normalize

@@ -1,7 +1,7 @@
 """Datasets by name: ``load("synthetic:n=4096")``. A registry, no if/elif chain.
 
-Each name maps to a loader and says whether it reads files (then it needs a data
-directory) and whether it takes spec options (only ``synthetic``). Names are
+Each name maps to a loader (:func:`register`) and says whether it reads files (then it
+needs a data directory) and whether it takes spec options (only ``synthetic``). Names are
 case-insensitive; a few aliases (``fashion_mnist``, ``cifar-10``) are accepted.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from gradzip import specs
-from gradzip.errors import GradzipError
+from ... import specs
+from ...errors import GradzipError
 
 from . import cifar, digits, generated, mnist, storage
 from .base import Dataset
@@ -27,20 +27,46 @@ class _Entry:
     options: bool = False          # takes spec options (``name:key=value,...``)
 
 
+_REGISTRY: dict[str, _Entry] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register(name: str, *, files: bool = False, options: bool = False,
+             aliases: tuple[str, ...] = ()):
+    """Decorator: make ``loader`` loadable by :func:`load` as ``name`` (lower-case), and
+    under each of ``aliases``. With ``files`` the dataset reads a data directory and is
+    called ``loader(root, download)`` (``root`` exists, from :func:`storage.require_dir`);
+    otherwise ``loader(options)``, the spec's :class:`gradzip.specs.Option` list, which is
+    empty unless ``options`` is true (a name without ``options`` refuses any)::
+
+        @register("tiny", options=True)
+        def _tiny(options): ...
+    """
+    for key in (name, *aliases):
+        if not specs.is_name(key):
+            raise GradzipError(f"dataset name must be a lower-case name without ':' or ',', "
+                               f"got {key!r}; register it as e.g. 'mydata'.")
+        if key in _REGISTRY or key in _ALIASES:
+            raise GradzipError(f"dataset name {key!r} registered twice; pick another name.")
+
+    def add(loader: Callable[..., Dataset]) -> Callable[..., Dataset]:
+        _REGISTRY[name] = _Entry(loader, files=files, options=options)
+        _ALIASES.update(dict.fromkeys(aliases, name))
+        return loader
+    return add
+
+
 def _synthetic(options: list[specs.Option]) -> Dataset:
     """``synthetic`` with a spec's options (``synthetic:n=4096,shape=3x32x32``)."""
     return generated.synthetic(**generated.parse_options(options))
 
 
-_REGISTRY = {
-    "digits": _Entry(lambda options: digits.load()),
-    "synthetic": _Entry(_synthetic, options=True),
-    "mnist": _Entry(functools.partial(mnist.load, "mnist"), files=True),
-    "fashion-mnist": _Entry(functools.partial(mnist.load, "fashion-mnist"), files=True),
-    "cifar10": _Entry(cifar.load, files=True),
-}
-_ALIASES = {"fashion_mnist": "fashion-mnist", "fashionmnist": "fashion-mnist",
-            "cifar-10": "cifar10", "cifar_10": "cifar10"}
+register("digits")(lambda options: digits.load())
+register("synthetic", options=True)(_synthetic)
+register("mnist", files=True)(functools.partial(mnist.load, "mnist"))
+register("fashion-mnist", files=True, aliases=("fashion_mnist", "fashionmnist"))(
+    functools.partial(mnist.load, "fashion-mnist"))
+register("cifar10", files=True, aliases=("cifar-10", "cifar_10"))(cifar.load)
 
 
 def names() -> list[str]:

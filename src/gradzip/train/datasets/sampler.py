@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gradzip import seeds
-from gradzip.errors import GradzipError
-from gradzip.validation import is_int
+from ... import seeds
+from ...errors import GradzipError
+from ...validation import is_int
 
 
 def shard(n: int, rank: int, world_size: int, epoch: int, seed: int) -> torch.Tensor:

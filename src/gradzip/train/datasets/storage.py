@@ -13,7 +13,7 @@ import urllib.request
 import zlib
 from pathlib import Path
 
-from gradzip.errors import GradzipError
+from ...errors import GradzipError
 
 log = logging.getLogger(__name__)
 
