@@ -194,3 +194,35 @@ def test_codec_overflow_in_the_background_exchange_of_cdsgd_raises_on_every_rank
     with pytest.raises(NonFiniteGradient, match="non-finite aggregate.*cannot undo"):
         gradzip.simulate(2, worker)
     assert len(errors) == 2
+
+
+# -- issue 13, item 1: a skipped step is explicit control flow in every step() -------------
+def test_every_step_is_its_own_function_no_wrapper_installed():
+    import inspect
+    for name, cls in gradzip.optim.METHODS.items():
+        step = next(c.__dict__["step"] for c in cls.__mro__ if "step" in c.__dict__)
+        body = inspect.unwrap(step)  # torch.no_grad's wrapper only
+        assert body is step.__wrapped__ and not hasattr(body, "__wrapped__"), f"{name}: step() wrapped twice"
+        assert "if skipped:" in inspect.getsource(body), f"{name}: step() does not return a skipped step itself"
+
+    def own_step(self, closure=None):
+        return "stepped"
+
+    class Subclass(gradzip.optim.DistributedOptimizer):
+        step = own_step
+    assert Subclass.step is own_step
+
+
+def test_begin_step_returns_skipped_and_the_step_returns_by_itself():
+    class Probe(gradzip.optim.DistributedOptimizer):
+        def step(self, closure=None):
+            loss, pairs, params, skipped = self.begin_step(closure)
+            return ("skipped" if skipped else "stepped", loss, len(pairs), len(params))
+
+    x = torch.nn.Parameter(torch.zeros(3))
+    opt = Probe([x], lr=0.1, nonfinite="skip")
+    x.grad = torch.ones(3)
+    assert opt.step(lambda: 7.0) == ("stepped", 7.0, 1, 1) and opt.steps == 1
+    x.grad = torch.full((3,), float("nan"))
+    assert opt.step(lambda: 8.0) == ("skipped", 8.0, 1, 1)
+    assert (opt.steps, opt.skipped_steps) == (1, 1)
