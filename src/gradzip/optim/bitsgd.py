@@ -6,6 +6,7 @@ import math
 import torch
 
 from ..compressors import build
+from ..nonfinite import NonFiniteAggregate
 from ..validation import is_real, require
 from .base import DistributedOptimizer
 
@@ -34,13 +35,18 @@ class BitSGD(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss, pairs, params = self.begin_step(closure)
-        carried = []
-        for _, p in pairs:
-            residual = self.state[p].get("residual")
-            carried.append(p.grad.clone() if residual is None else residual + p.grad)
-        result = self.psync(carried, self.steps, keys=self.keys(params))
-        for (group, p), agg, res in zip(pairs, result.aggregate, result.residual):
-            self.state[p]["residual"] = res
-            self.global_update(p, agg, group)
+        loss, pairs, params, skipped = self.begin_step(closure)
+        if skipped:
+            return loss
+        try:
+            carried = []
+            for _, p in pairs:
+                residual = self.state[p].get("residual")
+                carried.append(p.grad.clone() if residual is None else residual + p.grad)
+            result = self.psync(carried, self.steps, keys=self.keys(params))
+            for (group, p), agg, res in zip(pairs, result.aggregate, result.residual):
+                self.state[p]["residual"] = res
+                self.global_update(p, agg, group)
+        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
+            return self.codec_overflow(overflow, loss)
         return loss

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..compressors.dgc import DGCCompressor, selected_indices
+from ..nonfinite import NonFiniteAggregate
 from ..validation import is_int, is_real, require
 from .base import DistributedOptimizer
 
@@ -95,59 +96,64 @@ class DGC(DistributedOptimizer):
     # -- the box --------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        loss, pairs, _ = self.begin_step(closure)
-        t = self.steps
-        rho, scale = self.density(t), self.lr_scale(t)
-        grads = {p: p.grad for _, p in pairs}
-        if self.clip_norm > 0 and pairs:                       # local clipping, n^-1/2
-            limit = self.clip_norm * self.comm.world_size ** -0.5
-            total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
-            factor = limit / (float(total) + 1e-6)
-            if factor < 1:
-                grads = {p: g * factor for p, g in grads.items()}
-        sparse = [(g, p) for g, p in pairs if p.dim() > 1 and rho < 1]
-        dense = [(g, p) for g, p in pairs if not (p.dim() > 1 and rho < 1)]
+        loss, pairs, params, skipped = self.begin_step(closure)
+        if skipped:
+            return loss
+        try:
+            t = self.steps
+            rho, scale = self.density(t), self.lr_scale(t)
+            grads = {p: p.grad for _, p in pairs}
+            if self.clip_norm > 0 and pairs:                       # local clipping, n^-1/2
+                limit = self.clip_norm * self.comm.world_size ** -0.5
+                total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+                factor = limit / (float(total) + 1e-6)
+                if factor < 1:
+                    grads = {p: g * factor for p, g in grads.items()}
+            sparse = [(g, p) for g, p in pairs if p.dim() > 1 and rho < 1]
+            dense = [(g, p) for g, p in pairs if not (p.dim() > 1 and rho < 1)]
 
-        pending_sparse = None
-        if sparse:
-            carried = []
-            for group, p in sparse:
-                st = self.state[p]
-                self.replaced(st, "u")                           # new tensors: a skipped step
-                self.replaced(st, "v")                           # puts the old ones back
-                u = st["u"] if "u" in st else torch.zeros_like(p)
-                v = st["v"] if "v" in st else torch.zeros_like(p)
-                st["u"] = u.mul(group["momentum"]).add_(grads[p])   # momentum correction
-                st["v"] = v.add(st["u"])
-                carried.append(st["v"])
-            psync = self._psync_for(rho)
-            pending_sparse = psync.start(carried, t, keys=self.keys([p for _, p in sparse]))
-        pending_dense = self.dense.start([grads[p] for _, p in dense], t,
-                                         keys=self.keys([p for _, p in dense]), residual=False) if dense else None
+            pending_sparse = None
+            if sparse:
+                carried = []
+                for group, p in sparse:
+                    st = self.state[p]
+                    self.replaced(st, "u")                           # new tensors: a skipped step
+                    self.replaced(st, "v")                           # puts the old ones back
+                    u = st["u"] if "u" in st else torch.zeros_like(p)
+                    v = st["v"] if "v" in st else torch.zeros_like(p)
+                    st["u"] = u.mul(group["momentum"]).add_(grads[p])   # momentum correction
+                    st["v"] = v.add(st["u"])
+                    carried.append(st["v"])
+                psync = self._psync_for(rho)
+                pending_sparse = psync.start(carried, t, keys=self.keys([p for _, p in sparse]))
+            pending_dense = self.dense.start([grads[p] for _, p in dense], t,
+                                             keys=self.keys([p for _, p in dense]), residual=False) if dense else None
 
-        # both exchanges decoded before anything is applied (an overflow leaves the step undone)
-        result = pending_sparse.wait() if pending_sparse is not None else None
-        dense_result = pending_dense.wait() if pending_dense is not None else None
-        if pending_sparse is not None:
-            selected = entries = 0
-            for (group, p), packet, agg, res in zip(sparse, pending_sparse.packets, result.aggregate, result.residual):
-                st = self.state[p]
-                idx = selected_indices(packet)
-                st["u"].view(-1).index_fill_(0, idx, 0.0)      # momentum factor masking
-                st["v"].copy_(res)                              # v − C(v): zero exactly at select
-                selected += idx.numel()
-                entries += p.numel()
-                update = agg.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else agg
-                p.add_(update, alpha=-group["lr"] * scale)
-            self._selected, self._entries = selected, entries
-            self._selected_total += selected
-            self._entries_total += entries
-            self._target_sum += rho
-            self._target_steps += 1
-        if dense_result is not None:
-            for (group, p), agg in zip(dense, dense_result.aggregate):
-                direction = self._momentum(self.state[p], "global_momentum_buffer", agg, p, group)
-                p.add_(direction, alpha=-group["lr"] * scale)
+            # both exchanges decoded before anything is applied (an overflow leaves the step undone)
+            result = pending_sparse.wait() if pending_sparse is not None else None
+            dense_result = pending_dense.wait() if pending_dense is not None else None
+            if pending_sparse is not None:
+                selected = entries = 0
+                for (group, p), packet, agg, res in zip(sparse, pending_sparse.packets, result.aggregate, result.residual):
+                    st = self.state[p]
+                    idx = selected_indices(packet)
+                    st["u"].view(-1).index_fill_(0, idx, 0.0)      # momentum factor masking
+                    st["v"].copy_(res)                              # v − C(v): zero exactly at select
+                    selected += idx.numel()
+                    entries += p.numel()
+                    update = agg.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else agg
+                    p.add_(update, alpha=-group["lr"] * scale)
+                self._selected, self._entries = selected, entries
+                self._selected_total += selected
+                self._entries_total += entries
+                self._target_sum += rho
+                self._target_steps += 1
+            if dense_result is not None:
+                for (group, p), agg in zip(dense, dense_result.aggregate):
+                    direction = self._momentum(self.state[p], "global_momentum_buffer", agg, p, group)
+                    p.add_(direction, alpha=-group["lr"] * scale)
+        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
+            return self.codec_overflow(overflow, loss)
         return loss
 
     # -- reporting / state ------------------------------------------------------------------

@@ -6,6 +6,7 @@ from collections import defaultdict
 import torch
 
 from ..compressors.powersgd import effective_rank, matrix_shape, orthogonalize, random_q, should_compress
+from ..nonfinite import NonFiniteAggregate
 from ..seeds import mix as mix_seed
 from ..validation import is_int, is_real, require
 from .base import DistributedOptimizer
@@ -98,50 +99,55 @@ class PowerSGD(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss, pairs, _ = self.begin_step(closure)
-        t = self.steps
-        compress = t > self.start_iter
-        low_rank = [(g, p) for g, p in pairs
-                    if compress and should_compress(p.shape, self.rank, self.min_compression_rate)]
-        chosen = {p for _, p in low_rank}
-        dense = [(g, p) for g, p in pairs if p not in chosen]
-        pending_dense = self.dense.start([p.grad for _, p in dense], t, residual=False) if dense else None
+        loss, pairs, params, skipped = self.begin_step(closure)
+        if skipped:
+            return loss
+        try:
+            t = self.steps
+            compress = t > self.start_iter
+            low_rank = [(g, p) for g, p in pairs
+                        if compress and should_compress(p.shape, self.rank, self.min_compression_rate)]
+            chosen = {p for _, p in low_rank}
+            dense = [(g, p) for g, p in pairs if p not in chosen]
+            pending_dense = self.dense.start([p.grad for _, p in dense], t, residual=False) if dense else None
 
-        if low_rank:
-            # M = g + e, batched by shape: (batch, rows, cols), Q: (batch, cols, r)
-            batches: dict[tuple, list] = defaultdict(list)
-            for group, p in low_rank:
-                batches[(*matrix_shape(p.shape), effective_rank(p.shape, self.rank))].append((group, p))
-            ms, qs = [], []
-            for (rows, cols, r), members in batches.items():
-                mats, qlist = [], []
-                for _, p in members:
-                    st = self.state[p]
-                    m = p.grad.reshape(rows, cols).to(torch.promote_types(p.dtype, torch.float32))
-                    if self.use_error_feedback and "error" in st:
-                        m = m + st["error"].view(rows, cols)
-                    mats.append(m)
-                    q = st.get("q") if self.warm_start else None
-                    qlist.append(q if q is not None else self._initial_q(p, cols, r, t))
-                ms.append(torch.stack(mats))
-                qs.append(torch.stack(qlist))
-            ps = [torch.bmm(m, q) for m, q in zip(ms, qs)]
-            p_mean = self.p_round([p.reshape(-1) for p in ps], t, residual=False).aggregate
-            ps = [orthogonalize(pm.view_as(p).clone(), self.epsilon) for pm, p in zip(p_mean, ps)]
-            qs = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(ms, ps)]
-            q_mean = self.q_round([q.reshape(-1) for q in qs], t, residual=False).aggregate
-        dense_mean = pending_dense.wait().aggregate if pending_dense is not None else []
-        if low_rank:  # every exchange decoded before anything is applied (an overflow leaves the step undone)
-            for ((rows, cols, r), members), m, p_hat, qm, q in zip(batches.items(), ms, ps, q_mean, qs):
-                q_new = qm.view_as(q)
-                approx = torch.bmm(p_hat, q_new.transpose(1, 2))
-                for i, (group, p) in enumerate(members):
-                    st = self.state[p]
-                    if self.use_error_feedback:
-                        st["error"] = (m[i] - approx[i]).reshape(p.shape)
-                    if self.warm_start:
-                        st["q"] = q_new[i].clone()
-                    self.global_update(p, approx[i].reshape(p.shape).to(p.dtype), group)
-        for (group, p), agg in zip(dense, dense_mean):
-            self.global_update(p, agg, group)
+            if low_rank:
+                # M = g + e, batched by shape: (batch, rows, cols), Q: (batch, cols, r)
+                batches: dict[tuple, list] = defaultdict(list)
+                for group, p in low_rank:
+                    batches[(*matrix_shape(p.shape), effective_rank(p.shape, self.rank))].append((group, p))
+                ms, qs = [], []
+                for (rows, cols, r), members in batches.items():
+                    mats, qlist = [], []
+                    for _, p in members:
+                        st = self.state[p]
+                        m = p.grad.reshape(rows, cols).to(torch.promote_types(p.dtype, torch.float32))
+                        if self.use_error_feedback and "error" in st:
+                            m = m + st["error"].view(rows, cols)
+                        mats.append(m)
+                        q = st.get("q") if self.warm_start else None
+                        qlist.append(q if q is not None else self._initial_q(p, cols, r, t))
+                    ms.append(torch.stack(mats))
+                    qs.append(torch.stack(qlist))
+                ps = [torch.bmm(m, q) for m, q in zip(ms, qs)]
+                p_mean = self.p_round([p.reshape(-1) for p in ps], t, residual=False).aggregate
+                ps = [orthogonalize(pm.view_as(p).clone(), self.epsilon) for pm, p in zip(p_mean, ps)]
+                qs = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(ms, ps)]
+                q_mean = self.q_round([q.reshape(-1) for q in qs], t, residual=False).aggregate
+            dense_mean = pending_dense.wait().aggregate if pending_dense is not None else []
+            if low_rank:  # every exchange decoded before anything is applied (an overflow leaves the step undone)
+                for ((rows, cols, r), members), m, p_hat, qm, q in zip(batches.items(), ms, ps, q_mean, qs):
+                    q_new = qm.view_as(q)
+                    approx = torch.bmm(p_hat, q_new.transpose(1, 2))
+                    for i, (group, p) in enumerate(members):
+                        st = self.state[p]
+                        if self.use_error_feedback:
+                            st["error"] = (m[i] - approx[i]).reshape(p.shape)
+                        if self.warm_start:
+                            st["q"] = q_new[i].clone()
+                        self.global_update(p, approx[i].reshape(p.shape).to(p.dtype), group)
+            for (group, p), agg in zip(dense, dense_mean):
+                self.global_update(p, agg, group)
+        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
+            return self.codec_overflow(overflow, loss)
         return loss

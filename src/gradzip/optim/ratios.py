@@ -1,5 +1,6 @@
 """Compression ratios of the CSER family: from a target overall ratio ``rc`` to codecs and
-a period (CSER, CSER-PL, CSEA, EF-SGD and QSparse-local-SGD use it).
+a period (CSER, CSER-PL, CSEA, EF-SGD and QSparse-local-SGD use it); and the check of a
+synchronisation period H (:func:`check_period`: local SGD, QSparse, CSER).
 
 The rule follows the paper's grids restated in the spec ("Methods: CSER").
 
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from ..validation import is_real, require
+from ..validation import is_int, is_real, require
 
 #: The rc used for options left at "auto" when no rc is given.
 DEFAULT_RC = 16.0
@@ -42,6 +43,13 @@ MAX_RC = 2**30
 
 #: The paper's ImageNet grid, spec naming: R_C -> (R_C2, R_C1, H).
 CSER_GRID = {32: (64, 4, 16), 256: (512, 16, 32), 1024: (2048, 8, 256)}
+
+
+def check_period(method: str, H) -> int:
+    """``H`` must be an integer >= 1 (steps H, 2H, ... synchronise)."""
+    require(is_int(H) and H >= 1, method,
+            f"H (the synchronisation period, in steps) must be an integer >= 1, got {H!r}")
+    return H
 
 
 def check_rc(method: str, rc) -> float | None:

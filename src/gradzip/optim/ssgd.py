@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..nonfinite import NonFiniteAggregate
 from .base import DistributedOptimizer
 
 
@@ -23,9 +24,14 @@ class SSGD(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss, pairs, params = self.begin_step(closure)
-        directions = [self.local_direction(p, g) for g, p in pairs]
-        result = self.psync(directions, self.steps, keys=self.keys(params), residual=False)
-        for (group, p), agg in zip(pairs, result.aggregate):
-            p.add_(agg, alpha=-group["lr"])
+        loss, pairs, params, skipped = self.begin_step(closure)
+        if skipped:
+            return loss
+        try:
+            directions = [self.local_direction(p, g) for g, p in pairs]
+            result = self.psync(directions, self.steps, keys=self.keys(params), residual=False)
+            for (group, p), agg in zip(pairs, result.aggregate):
+                p.add_(agg, alpha=-group["lr"])
+        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
+            return self.codec_overflow(overflow, loss)
         return loss
