@@ -1,4 +1,5 @@
-"""PSync, the one communication primitive every method uses (spec, "Notation").
+"""PSync, the one communication primitive every method uses (docs/algorithms.md §PSync;
+transport: §Transports).
 
 ``PSync(v; C)``: each worker compresses its tensors ``v_i`` with ``C``, the workers
 exchange the packets, and each gets back ``mean_j C(v_j)`` (or the codec's own aggregate,

@@ -1,6 +1,6 @@
 """One concept, used by the exchange, the optimizers and the DDP hooks: what happens when a
-gradient, or what a codec made of it, holds a NaN or Inf (docs/algorithms.md, "Non-finite
-gradients").
+gradient, or what a codec made of it, holds a NaN or Inf (docs/algorithms.md §Non-finite
+gradients and the settings check).
 
 - :data:`NONFINITE_POLICIES`: ``"raise"`` (stop, naming where), ``"skip"`` (leave the step
   out on every worker), ``"off"`` (let the values through, e.g. for AMP's ``GradScaler``).

@@ -3,10 +3,11 @@
 A method subclasses :class:`DistributedOptimizer` and writes ``step()`` as its algorithm
 box, around one or two :class:`~gradzip.exchange.PSync` calls. This base class holds the
 hyper-parameters (param groups, so LR schedulers work), the step counter (steps count
-from 1), the validation of options, the two SGD rules the spec uses —
-:meth:`local_direction` (weight decay + momentum kept on this worker, spec "Notation") and
-:meth:`global_update` (momentum SGD applied after the reduction, identical on every
-worker) — and a ``state_dict()`` that carries every residual, buffer and counter.
+from 1, docs/algorithms.md §Steps and periods), the validation of options, the two SGD
+rules of §Momentum and weight decay — :meth:`local_direction` (weight decay + momentum kept
+on this worker) and :meth:`global_update` (momentum SGD applied after the reduction,
+identical on every worker) — and a ``state_dict()`` that carries every residual, buffer
+and counter.
 
 Every ``step()`` reads the same way (the skipped step and the codec overflow are explicit
 control flow, no wrapper)::

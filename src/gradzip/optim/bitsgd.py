@@ -12,7 +12,7 @@ from .base import DistributedOptimizer
 
 
 class BitSGD(DistributedOptimizer):
-    """BIT-SGD (spec, "Methods: BIT-SGD"; the baseline of the CD-SGD papers)::
+    """BIT-SGD (docs/algorithms.md §BIT-SGD; the baseline of the CD-SGD papers)::
 
         p_i = e_i + g_i;   q_i = 2bit_t(p_i);   e_i = p_i − q_i
         x ← GlobalOpt(x, mean_j q_j)     # momentum SGD + weight decay, after the reduction
@@ -22,7 +22,7 @@ class BitSGD(DistributedOptimizer):
     learning rate, weight decay and momentum act on the aggregate, identically on every
     worker, so the model stays bitwise identical. It is CD-SGD without the local update
     and without the k-step correction. ``threshold`` is compared with *mean* gradients
-    (MXNet compares 0.5 with batch-summed ones); see ``gradzip.compressors.threshold2bit``.
+    (MXNet compares 0.5 with batch-summed ones); see docs/algorithms.md §codec: 2bit.
     """
 
     def __init__(self, params, lr, *, threshold: float | None = None, **kwargs):

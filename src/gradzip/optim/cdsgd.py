@@ -1,6 +1,6 @@
 """CD-SGD / CP-SGD and OD-SGD: a local update now, the exchange in the background.
 
-Spec, "Methods: OD-SGD" and "CD-SGD / CP-SGD". Every worker keeps the global model ``W``
+docs/algorithms.md §OD-SGD and §CD-SGD / CP-SGD. Every worker keeps the global model ``W``
 (``state[p]["global_model"]``, identical on all workers: each applies the same aggregated
 step, so no pull is needed) and its local model ``w_i``, which the user's module holds
 between steps. After ``warmup_steps`` of plain S-SGD, ``W = w_i`` and each step ``t``
@@ -21,7 +21,7 @@ synchronously: timing changes, numbers do not. On CUDA the background work runs 
 stream.
 
 ``k = 1`` is OD-SGD exactly (every step full precision), and :class:`ODSGD` is that.
-``local_lr`` defaults to ``lr / world_size`` (the spec maps the authors' η_l to ours); with
+``local_lr`` defaults to ``lr / world_size`` (§OD-SGD maps the authors' η_l to ours); with
 an LR scheduler the default follows the current ``lr``.
 
 **Hyper-parameters are read when step t is submitted**, not when its background exchange

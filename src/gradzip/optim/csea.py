@@ -10,7 +10,7 @@ from .ratios import DEFAULT_RC, codec_for_ratio, single_codec
 
 
 class CSEA(DistributedOptimizer):
-    """CSEA (CSER slides Alg. 4 and 7; spec "Methods: CSEA")::
+    """CSEA (CSER slides Alg. 4 and 7; docs/algorithms.md §CSEA)::
 
         p_i = e_i − η d_i
         (p'_i, e_new) = PSync(p_i; C1)          # p'_i = mean_j C1(p_j) + e_new

@@ -18,7 +18,7 @@ def _is_zero(value) -> bool:
 
 
 class CSER(DistributedOptimizer):
-    """CSER (CSER slides Alg. 6; spec "Methods: CSER"): error reset plus gradient partial
+    """CSER (CSER slides Alg. 6; docs/algorithms.md §CSER): error reset plus gradient partial
     synchronisation. ``c2`` is the gradient codec (every step), ``c1`` the error codec
     (every ``H`` steps)::
 
@@ -111,7 +111,7 @@ class CSER(DistributedOptimizer):
 
 
 class CSERPL(CSER):
-    """CSER-PL, partial local SGD (CSER slides; spec "Methods: CSER", C2 = 0)::
+    """CSER-PL, partial local SGD (CSER slides; docs/algorithms.md §CSER-PL)::
 
         x_i ← x_i − η d_i;   e_i ← e_i − η d_i
         if t mod H == 0:  (e', e_new) = PSync(e_i; C1);  x_i ← x_i − e_i + e';  e_i ← e_new

@@ -11,7 +11,7 @@ DEFAULT_CODEC = "topk:ratio=0.01"
 
 
 class EFSGD(DistributedOptimizer):
-    """EF-SGD (Karimireddy et al. 2019; CSER slides Alg. 2; spec "Methods: EF-SGD")::
+    """EF-SGD (Karimireddy et al. 2019; CSER slides Alg. 2; docs/algorithms.md §EF-SGD)::
 
         p_i = e_i + η d_i;   p'_i = C(p_i);   e_i = p_i − p'_i;   x ← x − mean_j p'_j
 

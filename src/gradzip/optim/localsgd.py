@@ -9,7 +9,7 @@ from .ratios import check_period
 
 
 class LocalSGD(DistributedOptimizer):
-    """Local SGD / periodic model averaging (spec, "Methods: Local SGD")::
+    """Local SGD / periodic model averaging (docs/algorithms.md §Local SGD)::
 
         x_i ← x_i − η d_i                 # local step (d_i: gradient, weight decay, local momentum)
         if t mod H == 0:  x_i ← mean_j x_j

@@ -11,8 +11,8 @@ from .ratios import DEFAULT_RC, check_period, check_rc, derive_periodic, is_auto
 
 
 class QSparseLocalSGD(DistributedOptimizer):
-    """QSparse-local-SGD (Basu et al. 2019; CSER slides Alg. 3; spec "Methods:
-    QSparse-local-SGD")::
+    """QSparse-local-SGD (Basu et al. 2019; CSER slides Alg. 3; docs/algorithms.md
+    §QSparse-local-SGD)::
 
         x_i ← x_i − η d_i                       # local step
         if t mod H == 0:

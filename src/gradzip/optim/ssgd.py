@@ -8,7 +8,7 @@ from .base import DistributedOptimizer
 
 
 class SSGD(DistributedOptimizer):
-    """S-SGD (spec, "Methods: S-SGD"): ``x ← x − η · aggregate_j C(d_j)``.
+    """S-SGD (docs/algorithms.md §S-SGD): ``x ← x − η · aggregate_j C(d_j)``.
 
     With ``compressor="none"`` this is plain synchronous SGD: every worker applies the
     all-reduced mean of its direction ``d_i`` (gradient, weight decay, local momentum).
