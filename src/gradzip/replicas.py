@@ -4,7 +4,8 @@ Workers that build their model independently (a seed that differs per rank, a ch
 loaded on one rank only) start from different weights, and a synchronous method keeps them
 different forever: each applies the same averaged update to its own weights. The
 optimizers refuse such a start on their first step (:meth:`DistributedOptimizer.describe`
-digests the parameters' values); this copies rank ``src``'s values to every worker; :func:`parameter_digest` is that digest.
+digests the parameters' values, :func:`parameter_digest`); this copies rank ``src``'s
+values to every worker.
 """
 from __future__ import annotations
 

@@ -56,7 +56,8 @@ from ..replicas import parameter_digest
 from ..validation import is_int, require
 from ..version import __version__
 from .guard import NonFiniteGuard
-from .options import COMMON_OPTIONS, check_group, check_hyperparameters, method_options  # noqa: F401
+from .options import (  # noqa: F401 (COMMON_OPTIONS, FLOAT32_MAX, method_options: also read from here)
+    COMMON_OPTIONS, FLOAT32_MAX, check_group, check_hyperparameters, method_options)
 
 
 

@@ -1,7 +1,8 @@
 """The non-finite guard of a step and its undo log (docs/algorithms.md §Non-finite
-gradients and the settings check): a mixin of :class:`~gradzip.optim.base.DistributedOptimizer`, apart from it
-because it is one concept with its own state (the policy, the log of what the step
-replaced, the skip counter) that no box reads.
+gradients and the settings check): a mixin of
+:class:`~gradzip.optim.base.DistributedOptimizer`, apart from it because it is one concept
+with its own state (the policy, the log of what the step replaced, the skip counter) that
+no box reads.
 
 Two checks, one policy (``nonfinite``, :data:`gradzip.nonfinite.NONFINITE_POLICIES`):
 
