@@ -108,8 +108,7 @@ class DGC(DistributedOptimizer):
             dense_round = self.dense.start([grads[p] for _, p in dense], t, keys=self.keys([p for _, p in dense]),
                                            residual=False) if dense else None
             # both exchanges decoded before anything is applied (an overflow leaves the step undone)
-            sparse_result = sparse_round.wait() if sparse_round is not None else None
-            dense_result = dense_round.wait() if dense_round is not None else None
+            sparse_result, dense_result = _wait_both(sparse_round, dense_round)
             if sparse_round is not None:
                 selected = self._mask_and_apply(sparse, sparse_round.packets, sparse_result, scale)
                 self._record_density(selected, sum(p.numel() for _, p in sparse), rho)
@@ -202,3 +201,21 @@ class DGC(DistributedOptimizer):
             self._selected, self._entries = extra["selected"], extra["entries"]
             self._selected_total, self._entries_total = extra["selected_total"], extra["entries_total"]
             self._target_sum, self._target_steps = extra["target_sum"], extra["target_steps"]
+
+
+def _wait_both(first, second) -> tuple:
+    """The results of two pending exchanges (None: not started). Both are waited for even
+    when the first decodes a non-finite aggregate, whose error is raised after: a worker must
+    not leave while a peer may still be starting the second collective (the peer would see
+    it gone instead of the overflow that every worker raises)."""
+    try:
+        first_result = first.wait() if first is not None else None
+    except NonFiniteAggregate:
+        if second is not None:
+            try:
+                second.wait()
+            except NonFiniteAggregate:
+                pass  # the first exchange's overflow is the one named
+        raise
+    return first_result, second.wait() if second is not None else None
+
