@@ -60,8 +60,6 @@ from .options import (  # noqa: F401 (COMMON_OPTIONS, FLOAT32_MAX, method_option
     COMMON_OPTIONS, FLOAT32_MAX, check_group, check_hyperparameters, method_options)
 
 
-
-
 class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
     """Base of every method. ``comm=None``: the default torch.distributed group when one is
     initialised, else a world of one."""
