@@ -12,20 +12,17 @@ that differs and its value on each worker.
 The collectives go through :meth:`Group.allgather_control` (coordination traffic, not a
 method's exchange).
 
-:func:`refuse_ddp_double_sync` guards the other way to run one configuration twice: a
-gradzip optimizer over the parameters of a ``DistributedDataParallel`` module that still
-allreduces them.
+(The other way to run one configuration twice, a gradzip optimizer over the parameters of
+a ``DistributedDataParallel`` module that still allreduces them, is refused by
+:mod:`gradzip.double_sync`.)
 """
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from .errors import GradzipError
 
@@ -84,49 +81,3 @@ def describe_difference(everyone: list[dict[str, str]], what: str = "configurati
 
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
-
-
-class DoubleCommunication(GradzipError):
-    """A gradzip optimizer's parameters are also synchronised by DDP."""
-
-
-def refuse_ddp_double_sync(params: Iterable[torch.Tensor], method: str) -> None:
-    """Raise :class:`DoubleCommunication` if a live ``DistributedDataParallel`` module owns
-    one of ``params`` and has no no-op communication hook: DDP would allreduce the
-    gradients in backward, and the method would compress the already averaged gradient and
-    send it again (``bytes_sent`` counting only the second exchange).
-
-    Detection (once, at the first step): DDP leaves no mark on a parameter that Python can
-    see (its reducer hooks the C++ gradient accumulators), so the live DDP instances are
-    found by one pass over the garbage collector's objects (about 0.1 s for 170,000
-    objects), only when a process group is initialised (DDP cannot exist without one), and
-    their ``_module_parameters`` (what the reducer synchronises) are compared by identity; a
-    module whose registered hooks (``_comm_hooks``) are all torch's ``noop_hook``
-    communicates nothing and is accepted. A torch without these attributes (older than
-    2.1) cannot be checked: nothing is refused there."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    # lazy: torch.distributed.algorithms is only needed once a process group exists
-    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
-
-    ours = {id(p) for p in params}
-    for module in gc.get_objects():
-        # type(), not isinstance(): DDP is an ABC, whose isinstance reads every object's
-        # __class__, and some module proxies warn when touched (torch.distributed.reduce_op)
-        if not issubclass(type(module), DistributedDataParallel):
-            continue
-        registered = getattr(module, "_comm_hooks", None)
-        if registered is None:
-            continue
-        hooks = [h for h, _ in registered]
-        if hooks and all(h is noop_hook for h in hooks):
-            continue
-        shared = [i for i, p in enumerate(getattr(module, "_module_parameters", [])) if id(p) in ours]
-        if shared:
-            how = f"with the hook {hooks[-1].__qualname__}" if hooks else "with its default allreduce"
-            raise DoubleCommunication(
-                f"{method}: {len(shared)} of its parameters belong to a DistributedDataParallel module "
-                f"that synchronises them {how}: every gradient would be sent twice and compressed after "
-                "DDP averaged it. Register DDP's no-op hook, ddp.register_comm_hook(None, torch.distributed."
-                "algorithms.ddp_comm_hooks.debugging_hooks.noop_hook), or pass the unwrapped module's "
-                "parameters without DDP.")

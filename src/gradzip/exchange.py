@@ -1,4 +1,5 @@
-"""PSync, the one communication primitive every method uses (spec, "Notation").
+"""PSync, the one communication primitive every method uses (docs/algorithms.md §PSync;
+transport: §Transports).
 
 ``PSync(v; C)``: each worker compresses its tensors ``v_i`` with ``C``, the workers
 exchange the packets, and each gets back ``mean_j C(v_j)`` (or the codec's own aggregate,
@@ -43,32 +44,12 @@ import torch
 from . import seeds
 from .comm import Group, Work, allgather_wire_bytes, allreduce_wire_bytes
 from .compressors import Compressor, Packet, build
-from .errors import GradzipError
+from .nonfinite import NonFiniteAggregate, first_nonfinite
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 
 #: The codecs' seed derivation (:func:`gradzip.seeds.mix`), under the name callers know.
 mix_seed = seeds.mix
-
-
-class NonFiniteAggregate(GradzipError):
-    """An exchange decoded a non-finite aggregate (the codec overflowed); raised on every
-    worker at the same exchange. ``index``: the first such tensor's position."""
-
-    def __init__(self, message: str, index: int):
-        super().__init__(message)
-        self.index = index
-
-
-def first_nonfinite(tensors: Sequence[torch.Tensor]) -> int:
-    """Position of the first tensor holding a NaN or Inf, or -1: one sum per tensor (a sum is
-    finite iff every element is, unless it overflows), an exact look only where it is not."""
-    if not tensors:
-        return -1
-    sums = torch.stack([t.detach().sum().float() for t in tensors])
-    if bool(torch.isfinite(sums).all()):
-        return -1
-    return next((i for i, t in enumerate(tensors) if not bool(torch.isfinite(t).all())), -1)
 
 
 @dataclass

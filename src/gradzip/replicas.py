@@ -4,10 +4,12 @@ Workers that build their model independently (a seed that differs per rank, a ch
 loaded on one rank only) start from different weights, and a synchronous method keeps them
 different forever: each applies the same averaged update to its own weights. The
 optimizers refuse such a start on their first step (:meth:`DistributedOptimizer.describe`
-digests the parameters' values); this copies rank ``src``'s values to every worker.
+digests the parameters' values, :func:`parameter_digest`); this copies rank ``src``'s
+values to every worker.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Iterable
 
 import torch
@@ -40,3 +42,9 @@ def broadcast_parameters(module_or_params: "torch.nn.Module | Iterable[torch.Ten
     with torch.no_grad():
         for t in tensors:
             group.broadcast(t.data, src=src)
+
+
+def parameter_digest(p: torch.Tensor) -> str:
+    """A digest of a tensor's bytes (its values, bit for bit): 16 hex digits of SHA-256."""
+    flat = p.detach().reshape(-1).contiguous().cpu()
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"").hexdigest()[:16]

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from ..comm import TorchGroup
 from ..errors import GradzipError
-from ..optim.base import NONFINITE_POLICIES, NonFiniteGradient
+from ..nonfinite import NONFINITE_POLICIES, NonFiniteGradient
+from ..nonfinite import all_finite as finite  # the one check (codec.py, powersgd.py use this name)
 
 
 class HookState:
@@ -115,15 +116,6 @@ class HookState:
             if ranks:
                 return f"{what} on rank{'s' * (len(ranks) > 1)} {','.join(map(str, ranks))}"
         return None
-
-
-def finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of ``tensors`` is finite (one fused pass: a sum is finite iff
-    every element is, unless it overflows, which then is looked at exactly)."""
-    if not tensors:
-        return True
-    sums = torch.stack([t.detach().sum().float() for t in tensors])
-    return bool(torch.isfinite(sums).all()) or all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def views(bucket: "dist.GradBucket") -> list[torch.Tensor]:

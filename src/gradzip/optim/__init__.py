@@ -1,4 +1,4 @@
-"""The methods, one module each; each ``step()`` is its algorithm box (spec, "Methods")."""
+"""The methods, one module each; each ``step()`` is its algorithm box (docs/algorithms.md, "Methods")."""
 from .base import COMMON_OPTIONS, DistributedOptimizer, method_options
 from .bitsgd import BitSGD
 from .cdsgd import CDSGD, CPSGD, ODSGD

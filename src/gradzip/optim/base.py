@@ -3,22 +3,31 @@
 A method subclasses :class:`DistributedOptimizer` and writes ``step()`` as its algorithm
 box, around one or two :class:`~gradzip.exchange.PSync` calls. This base class holds the
 hyper-parameters (param groups, so LR schedulers work), the step counter (steps count
-from 1), the validation of options, the two SGD rules the spec uses —
-:meth:`local_direction` (weight decay + momentum kept on this worker, spec "Notation") and
-:meth:`global_update` (momentum SGD applied after the reduction, identical on every
-worker) — and a ``state_dict()`` that carries every residual, buffer and counter.
+from 1, docs/algorithms.md §Steps and periods), the validation of options, the two SGD
+rules of §Momentum and weight decay — :meth:`local_direction` (weight decay + momentum kept
+on this worker) and :meth:`global_update` (momentum SGD applied after the reduction,
+identical on every worker) — and a ``state_dict()`` that carries every residual, buffer
+and counter.
 
-Two guards run in every ``step()`` before anything is compressed or sent
-(:meth:`DistributedOptimizer.begin_step`): on the first step, the workers compare a digest
-of their settings (:mod:`gradzip.consistency`, one small control allgather); on every
-step, each worker checks its gradients for NaN or Inf (``nonfinite``: ``"raise"`` here,
-``"skip"`` the step on every worker after agreeing with one small control allgather, or
-``"off"``). Neither touches residuals, momentum or the step counter when it stops a step.
-The first step's digest also covers the parameters' values (replicas must start equal:
-:func:`gradzip.broadcast_parameters` makes them so). The same policy covers what the
-codecs produce: every exchange checks its decoded aggregate (identical on every worker, so
-no collective is needed to agree) and a codec overflow raises, or skips the step on every
-worker (see :meth:`DistributedOptimizer.irreversible`).
+Every ``step()`` reads the same way (the skipped step and the codec overflow are explicit
+control flow, no wrapper)::
+
+    loss, pairs, params, skipped = self.begin_step(closure)
+    if skipped:                                  # every worker agreed to skip (nonfinite="skip")
+        return loss
+    try:
+        ...                                      # the box
+    except NonFiniteAggregate as overflow:       # a codec overflowed: undo + skip, or raise
+        return self.codec_overflow(overflow, loss)
+    return loss
+
+:meth:`DistributedOptimizer.begin_step` runs the guards before anything is compressed or
+sent: on the first step, the workers compare a digest of their settings and of the
+parameters' values (:mod:`gradzip.consistency`; replicas must start equal:
+:func:`gradzip.broadcast_parameters`); on every step, the gradients' non-finite check
+(:mod:`gradzip.optim.guard`, which also holds the undo log behind
+:meth:`~gradzip.optim.guard.NonFiniteGuard.codec_overflow`). Neither touches residuals,
+momentum or the step counter when it stops a step.
 
 **Missing gradients** (``params_with_grad``): every parameter of the optimizer that
 requires a gradient takes part in every step; one whose ``.grad`` is None on a worker
@@ -32,107 +41,26 @@ left. Parameters with ``requires_grad=False`` (frozen) never take part.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import inspect
-import typing
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from .. import comm as comm_lib
 from .. import consistency, seeds
-from ..errors import GradzipError
-from ..exchange import DEFAULT_BUCKET_BYTES, NonFiniteAggregate, PSync, Timings
 from ..compressors import Compressor
-from ..validation import is_int, is_real, require
+from ..double_sync import refuse_ddp_double_sync
+from ..errors import GradzipError
+from ..exchange import DEFAULT_BUCKET_BYTES, PSync, Timings
+from ..nonfinite import NONFINITE_POLICIES, NonFiniteGradient  # noqa: F401 (their names here too)
+from ..replicas import parameter_digest
+from ..validation import is_int, require
 from ..version import __version__
+from .guard import NonFiniteGuard
+from .options import (  # noqa: F401 (COMMON_OPTIONS, FLOAT32_MAX, method_options: also read from here)
+    COMMON_OPTIONS, FLOAT32_MAX, check_group, check_hyperparameters, method_options)
 
 
-#: Options every method takes; the rest of a method's keyword-only options are its own.
-COMMON_OPTIONS = ("lr", "comm", "momentum", "nesterov", "weight_decay", "seed", "bucket_bytes", "nonfinite")
-
-#: What a step does when some worker's gradient holds a NaN or Inf (see ``begin_step``).
-NONFINITE_POLICIES = ("raise", "skip", "off")
-
-
-#: The largest finite float32: a learning rate or decay above it overflows the update.
-FLOAT32_MAX = 3.4028234663852886e38
-
-
-def check_hyperparameters(method: str, lr, momentum, weight_decay, nesterov, where: str = "") -> None:
-    """The common hyper-parameters' checks (constructor, ``load_state_dict``,
-    ``add_param_group``); ``where`` prefixes the field, e.g. ``"param_groups[1]."``."""
-    require(is_real(lr) and 0 <= lr <= FLOAT32_MAX, method, f"{where}lr must be a finite number >= 0, got {lr!r}")
-    require(is_real(momentum) and 0.0 <= momentum < 1.0, method,
-            f"{where}momentum must be in [0, 1), got {momentum!r}")
-    require(is_real(weight_decay) and 0.0 <= weight_decay <= FLOAT32_MAX, method,
-            f"{where}weight_decay must be a finite number >= 0, got {weight_decay!r}")
-    require(isinstance(nesterov, bool), method, f"{where}nesterov must be True or False, got {nesterov!r}")
-    require(not nesterov or momentum > 0, method, f"{where}nesterov=True needs momentum > 0")
-
-
-def _check_group(method: str, group: dict, where: str) -> None:
-    check_hyperparameters(method, group.get("lr"), group.get("momentum"), group.get("weight_decay"),
-                          group.get("nesterov"), where)
-
-
-def parameter_digest(p: torch.Tensor) -> str:
-    """A digest of a tensor's bytes (its values, bit for bit): 16 hex digits of SHA-256."""
-    flat = p.detach().reshape(-1).contiguous().cpu()
-    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"").hexdigest()[:16]
-
-
-class NonFiniteGradient(GradzipError):
-    """A worker's gradient held a NaN or Inf (``nonfinite="raise"``): raised on that worker
-    before anything was compressed, sent or updated (its peers then stop with a
-    ``PeerFailure`` naming it). Also raised on every worker at once when an exchange decoded
-    a non-finite aggregate from finite gradients (a codec overflow), the step undone where
-    the method allows it (:meth:`DistributedOptimizer.irreversible`)."""
-
-
-class _SkipStep(Exception):
-    """Internal: ``begin_step`` decided (on every worker) to skip this step."""
-
-    def __init__(self, loss):
-        super().__init__()
-        self.loss = loss
-
-
-def _skippable(step):
-    """Wrap a method's ``step()`` so a step that :meth:`begin_step` skips returns its loss."""
-    @functools.wraps(step)
-    def guarded(self, closure=None):
-        try:
-            return step(self, closure)
-        except _SkipStep as skip:
-            return skip.loss
-        except NonFiniteAggregate as overflow:
-            return self._codec_overflow(overflow)
-    guarded.gradzip_skippable = True
-    return guarded
-
-
-def method_options(cls: type) -> dict[str, type]:
-    """A method's own keyword-only options and their types (int, float, bool or str), read
-    from its signature, so front ends (the CLI) need no per-method code."""
-    try:
-        hints = typing.get_type_hints(cls.__init__)
-    except Exception:  # an annotation that does not evaluate: fall back to the default's type
-        hints = {}
-    out = {}
-    for name, param in inspect.signature(cls.__init__).parameters.items():
-        if param.kind != param.KEYWORD_ONLY or name in COMMON_OPTIONS:
-            continue
-        kinds = typing.get_args(hints.get(name)) or (hints.get(name),)
-        simple = [k for k in (bool, int, float, str) if k in kinds]
-        if not simple and param.default is not None and param.default is not inspect.Parameter.empty:
-            simple = [type(param.default)]
-        out[name] = simple[0] if simple else str
-    return out
-
-
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
     """Base of every method. ``comm=None``: the default torch.distributed group when one is
     initialised, else a world of one."""
 
@@ -143,12 +71,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     #: step t run while step t+1 computes (OD-SGD, CD-SGD), so step t's update lands a step
     #: late and ``synchronize()`` waits for it. Part of the method's contract.
     overlaps_exchange: bool = False
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        step = cls.__dict__.get("step")
-        if step is not None and not getattr(step, "gradzip_skippable", False):
-            cls.step = _skippable(step)
 
     def __init__(self, params: Iterable, lr: float, *, comm: "comm_lib.Group | None" = None,
                  momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
@@ -174,8 +96,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._tracer = None
         self._exchanges: list[PSync] = []
         self._keys = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        self._undo: list[tuple[dict, str, Any]] | None = []  # see irreversible()
-        self._loss = None
+        self.start_undo_log()  # see NonFiniteGuard.irreversible()
 
     def add_param_group(self, param_group: dict) -> None:
         """As ``torch.optim.Optimizer.add_param_group`` (defaults filled in), with the
@@ -185,7 +106,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         where = f"param_groups[{len(self.param_groups) - 1}]."
         try:
-            _check_group(type(self).__name__, self.param_groups[-1], where)
+            check_group(type(self).__name__, self.param_groups[-1], where)
         except GradzipError:
             self.param_groups.pop()
             raise
@@ -218,93 +139,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def begin_step(self, closure: Callable[[], Any] | None):
         """What every ``step()`` starts with: evaluate the closure; on the first step,
-        compare settings across workers (:meth:`verify_consistent`); list the parameters
-        that take part (:meth:`params_with_grad`: missing gradients become zeros); check
-        every worker's gradients for NaN/Inf (``nonfinite``); count the step (from 1).
-        Returns ``(loss, pairs, params)`` with ``pairs`` the ``(group, param)`` of
-        :meth:`params_with_grad`. A skipped step leaves ``step()``
-        here (it returns the loss) with nothing changed but ``skipped_steps``."""
+        refuse DDP double communication and compare settings across workers
+        (:meth:`verify_consistent`); list the parameters that take part
+        (:meth:`params_with_grad`: missing gradients become zeros); check every worker's
+        gradients for NaN/Inf (``nonfinite``); count the step (from 1).
+
+        Returns ``(loss, pairs, params, skipped)``: ``pairs`` the ``(group, param)`` of
+        :meth:`params_with_grad`, ``params`` their parameters. ``skipped``: the workers
+        agreed to skip this step (``nonfinite="skip"``), with nothing changed but
+        ``skipped_steps``; ``step()`` then returns ``loss`` at once::
+
+            loss, pairs, params, skipped = self.begin_step(closure)
+            if skipped:
+                return loss
+        """
         loss = self._evaluate(closure)
         if not self._verified:
-            consistency.refuse_ddp_double_sync([p for g in self.param_groups for p in g["params"]], type(self).__name__)
+            refuse_ddp_double_sync(self._all_params(), type(self).__name__)
             self.verify_consistent()
         pairs = self.params_with_grad()
-        if self.nonfinite != "off" and not self._gradients_finite([p for _, p in pairs]):
+        params = [p for _, p in pairs]
+        if self.nonfinite != "off" and not self.gradients_finite(params):
             self.skipped_steps += 1
-            raise _SkipStep(loss)
+            return loss, pairs, params, True
         self.steps += 1
-        self._undo, self._loss = [], loss
-        return loss, pairs, [p for _, p in pairs]
-
-    def irreversible(self) -> None:
-        """Called by a ``step()`` before it changes the model or a residual ahead of an
-        exchange (local SGD's local step, CSER's error reset, CD-SGD's local update). Until
-        then a codec overflow (a non-finite decoded aggregate, the same on every worker)
-        under ``nonfinite="skip"`` skips the step exactly: the momentum buffers that
-        :meth:`local_direction` replaced are put back (methods keep every other change
-        until after their exchanges, or log it with :meth:`replaced`). After it, a codec
-        overflow raises under either policy."""
-        self._undo = None
-
-    def replaced(self, state: dict, key: str) -> None:
-        """Log ``state[key]`` before a step replaces it (with a new tensor, never in place),
-        so that a skipped step can put it back."""
-        if self._undo is not None:
-            self._undo.append((state, key, state.get(key)))
-
-    def _codec_overflow(self, overflow: NonFiniteAggregate):
-        """The step's exchange decoded a non-finite aggregate although every gradient was
-        finite: skip the step on every worker (``"skip"``, while it can be undone) or raise."""
-        name = type(self).__name__
-        undone = self._undo is not None
-        if undone:  # the step as if it never began (both policies)
-            for state, key, old in reversed(self._undo):
-                if old is None:
-                    state.pop(key, None)
-                else:
-                    state[key] = old
-            self._undo = []
-            self.steps -= 1
-        if self.nonfinite == "skip" and undone:
-            self.skipped_steps += 1
-            return self._loss
-        after = "" if self.nonfinite == "raise" else (
-            " (nonfinite='skip' cannot undo this method's step once it changed the model: raised instead)")
-        raise NonFiniteGradient(
-            f"{name} step {self.steps + undone}: {overflow}{after}. Lower the learning rate, clip "
-            "gradients or pick a codec with a wider range; or skip such steps on every worker with "
-            "nonfinite='skip' (CLI: --nonfinite skip)."
-        ) from overflow
-
-    def _gradients_finite(self, params: list[torch.Tensor]) -> bool:
-        """Whether this step may go on. ``"raise"``: this worker's gradients are checked
-        locally (no collective) and a NaN/Inf raises :class:`NonFiniteGradient` here, before
-        anything is sent; the peers then stop at their next collective with a
-        ``PeerFailure`` naming this rank. ``"skip"``: every worker must skip the same steps,
-        so the workers agree first (one control allgather of 8 bytes per worker per step)
-        and all skip if any worker's gradient is not finite."""
-        first_bad = -1
-        if params:
-            # a sum is finite iff every element is, unless it overflows: one fast pass, and an
-            # exact look only at tensors whose sum is not finite
-            sums = torch.stack([p.grad.detach().sum().float() for p in params])
-            if not bool(torch.isfinite(sums).all()):
-                first_bad = next((i for i, p in enumerate(params)
-                                  if not bool(torch.isfinite(p.grad).all())), -1)
-        if self.nonfinite == "raise":
-            if first_bad >= 0:
-                p = params[first_bad]
-                raise NonFiniteGradient(
-                    f"{type(self).__name__} step {self.steps + 1}: non-finite gradient (NaN or Inf) "
-                    f"on rank {self.comm.rank}, parameter #{first_bad} (shape {tuple(p.shape)}); "
-                    "stopped before anything was compressed, sent or updated. Lower the learning "
-                    "rate or clip gradients, or skip such steps on every worker with "
-                    "nonfinite='skip' (CLI: --nonfinite skip)."
-                )
-            return True
-        if self.comm.world_size > 1:
-            first_bad = max(self.comm.allgather_control(torch.tensor([first_bad])).reshape(-1).tolist())
-        return first_bad < 0
+        self.start_undo_log()
+        return loss, pairs, params, False
 
     def describe(self) -> dict[str, Any]:
         """The settings every worker of a group must share: method, version, world size,
@@ -459,7 +319,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "resume with as many workers as saved it"
             )
         for i, group in enumerate(state_dict.get("param_groups", [])):
-            _check_group(name, group, f"param_groups[{i}].")
+            check_group(name, group, f"param_groups[{i}].")
         super().load_state_dict(state_dict)   # torch's own checks (group sizes) first
         self.steps = int(extra["steps"])
         self.skipped_steps = int(extra.get("skipped_steps", 0))

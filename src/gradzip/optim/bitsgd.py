@@ -6,12 +6,13 @@ import math
 import torch
 
 from ..compressors import build
+from ..nonfinite import NonFiniteAggregate
 from ..validation import is_real, require
 from .base import DistributedOptimizer
 
 
 class BitSGD(DistributedOptimizer):
-    """BIT-SGD (spec, "Methods: BIT-SGD"; the baseline of the CD-SGD papers)::
+    """BIT-SGD (docs/algorithms.md §BIT-SGD; the baseline of the CD-SGD papers)::
 
         p_i = e_i + g_i;   q_i = 2bit_t(p_i);   e_i = p_i − q_i
         x ← GlobalOpt(x, mean_j q_j)     # momentum SGD + weight decay, after the reduction
@@ -21,7 +22,7 @@ class BitSGD(DistributedOptimizer):
     learning rate, weight decay and momentum act on the aggregate, identically on every
     worker, so the model stays bitwise identical. It is CD-SGD without the local update
     and without the k-step correction. ``threshold`` is compared with *mean* gradients
-    (MXNet compares 0.5 with batch-summed ones); see ``gradzip.compressors.threshold2bit``.
+    (MXNet compares 0.5 with batch-summed ones); see docs/algorithms.md §codec: 2bit.
     """
 
     def __init__(self, params, lr, *, threshold: float | None = None, **kwargs):
@@ -34,13 +35,18 @@ class BitSGD(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss, pairs, params = self.begin_step(closure)
-        carried = []
-        for _, p in pairs:
-            residual = self.state[p].get("residual")
-            carried.append(p.grad.clone() if residual is None else residual + p.grad)
-        result = self.psync(carried, self.steps, keys=self.keys(params))
-        for (group, p), agg, res in zip(pairs, result.aggregate, result.residual):
-            self.state[p]["residual"] = res
-            self.global_update(p, agg, group)
+        loss, pairs, params, skipped = self.begin_step(closure)
+        if skipped:
+            return loss
+        try:
+            carried = []
+            for _, p in pairs:
+                residual = self.state[p].get("residual")
+                carried.append(p.grad.clone() if residual is None else residual + p.grad)
+            result = self.psync(carried, self.steps, keys=self.keys(params))
+            for (group, p), agg, res in zip(pairs, result.aggregate, result.residual):
+                self.state[p]["residual"] = res
+                self.global_update(p, agg, group)
+        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
+            return self.codec_overflow(overflow, loss)
         return loss

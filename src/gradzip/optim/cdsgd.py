@@ -1,6 +1,6 @@
 """CD-SGD / CP-SGD and OD-SGD: a local update now, the exchange in the background.
 
-Spec, "Methods: OD-SGD" and "CD-SGD / CP-SGD". Every worker keeps the global model ``W``
+docs/algorithms.md §OD-SGD and §CD-SGD / CP-SGD. Every worker keeps the global model ``W``
 (``state[p]["global_model"]``, identical on all workers: each applies the same aggregated
 step, so no pull is needed) and its local model ``w_i``, which the user's module holds
 between steps. After ``warmup_steps`` of plain S-SGD, ``W = w_i`` and each step ``t``
@@ -21,7 +21,7 @@ synchronously: timing changes, numbers do not. On CUDA the background work runs 
 stream.
 
 ``k = 1`` is OD-SGD exactly (every step full precision), and :class:`ODSGD` is that.
-``local_lr`` defaults to ``lr / world_size`` (the spec maps the authors' η_l to ours); with
+``local_lr`` defaults to ``lr / world_size`` (§OD-SGD maps the authors' η_l to ours); with
 an LR scheduler the default follows the current ``lr``.
 
 **Hyper-parameters are read when step t is submitted**, not when its background exchange
@@ -46,6 +46,7 @@ import torch
 
 from ..compressors import build
 from ..exchange import Timings
+from ..nonfinite import NonFiniteAggregate
 from ..trace import maybe_span
 from ..validation import is_int, is_real, require
 from .base import DistributedOptimizer
@@ -86,23 +87,28 @@ class CDSGD(DistributedOptimizer):
     # -- the algorithm box ---------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        loss, pairs, _ = self.begin_step(closure)
-        if self.steps <= self.warmup_steps:  # plain S-SGD, momentum after the reduction
-            self._exchange(pairs, [p.grad for _, p in pairs], self.full, self.steps, globals_=None)
+        loss, pairs, params, skipped = self.begin_step(closure)
+        if skipped:
             return loss
-        self.irreversible()                                     # step t-1's update and this local update
-        self.synchronize()                                      # W_t is ready
-        pairs = _hyperparameters_now(pairs)                     # step t's lr, momentum, ... (not t+1's)
-        grads = [p.grad.clone() for _, p in pairs]              # G_i (the next backward overwrites p.grad)
-        models = [self._global_model(p) for _, p in pairs]
-        for (group, p), w, g in zip(pairs, models, grads):      # w_i ← W_t − η_l G_i
-            p.copy_(w).add_(g, alpha=-self._local_lr(group))
-        t = self.steps - self.warmup_steps
-        psync = self.full if t % self.k == 0 else self.compressed
-        if self._pool is None:
-            self._exchange(pairs, grads, psync, t, models)
-        else:
-            self._pending = self._pool.submit(self._background, pairs, grads, psync, t, models)
+        try:
+            if self.steps <= self.warmup_steps:  # plain S-SGD, momentum after the reduction
+                self._exchange(pairs, [p.grad for _, p in pairs], self.full, self.steps, globals_=None)
+                return loss
+            self.irreversible()                                     # step t-1's update and this local update
+            self.synchronize()                                      # W_t is ready
+            pairs = _hyperparameters_now(pairs)                     # step t's lr, momentum, ... (not t+1's)
+            grads = [p.grad.clone() for _, p in pairs]              # G_i (the next backward overwrites p.grad)
+            models = [self._global_model(p) for _, p in pairs]
+            for (group, p), w, g in zip(pairs, models, grads):      # w_i ← W_t − η_l G_i
+                p.copy_(w).add_(g, alpha=-self._local_lr(group))
+            t = self.steps - self.warmup_steps
+            psync = self.full if t % self.k == 0 else self.compressed
+            if self._pool is None:
+                self._exchange(pairs, grads, psync, t, models)
+            else:
+                self._pending = self._pool.submit(self._background, pairs, grads, psync, t, models)
+        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
+            return self.codec_overflow(overflow, loss)
         return loss
 
     def _exchange(self, pairs, grads, psync, t, globals_) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 import torch
 
 from ..compressors import Compressor
+from ..nonfinite import NonFiniteAggregate
 from .base import DistributedOptimizer
 from .ratios import DEFAULT_RC, codec_for_ratio, single_codec
 
 
 class CSEA(DistributedOptimizer):
-    """CSEA (CSER slides Alg. 4 and 7; spec "Methods: CSEA")::
+    """CSEA (CSER slides Alg. 4 and 7; docs/algorithms.md §CSEA)::
 
         p_i = e_i − η d_i
         (p'_i, e_new) = PSync(p_i; C1)          # p'_i = mean_j C1(p_j) + e_new
@@ -35,17 +36,22 @@ class CSEA(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss, pairs, params = self.begin_step(closure)
-        errors, proposals = [], []
-        for group, p in pairs:
-            d = self.local_direction(p, group)
-            e = self.state[p].get("error")
-            errors.append(e)
-            proposals.append(d.mul_(-group["lr"]) if e is None else e.sub(d, alpha=group["lr"]))  # p = e − η d
-        res = self.psync(proposals, self.steps, keys=self.keys(params))
-        for p, e, agg, r in zip(params, errors, res.aggregate, res.residual):
-            if e is not None:
-                p.sub_(e)                                        # x ← x − e + p'
-            p.add_(agg).add_(r)
-            self.state[p]["error"] = r                           # e ← e_new
+        loss, pairs, params, skipped = self.begin_step(closure)
+        if skipped:
+            return loss
+        try:
+            errors, proposals = [], []
+            for group, p in pairs:
+                d = self.local_direction(p, group)
+                e = self.state[p].get("error")
+                errors.append(e)
+                proposals.append(d.mul_(-group["lr"]) if e is None else e.sub(d, alpha=group["lr"]))  # p = e − η d
+            res = self.psync(proposals, self.steps, keys=self.keys(params))
+            for p, e, agg, r in zip(params, errors, res.aggregate, res.residual):
+                if e is not None:
+                    p.sub_(e)                                        # x ← x − e + p'
+                p.add_(agg).add_(r)
+                self.state[p]["error"] = r                           # e ← e_new
+        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
+            return self.codec_overflow(overflow, loss)
         return loss

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from ..compressors import Compressor
+from ..nonfinite import NonFiniteAggregate
 from ..validation import require
 from .base import DistributedOptimizer
-from .localsgd import check_period
-from .ratios import DEFAULT_RC, check_rc, derive_cser, derive_periodic, is_auto
+from .ratios import DEFAULT_RC, check_period, check_rc, derive_cser, derive_periodic, is_auto
 
 
 def _is_zero(value) -> bool:
@@ -18,7 +18,7 @@ def _is_zero(value) -> bool:
 
 
 class CSER(DistributedOptimizer):
-    """CSER (CSER slides Alg. 6; spec "Methods: CSER"): error reset plus gradient partial
+    """CSER (CSER slides Alg. 6; docs/algorithms.md §CSER): error reset plus gradient partial
     synchronisation. ``c2`` is the gradient codec (every step), ``c1`` the error codec
     (every ``H`` steps)::
 
@@ -79,26 +79,31 @@ class CSER(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss, pairs, params = self.begin_step(closure)
-        keys = self.keys(params)
-        directions = [self.local_direction(p, group) for group, p in pairs]
-        errors = [self._error(p) for p in params]
-        if self.psync2 is None:                                  # C2 ≡ 0: g' = d, r = d
-            self.irreversible()
-            for (group, p), d, e in zip(pairs, directions, errors):
-                p.sub_(d, alpha=group["lr"])
-                e.sub_(d, alpha=group["lr"])
-        else:                                                    # gradient partial sync
-            res = self.psync2(directions, self.steps, keys=keys)
-            self.irreversible()                                  # model and error change before C1
-            for (group, p), agg, r, e in zip(pairs, res.aggregate, res.residual, errors):
-                p.sub_(agg.add(r), alpha=group["lr"])           # x ← x − η g'
-                e.sub_(r, alpha=group["lr"])                    # e ← e − η r
-        if self.steps % self.H == 0:                             # error reset
-            res = self.psync1(errors, self.steps, keys=keys)
-            for p, e, agg, r in zip(params, errors, res.aggregate, res.residual):
-                p.sub_(e).add_(agg).add_(r)                      # x ← x − e + e'
-                e.copy_(r)                                       # e ← e_new
+        loss, pairs, params, skipped = self.begin_step(closure)
+        if skipped:
+            return loss
+        try:
+            keys = self.keys(params)
+            directions = [self.local_direction(p, group) for group, p in pairs]
+            errors = [self._error(p) for p in params]
+            if self.psync2 is None:                                  # C2 ≡ 0: g' = d, r = d
+                self.irreversible()
+                for (group, p), d, e in zip(pairs, directions, errors):
+                    p.sub_(d, alpha=group["lr"])
+                    e.sub_(d, alpha=group["lr"])
+            else:                                                    # gradient partial sync
+                res = self.psync2(directions, self.steps, keys=keys)
+                self.irreversible()                                  # model and error change before C1
+                for (group, p), agg, r, e in zip(pairs, res.aggregate, res.residual, errors):
+                    p.sub_(agg.add(r), alpha=group["lr"])           # x ← x − η g'
+                    e.sub_(r, alpha=group["lr"])                    # e ← e − η r
+            if self.steps % self.H == 0:                             # error reset
+                res = self.psync1(errors, self.steps, keys=keys)
+                for p, e, agg, r in zip(params, errors, res.aggregate, res.residual):
+                    p.sub_(e).add_(agg).add_(r)                      # x ← x − e + e'
+                    e.copy_(r)                                       # e ← e_new
+        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
+            return self.codec_overflow(overflow, loss)
         return loss
 
     def metrics(self) -> dict[str, float]:
@@ -106,7 +111,7 @@ class CSER(DistributedOptimizer):
 
 
 class CSERPL(CSER):
-    """CSER-PL, partial local SGD (CSER slides; spec "Methods: CSER", C2 = 0)::
+    """CSER-PL, partial local SGD (CSER slides; docs/algorithms.md §CSER-PL)::
 
         x_i ← x_i − η d_i;   e_i ← e_i − η d_i
         if t mod H == 0:  (e', e_new) = PSync(e_i; C1);  x_i ← x_i − e_i + e';  e_i ← e_new

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..compressors.dgc import DGCCompressor, selected_indices
+from ..nonfinite import NonFiniteAggregate
 from ..validation import is_int, is_real, require
 from .base import DistributedOptimizer
 
@@ -13,7 +14,7 @@ WARMUP_STAGES = 4
 
 
 class DGC(DistributedOptimizer):
-    """DGC (spec, "Methods: DGC"; reference code synxlin/deep-gradient-compression).
+    """DGC (docs/algorithms.md §DGC; reference code synxlin/deep-gradient-compression).
 
     For each tensor with more than one dimension::
 
@@ -95,60 +96,84 @@ class DGC(DistributedOptimizer):
     # -- the box --------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        loss, pairs, _ = self.begin_step(closure)
-        t = self.steps
-        rho, scale = self.density(t), self.lr_scale(t)
-        grads = {p: p.grad for _, p in pairs}
-        if self.clip_norm > 0 and pairs:                       # local clipping, n^-1/2
-            limit = self.clip_norm * self.comm.world_size ** -0.5
-            total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
-            factor = limit / (float(total) + 1e-6)
-            if factor < 1:
-                grads = {p: g * factor for p, g in grads.items()}
-        sparse = [(g, p) for g, p in pairs if p.dim() > 1 and rho < 1]
-        dense = [(g, p) for g, p in pairs if not (p.dim() > 1 and rho < 1)]
-
-        pending_sparse = None
-        if sparse:
-            carried = []
-            for group, p in sparse:
-                st = self.state[p]
-                self.replaced(st, "u")                           # new tensors: a skipped step
-                self.replaced(st, "v")                           # puts the old ones back
-                u = st["u"] if "u" in st else torch.zeros_like(p)
-                v = st["v"] if "v" in st else torch.zeros_like(p)
-                st["u"] = u.mul(group["momentum"]).add_(grads[p])   # momentum correction
-                st["v"] = v.add(st["u"])
-                carried.append(st["v"])
-            psync = self._psync_for(rho)
-            pending_sparse = psync.start(carried, t, keys=self.keys([p for _, p in sparse]))
-        pending_dense = self.dense.start([grads[p] for _, p in dense], t,
-                                         keys=self.keys([p for _, p in dense]), residual=False) if dense else None
-
-        # both exchanges decoded before anything is applied (an overflow leaves the step undone)
-        result = pending_sparse.wait() if pending_sparse is not None else None
-        dense_result = pending_dense.wait() if pending_dense is not None else None
-        if pending_sparse is not None:
-            selected = entries = 0
-            for (group, p), packet, agg, res in zip(sparse, pending_sparse.packets, result.aggregate, result.residual):
-                st = self.state[p]
-                idx = selected_indices(packet)
-                st["u"].view(-1).index_fill_(0, idx, 0.0)      # momentum factor masking
-                st["v"].copy_(res)                              # v − C(v): zero exactly at select
-                selected += idx.numel()
-                entries += p.numel()
-                update = agg.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else agg
-                p.add_(update, alpha=-group["lr"] * scale)
-            self._selected, self._entries = selected, entries
-            self._selected_total += selected
-            self._entries_total += entries
-            self._target_sum += rho
-            self._target_steps += 1
-        if dense_result is not None:
-            for (group, p), agg in zip(dense, dense_result.aggregate):
-                direction = self._momentum(self.state[p], "global_momentum_buffer", agg, p, group)
-                p.add_(direction, alpha=-group["lr"] * scale)
+        loss, pairs, params, skipped = self.begin_step(closure)
+        if skipped:
+            return loss
+        try:
+            t = self.steps
+            rho, scale = self.density(t), self.lr_scale(t)
+            grads = self._clipped({p: p.grad for _, p in pairs})   # [g_i ← clip(g_i, clip_norm·n^-1/2)]
+            sparse, dense = self._partition(pairs, rho)
+            sparse_round = self._send_top_k(sparse, grads, rho, t) if sparse else None
+            dense_round = self.dense.start([grads[p] for _, p in dense], t, keys=self.keys([p for _, p in dense]),
+                                           residual=False) if dense else None
+            # both exchanges decoded before anything is applied (an overflow leaves the step undone)
+            sparse_result, dense_result = _wait_both(sparse_round, dense_round)
+            if sparse_round is not None:
+                selected = self._mask_and_apply(sparse, sparse_round.packets, sparse_result, scale)
+                self._record_density(selected, sum(p.numel() for _, p in sparse), rho)
+            if dense_result is not None:                           # S-SGD, momentum after the reduction
+                for (group, p), agg in zip(dense, dense_result.aggregate):
+                    direction = self._momentum(self.state[p], "global_momentum_buffer", agg, p, group)
+                    p.add_(direction, alpha=-group["lr"] * scale)
+        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
+            return self.codec_overflow(overflow, loss)
         return loss
+
+    # -- the box's named steps ------------------------------------------------------------
+    def _clipped(self, grads: dict) -> dict:
+        """Local gradient clipping (``clip_norm > 0``): every gradient scaled by
+        ``clip_norm · n^-1/2 / ‖g‖`` when this worker's total norm exceeds it; else as given."""
+        if self.clip_norm <= 0 or not grads:
+            return grads
+        limit = self.clip_norm * self.comm.world_size ** -0.5
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
+        factor = limit / (float(total) + 1e-6)
+        return {p: g * factor for p, g in grads.items()} if factor < 1 else grads
+
+    @staticmethod
+    def _partition(pairs: list, rho: float) -> tuple[list, list]:
+        """``(sparse, dense)``: tensors with more than one dimension follow the box while the
+        density is below 1; the rest (biases, norms; everything at density 1) go dense."""
+        goes_sparse = [p.dim() > 1 and rho < 1 for _, p in pairs]
+        return ([gp for gp, s in zip(pairs, goes_sparse) if s], [gp for gp, s in zip(pairs, goes_sparse) if not s])
+
+    def _send_top_k(self, sparse: list, grads: dict, rho: float, t: int):
+        """``u ← m·u + g;  v ← v + u`` (momentum correction, new tensors logged for a skipped
+        step), then start the exchange of ``v``'s sampled top-k at density ``rho``."""
+        carried = []
+        for group, p in sparse:
+            st = self.state[p]
+            self.replaced(st, "u")                           # new tensors: a skipped step
+            self.replaced(st, "v")                           # puts the old ones back
+            u = st["u"] if "u" in st else torch.zeros_like(p)
+            v = st["v"] if "v" in st else torch.zeros_like(p)
+            st["u"] = u.mul(group["momentum"]).add_(grads[p])   # momentum correction
+            st["v"] = v.add(st["u"])
+            carried.append(st["v"])
+        return self._psync_for(rho).start(carried, t, keys=self.keys([p for _, p in sparse]))
+
+    def _mask_and_apply(self, sparse: list, packets, result, scale: float) -> int:
+        """``u[select] = 0; v[select] = 0`` (momentum factor masking) and ``x ← x − η_t (G +
+        wd·x)``; returns how many entries were selected."""
+        selected = 0
+        for (group, p), packet, agg, res in zip(sparse, packets, result.aggregate, result.residual):
+            st = self.state[p]
+            idx = selected_indices(packet)
+            st["u"].view(-1).index_fill_(0, idx, 0.0)      # momentum factor masking
+            st["v"].copy_(res)                              # v − C(v): zero exactly at select
+            selected += idx.numel()
+            update = agg.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else agg
+            p.add_(update, alpha=-group["lr"] * scale)
+        return selected
+
+    def _record_density(self, selected: int, entries: int, rho: float) -> None:
+        """The achieved and target densities of this step, for :meth:`metrics`."""
+        self._selected, self._entries = selected, entries
+        self._selected_total += selected
+        self._entries_total += entries
+        self._target_sum += rho
+        self._target_steps += 1
 
     # -- reporting / state ------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -176,3 +201,21 @@ class DGC(DistributedOptimizer):
             self._selected, self._entries = extra["selected"], extra["entries"]
             self._selected_total, self._entries_total = extra["selected_total"], extra["entries_total"]
             self._target_sum, self._target_steps = extra["target_sum"], extra["target_steps"]
+
+
+def _wait_both(first, second) -> tuple:
+    """The results of two pending exchanges (None: not started). Both are waited for even
+    when the first decodes a non-finite aggregate, whose error is raised after: a worker must
+    not leave while a peer may still be starting the second collective (the peer would see
+    it gone instead of the overflow that every worker raises)."""
+    try:
+        first_result = first.wait() if first is not None else None
+    except NonFiniteAggregate:
+        if second is not None:
+            try:
+                second.wait()
+            except NonFiniteAggregate:
+                pass  # the first exchange's overflow is the one named
+        raise
+    return first_result, second.wait() if second is not None else None
+

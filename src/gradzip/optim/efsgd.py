@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..nonfinite import NonFiniteAggregate
 from .base import DistributedOptimizer
 from .ratios import single_codec
 
@@ -10,7 +11,7 @@ DEFAULT_CODEC = "topk:ratio=0.01"
 
 
 class EFSGD(DistributedOptimizer):
-    """EF-SGD (Karimireddy et al. 2019; CSER slides Alg. 2; spec "Methods: EF-SGD")::
+    """EF-SGD (Karimireddy et al. 2019; CSER slides Alg. 2; docs/algorithms.md §EF-SGD)::
 
         p_i = e_i + η d_i;   p'_i = C(p_i);   e_i = p_i − p'_i;   x ← x − mean_j p'_j
 
@@ -32,14 +33,19 @@ class EFSGD(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss, pairs, params = self.begin_step(closure)
-        corrected = []
-        for group, p in pairs:
-            d = self.local_direction(p, group)
-            error = self.state[p].get("error")
-            corrected.append(d.mul_(group["lr"]) if error is None else error.add(d, alpha=group["lr"]))
-        result = self.psync(corrected, self.steps, keys=self.keys(params))
-        for p, agg, err in zip(params, result.aggregate, result.residual):
-            self.state[p]["error"] = err
-            p.sub_(agg)
+        loss, pairs, params, skipped = self.begin_step(closure)
+        if skipped:
+            return loss
+        try:
+            corrected = []
+            for group, p in pairs:
+                d = self.local_direction(p, group)
+                error = self.state[p].get("error")
+                corrected.append(d.mul_(group["lr"]) if error is None else error.add(d, alpha=group["lr"]))
+            result = self.psync(corrected, self.steps, keys=self.keys(params))
+            for p, agg, err in zip(params, result.aggregate, result.residual):
+                self.state[p]["error"] = err
+                p.sub_(agg)
+        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
+            return self.codec_overflow(overflow, loss)
         return loss

@@ -3,19 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from ..validation import is_int, require
+from ..nonfinite import NonFiniteAggregate
 from .base import DistributedOptimizer
-
-
-def check_period(method: str, H) -> int:
-    """``H`` must be an integer >= 1 (steps H, 2H, ... synchronise)."""
-    require(is_int(H) and H >= 1, method,
-            f"H (the synchronisation period, in steps) must be an integer >= 1, got {H!r}")
-    return H
+from .ratios import check_period
 
 
 class LocalSGD(DistributedOptimizer):
-    """Local SGD / periodic model averaging (spec, "Methods: Local SGD")::
+    """Local SGD / periodic model averaging (docs/algorithms.md §Local SGD)::
 
         x_i ← x_i − η d_i                 # local step (d_i: gradient, weight decay, local momentum)
         if t mod H == 0:  x_i ← mean_j x_j
@@ -36,15 +30,19 @@ class LocalSGD(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss, pairs, _ = self.begin_step(closure)
-        self.irreversible()  # the local step changes the model before the averaging
-        for group, p in pairs:
-            p.sub_(self.local_direction(p, group), alpha=group["lr"])
-        if self.steps % self.H == 0:
-            params = [p for _, p in pairs]
-            result = self.psync(params, self.steps, keys=self.keys(params), residual=False)
-            for p, mean in zip(params, result.aggregate):
-                p.copy_(mean)
+        loss, pairs, params, skipped = self.begin_step(closure)
+        if skipped:
+            return loss
+        try:
+            self.irreversible()  # the local step changes the model before the averaging
+            for group, p in pairs:
+                p.sub_(self.local_direction(p, group), alpha=group["lr"])
+            if self.steps % self.H == 0:
+                result = self.psync(params, self.steps, keys=self.keys(params), residual=False)
+                for p, mean in zip(params, result.aggregate):
+                    p.copy_(mean)
+        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
+            return self.codec_overflow(overflow, loss)
         return loss
 
     def metrics(self) -> dict[str, float]:

@@ -6,13 +6,14 @@ from collections import defaultdict
 import torch
 
 from ..compressors.powersgd import effective_rank, matrix_shape, orthogonalize, random_q, should_compress
+from ..nonfinite import NonFiniteAggregate
 from ..seeds import mix as mix_seed
 from ..validation import is_int, is_real, require
 from .base import DistributedOptimizer
 
 
 class PowerSGD(DistributedOptimizer):
-    """PowerSGD (spec, "Methods: PowerSGD"; PyTorch ``powerSGD_hook``; epfml/powersgd).
+    """PowerSGD (docs/algorithms.md §PowerSGD; PyTorch ``powerSGD_hook``; epfml/powersgd).
 
     Per matrix-shaped parameter tensor (``rows = shape[0]``, ``cols`` = the rest), rank
     ``r' = min(rank, rows, cols)``, with a ``Q`` shared by all workers::
@@ -48,7 +49,7 @@ class PowerSGD(DistributedOptimizer):
       removes again, so ``P̂`` is the same in exact arithmetic (only rounding differs);
     * PyTorch also keeps an "error" for the dense tensors of a bucket (``M − mean_j M_j``,
       which sums to zero over the workers); here the dense tensors carry no error;
-    * momentum and weight decay act on the reduced gradient here (the spec); with DDP they
+    * momentum and weight decay act on the reduced gradient here (§Momentum and weight decay); with DDP they
       are whatever optimizer runs after the hook.
     """
 
@@ -98,50 +99,75 @@ class PowerSGD(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss, pairs, _ = self.begin_step(closure)
-        t = self.steps
+        loss, pairs, params, skipped = self.begin_step(closure)
+        if skipped:
+            return loss
+        try:
+            t = self.steps
+            low_rank, dense = self._partition(pairs, t)
+            dense_round = self.dense.start([p.grad for _, p in dense], t, residual=False) if dense else None
+            if low_rank:
+                batches = self._batches(low_rank)                    # one bmm per shape
+                ms, qs = self._matrices(batches, t)                  # M = g + e;  Q (warm or fresh)
+                ps = [torch.bmm(m, q) for m, q in zip(ms, qs)]       # P = M Q
+                p_mean = self.p_round([p.reshape(-1) for p in ps], t, residual=False).aggregate
+                ps = [orthogonalize(pm.view_as(p).clone(), self.epsilon) for pm, p in zip(p_mean, ps)]  # P̂
+                qs = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(ms, ps)]                 # Q = Mᵀ P̂
+                q_mean = self.q_round([q.reshape(-1) for q in qs], t, residual=False).aggregate
+            dense_mean = dense_round.wait().aggregate if dense_round is not None else []
+            # every exchange decoded before anything is applied (an overflow leaves the step undone)
+            if low_rank:
+                self._apply_low_rank(batches, ms, ps, [qm.view_as(q) for qm, q in zip(q_mean, qs)])
+            for (group, p), agg in zip(dense, dense_mean):
+                self.global_update(p, agg, group)
+        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
+            return self.codec_overflow(overflow, loss)
+        return loss
+
+    # -- the box's named steps ------------------------------------------------------------
+    def _partition(self, pairs: list, t: int) -> tuple[list, list]:
+        """``(low_rank, dense)``: after ``start_iter`` steps, the tensors worth compressing
+        (``should_compress``, PyTorch's rule) go low-rank; the rest go dense."""
         compress = t > self.start_iter
         low_rank = [(g, p) for g, p in pairs
                     if compress and should_compress(p.shape, self.rank, self.min_compression_rate)]
         chosen = {p for _, p in low_rank}
-        dense = [(g, p) for g, p in pairs if p not in chosen]
-        pending_dense = self.dense.start([p.grad for _, p in dense], t, residual=False) if dense else None
+        return low_rank, [(g, p) for g, p in pairs if p not in chosen]
 
-        if low_rank:
-            # M = g + e, batched by shape: (batch, rows, cols), Q: (batch, cols, r)
-            batches: dict[tuple, list] = defaultdict(list)
-            for group, p in low_rank:
-                batches[(*matrix_shape(p.shape), effective_rank(p.shape, self.rank))].append((group, p))
-            ms, qs = [], []
-            for (rows, cols, r), members in batches.items():
-                mats, qlist = [], []
-                for _, p in members:
-                    st = self.state[p]
-                    m = p.grad.reshape(rows, cols).to(torch.promote_types(p.dtype, torch.float32))
-                    if self.use_error_feedback and "error" in st:
-                        m = m + st["error"].view(rows, cols)
-                    mats.append(m)
-                    q = st.get("q") if self.warm_start else None
-                    qlist.append(q if q is not None else self._initial_q(p, cols, r, t))
-                ms.append(torch.stack(mats))
-                qs.append(torch.stack(qlist))
-            ps = [torch.bmm(m, q) for m, q in zip(ms, qs)]
-            p_mean = self.p_round([p.reshape(-1) for p in ps], t, residual=False).aggregate
-            ps = [orthogonalize(pm.view_as(p).clone(), self.epsilon) for pm, p in zip(p_mean, ps)]
-            qs = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(ms, ps)]
-            q_mean = self.q_round([q.reshape(-1) for q in qs], t, residual=False).aggregate
-        dense_mean = pending_dense.wait().aggregate if pending_dense is not None else []
-        if low_rank:  # every exchange decoded before anything is applied (an overflow leaves the step undone)
-            for ((rows, cols, r), members), m, p_hat, qm, q in zip(batches.items(), ms, ps, q_mean, qs):
-                q_new = qm.view_as(q)
-                approx = torch.bmm(p_hat, q_new.transpose(1, 2))
-                for i, (group, p) in enumerate(members):
-                    st = self.state[p]
-                    if self.use_error_feedback:
-                        st["error"] = (m[i] - approx[i]).reshape(p.shape)
-                    if self.warm_start:
-                        st["q"] = q_new[i].clone()
-                    self.global_update(p, approx[i].reshape(p.shape).to(p.dtype), group)
-        for (group, p), agg in zip(dense, dense_mean):
-            self.global_update(p, agg, group)
-        return loss
+    def _batches(self, low_rank: list) -> dict[tuple, list]:
+        """``(rows, cols, r') -> [(group, p), ...]``: tensors of one matrix shape and rank,
+        batched so that each product is one ``bmm``."""
+        batches: dict[tuple, list] = defaultdict(list)
+        for group, p in low_rank:
+            batches[(*matrix_shape(p.shape), effective_rank(p.shape, self.rank))].append((group, p))
+        return batches
+
+    def _matrices(self, batches: dict[tuple, list], t: int) -> tuple[list, list]:
+        """Per batch, ``M = g + e`` stacked as ``(batch, rows, cols)`` and ``Q`` as ``(batch,
+        cols, r')``: the previous step's (``warm_start``) or a fresh draw (:meth:`_initial_q`)."""
+        ms, qs = [], []
+        for (rows, cols, r), members in batches.items():
+            mats, qlist = [], []
+            for _, p in members:
+                st = self.state[p]
+                m = p.grad.reshape(rows, cols).to(torch.promote_types(p.dtype, torch.float32))
+                if self.use_error_feedback and "error" in st:
+                    m = m + st["error"].view(rows, cols)
+                mats.append(m)
+                q = st.get("q") if self.warm_start else None
+                qlist.append(q if q is not None else self._initial_q(p, cols, r, t))
+            ms.append(torch.stack(mats))
+            qs.append(torch.stack(qlist))
+        return ms, qs
+
+    def _apply_low_rank(self, batches: dict[tuple, list], ms: list, p_hats: list, q_news: list) -> None:
+        """``M̂ = P̂ Qᵀ;  e = M − M̂;  x ← GlobalOpt(x, M̂)``, keeping ``Q`` for a warm start."""
+        for members, m, p_hat, q_new in zip(batches.values(), ms, p_hats, q_news):
+            approx = torch.bmm(p_hat, q_new.transpose(1, 2))
+            for i, (group, p) in enumerate(members):
+                st = self.state[p]
+                if self.use_error_feedback:
+                    st["error"] = (m[i] - approx[i]).reshape(p.shape)
+                if self.warm_start:
+                    st["q"] = q_new[i].clone()
+                self.global_update(p, approx[i].reshape(p.shape).to(p.dtype), group)

@@ -4,15 +4,15 @@ from __future__ import annotations
 import torch
 
 from ..compressors import Compressor
+from ..nonfinite import NonFiniteAggregate
 from ..validation import require
 from .base import DistributedOptimizer
-from .localsgd import check_period
-from .ratios import DEFAULT_RC, check_rc, derive_periodic, is_auto
+from .ratios import DEFAULT_RC, check_period, check_rc, derive_periodic, is_auto
 
 
 class QSparseLocalSGD(DistributedOptimizer):
-    """QSparse-local-SGD (Basu et al. 2019; CSER slides Alg. 3; spec "Methods:
-    QSparse-local-SGD")::
+    """QSparse-local-SGD (Basu et al. 2019; CSER slides Alg. 3; docs/algorithms.md
+    §QSparse-local-SGD)::
 
         x_i ← x_i − η d_i                       # local step
         if t mod H == 0:
@@ -49,26 +49,30 @@ class QSparseLocalSGD(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss, pairs, _ = self.begin_step(closure)
-        self.irreversible()  # the local step changes the model before the synchronisation
-        for group, p in pairs:
-            state = self.state[p]
-            if "synced" not in state:
-                state["synced"] = p.detach().clone()
-            p.sub_(self.local_direction(p, group), alpha=group["lr"])   # local step
-        if self.steps % self.H == 0:
-            params = [p for _, p in pairs]
-            diffs = []
-            for p in params:
+        loss, pairs, params, skipped = self.begin_step(closure)
+        if skipped:
+            return loss
+        try:
+            self.irreversible()  # the local step changes the model before the synchronisation
+            for group, p in pairs:
                 state = self.state[p]
-                diff = p - state["synced"]
-                diffs.append(diff.add_(state["error"]) if "error" in state else diff)  # p = e + x − x̂
-            res = self.psync(diffs, self.steps, keys=self.keys(params))
-            for p, agg, r in zip(params, res.aggregate, res.residual):
-                state = self.state[p]
-                state["error"] = r                                      # e = p − C(p)
-                state["synced"].add_(agg)                               # x̂ ← x̂ + mean_j C(p_j)
-                p.copy_(state["synced"])                                # x_i ← x̂
+                if "synced" not in state:
+                    state["synced"] = p.detach().clone()
+                p.sub_(self.local_direction(p, group), alpha=group["lr"])   # local step
+            if self.steps % self.H == 0:
+                diffs = []
+                for p in params:
+                    state = self.state[p]
+                    diff = p - state["synced"]
+                    diffs.append(diff.add_(state["error"]) if "error" in state else diff)  # p = e + x − x̂
+                res = self.psync(diffs, self.steps, keys=self.keys(params))
+                for p, agg, r in zip(params, res.aggregate, res.residual):
+                    state = self.state[p]
+                    state["error"] = r                                      # e = p − C(p)
+                    state["synced"].add_(agg)                               # x̂ ← x̂ + mean_j C(p_j)
+                    p.copy_(state["synced"])                                # x_i ← x̂
+        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
+            return self.codec_overflow(overflow, loss)
         return loss
 
     def metrics(self) -> dict[str, float]:

@@ -1,19 +1,15 @@
 """Compression ratios of the CSER family: from a target overall ratio ``rc`` to codecs and
-a period (CSER, CSER-PL, CSEA, EF-SGD and QSparse-local-SGD use it).
+a period (CSER, CSER-PL, CSEA, EF-SGD and QSparse-local-SGD use it); and the check of a
+synchronisation period H (:func:`check_period`: local SGD, QSparse, CSER).
 
-The rule follows the paper's grids restated in the spec ("Methods: CSER").
+The rule follows the paper's grids (docs/algorithms.md §rc: codecs and H from a target ratio).
 
 **Codec for a per-codec ratio R** (:func:`codec_for_ratio`): ``"none"`` at R = 1, else
 ``randblock:in=R`` (R rounded to an integer): the random-block sparsifier of the
 reference code, the same block on every worker (so every exchange is an allreduce of a
-dense sub-block). **[choice]** With only ``in=R``, dim 0 is cut into R aligned blocks of
-``ceil(d0/R)`` rows and one of them is sent, so *every* tensor sends exactly ``1/R`` of
-itself in expectation, whatever its size: a bias of 6 entries at R = 1024 sends one
-entry with probability 6/1024. The ``ratio=`` form cannot do that (``k = max(1,
-ceil(d/R))`` sends at least one entry of every tensor every time, which on a LeNet at
-R = 2048 sends ~1.4x too much); and ``in=a,out=b`` would send ``1/a`` of a 1-d tensor, not
-``1/(a·b)``. The price is randomness in the bytes: the measured R_C matches the target
-in expectation, over many exchanges.
+dense sub-block). **[choice]** Why ``in=R`` (every tensor sends ``1/R`` of itself in
+expectation) and not ``ratio=`` or ``in=a,out=b``: docs/algorithms.md §rc: codecs and H
+from a target ratio.
 
 **Ratios and period from rc** (``rc`` = target R_C, H optional):
 
@@ -31,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from ..validation import is_real, require
+from ..validation import is_int, is_real, require
 
 #: The rc used for options left at "auto" when no rc is given.
 DEFAULT_RC = 16.0
@@ -40,8 +36,15 @@ DEFAULT_RC = 16.0
 #: randblock's limit of 2**31 blocks.
 MAX_RC = 2**30
 
-#: The paper's ImageNet grid, spec naming: R_C -> (R_C2, R_C1, H).
+#: The paper's ImageNet grid, in docs/algorithms.md's naming (C2 = gradient codec): R_C -> (R_C2, R_C1, H).
 CSER_GRID = {32: (64, 4, 16), 256: (512, 16, 32), 1024: (2048, 8, 256)}
+
+
+def check_period(method: str, H) -> int:
+    """``H`` must be an integer >= 1 (steps H, 2H, ... synchronise)."""
+    require(is_int(H) and H >= 1, method,
+            f"H (the synchronisation period, in steps) must be an integer >= 1, got {H!r}")
+    return H
 
 
 def check_rc(method: str, rc) -> float | None:

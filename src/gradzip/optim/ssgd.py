@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import torch
 
+from ..nonfinite import NonFiniteAggregate
 from .base import DistributedOptimizer
 
 
 class SSGD(DistributedOptimizer):
-    """S-SGD (spec, "Methods: S-SGD"): ``x ← x − η · aggregate_j C(d_j)``.
+    """S-SGD (docs/algorithms.md §S-SGD): ``x ← x − η · aggregate_j C(d_j)``.
 
     With ``compressor="none"`` this is plain synchronous SGD: every worker applies the
     all-reduced mean of its direction ``d_i`` (gradient, weight decay, local momentum).
@@ -23,9 +24,14 @@ class SSGD(DistributedOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss, pairs, params = self.begin_step(closure)
-        directions = [self.local_direction(p, g) for g, p in pairs]
-        result = self.psync(directions, self.steps, keys=self.keys(params), residual=False)
-        for (group, p), agg in zip(pairs, result.aggregate):
-            p.add_(agg, alpha=-group["lr"])
+        loss, pairs, params, skipped = self.begin_step(closure)
+        if skipped:
+            return loss
+        try:
+            directions = [self.local_direction(p, g) for g, p in pairs]
+            result = self.psync(directions, self.steps, keys=self.keys(params), residual=False)
+            for (group, p), agg in zip(pairs, result.aggregate):
+                p.add_(agg, alpha=-group["lr"])
+        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
+            return self.codec_overflow(overflow, loss)
         return loss
