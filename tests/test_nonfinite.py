@@ -11,7 +11,7 @@ import cases
 import gradzip
 from gradzip.errors import GradzipError
 from gradzip.launch import run_processes
-from gradzip.optim.base import NonFiniteGradient
+from gradzip.nonfinite import NonFiniteGradient
 
 
 def _all_ranks_raised(errors: list, n: int = 2, hang_guard_s: float = 120.0) -> int:

@@ -8,6 +8,7 @@ from .version import __version__
 from . import comm, compressors, exchange, optim
 from .comm import simulate
 from .errors import GradzipError
+from .nonfinite import NonFiniteGradient
 from .exchange import PSync
 from .replicas import broadcast_parameters
 

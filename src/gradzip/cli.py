@@ -26,7 +26,7 @@ from .comm.base import DEFAULT_TIMEOUT_S
 from .comm.liveness import announce_failure
 from .errors import GradzipError
 from .launch import WorkerError, run_processes
-from .optim.base import FLOAT32_MAX
+from .optim.options import FLOAT32_MAX
 from .train import checkpoint, datasets, models, report
 from .train.config import SEED_LIMIT, RunConfig, make_optimizer, method_label, parse_algos
 from .train.loop import run_many

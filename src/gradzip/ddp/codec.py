@@ -15,7 +15,8 @@ import torch.distributed as dist
 from ..compressors import Compressor, build
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync
-from .state import HookState, finite, views
+from ..nonfinite import all_finite
+from .state import HookState, views
 
 class _Bucket(NamedTuple):
     """One bucket in flight: its future, exchange, gradient views, keys, buffer, and
@@ -101,7 +102,7 @@ class CodecState(HookState):
         pending, self._pending = self._pending, []
         results = [b.work.wait() for b in pending]
         output_bad = self.nonfinite != "off" and not all(   # the codec overflowed (qsgd's norm, a residual)
-            finite(list(r.aggregate)) and (not self.error_feedback or finite(list(r.residual)))
+            all_finite(list(r.aggregate)) and (not self.error_feedback or all_finite(list(r.residual)))
             for r in results)
         try:
             where = self.agree(any(b.bad for b in pending), output_bad)
@@ -143,7 +144,7 @@ def codec_hook(state: CodecState, bucket: dist.GradBucket) -> torch.futures.Futu
         if state.error_feedback and key in state.residuals:
             v = v + state.residuals[key]
         carried.append(v)
-    bad = state.nonfinite != "off" and not finite(bucket_views)
+    bad = state.nonfinite != "off" and not all_finite(bucket_views)
     work = state.psync.start(carried, step, keys=keys, residual=state.error_feedback)
     fut = torch.futures.Future()
     state._pending.append(_Bucket(fut, work, bucket_views, keys, bucket.buffer(), bad))

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from ..compressors.powersgd import matrix_shape, orthogonalize, should_compress
 from ..errors import GradzipError
 from ..validation import is_int
-from .state import HookState, finite, views
+from ..nonfinite import all_finite
+from .state import HookState, views
 
 
 def rng_state(rng: np.random.RandomState) -> dict:
@@ -144,7 +145,7 @@ class _PowerSGDBucket:
     def q_round(self) -> None:
         n = self.state.comm.world_size
         total = self.work.wait()
-        self.bad = not finite([total])
+        self.bad = not all_finite([total])
         offset = 0
         for view, m in self.dense:
             view.copy_((total[offset:offset + m.numel()] / n).view(view.shape))
@@ -164,7 +165,7 @@ class _PowerSGDBucket:
         ``updates`` until the step is known to be finite (:meth:`commit`)."""
         state, n = self.state, self.state.comm.world_size
         total = self.work.wait()
-        self.bad = self.bad or not finite([total])
+        self.bad = self.bad or not all_finite([total])
         offset = 0
         for batch, m, p, q, aliased in zip(self.batches, self.ms, self.ps, self.qs, self.aliased):
             q.copy_(total[offset:offset + q.numel()].view(q.shape) / n)
@@ -217,7 +218,7 @@ def _finish_dense(state: PowerSGDState) -> bool:
         work.wait()
     buffers = [buffer for _, _, buffer in pending]
     try:
-        skipped = state.settle(None if finite(buffers) else _AGGREGATE, buffers, "powersgd_hook")
+        skipped = state.settle(None if all_finite(buffers) else _AGGREGATE, buffers, "powersgd_hook")
     except GradzipError as error:
         for fut, _, _ in pending:
             fut.set_exception(error)

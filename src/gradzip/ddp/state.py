@@ -11,7 +11,6 @@ import torch.distributed as dist
 from ..comm import TorchGroup
 from ..errors import GradzipError
 from ..nonfinite import NONFINITE_POLICIES, NonFiniteGradient
-from ..nonfinite import all_finite as finite  # the one check (codec.py, powersgd.py use this name)
 
 
 class HookState:

@@ -1,5 +1,6 @@
 """The methods, one module each; each ``step()`` is its algorithm box (docs/algorithms.md, "Methods")."""
-from .base import COMMON_OPTIONS, DistributedOptimizer, method_options
+from .base import DistributedOptimizer
+from .options import COMMON_OPTIONS, method_options
 from .bitsgd import BitSGD
 from .cdsgd import CDSGD, CPSGD, ODSGD
 from .csea import CSEA

@@ -51,13 +51,12 @@ from ..compressors import Compressor
 from ..double_sync import refuse_ddp_double_sync
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync, Timings
-from ..nonfinite import NONFINITE_POLICIES, NonFiniteGradient  # noqa: F401 (their names here too)
+from ..nonfinite import NONFINITE_POLICIES
 from ..replicas import parameter_digest
 from ..validation import is_int, require
 from ..version import __version__
 from .guard import NonFiniteGuard
-from .options import (  # noqa: F401 (COMMON_OPTIONS, FLOAT32_MAX, method_options: also read from here)
-    COMMON_OPTIONS, FLOAT32_MAX, check_group, check_hyperparameters, method_options)
+from .options import check_group, check_hyperparameters
 
 
 class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
