@@ -12,4 +12,4 @@ from .nonfinite import NonFiniteGradient
 from .exchange import PSync
 from .replicas import broadcast_parameters
 
-__all__ = ["comm", "compressors", "exchange", "optim", "simulate", "PSync", "GradzipError", "broadcast_parameters", "__version__"]
+__all__ = ["comm", "compressors", "exchange", "optim", "simulate", "PSync", "GradzipError", "NonFiniteGradient", "broadcast_parameters", "__version__"]
