@@ -1,0 +1,360 @@
+"""Step time of gradzip's optimizers against PyTorch DDP, side by side in one run (issue 14, item 3).
+
+N gloo worker processes (default 2) train the same model (``mlp10m``: 10M parameters,
+built from one seed on every worker, so all replicas start identical) on synthetic data,
+batch 32 per worker, one torch thread each; every step is real: ``zero_grad``, forward,
+cross-entropy, backward, ``step()``. Variants:
+
+* ``ddp``: ``DistributedDataParallel`` + ``torch.optim.SGD`` (the peer; the ratio's base);
+* ``ddp-fp16``: the same with torch's ``fp16_compress_hook`` (the peer's codec);
+* ``ssgd``, ``efsgd-topk1%``, ``bitsgd``, ``cdsgd``: ``gradzip.optim`` SSGD,
+  EFSGD(compressor ``topk:ratio=0.01``), BitSGD, CDSGD (default 2-bit codec, k 5), each
+  on the bare model (no DDP). CD-SGD's ``step()`` returns before its exchange ends; its
+  next step waits for it, and ``synchronize()`` closes every round (timed as part of the
+  round's last step).
+
+All variants are built once, warmed up, then timed **interleaved**: each round runs every
+variant for ``--steps`` steps, in an order rotated from round to round, so a load drift
+on the shared machine hits every variant alike. Per round and variant: the median step
+time of each worker, the slowest worker's counts; reported: the median over rounds (and
+min / max), the ratio to ``ddp`` of the same run, the bytes one worker sends per step
+(counted by gradzip's exchanges; for DDP the ring allreduce of its fp32 / fp16 buckets).
+
+The physical limits of the run: the time of one reused-buffer copy of all gradients
+(``out.copy_(x)``, the floor of any pass over them), and on a shaped link the link time of
+S-SGD's ring allreduce bytes (``2(n-1)/n · 4P`` bytes at the link's rate).
+
+Two network settings (``--network``, comma-separated): ``loopback`` (the workers on
+127.0.0.1, :func:`gradzip.launch.run_processes`) and a rate such as ``1gbit``: each
+worker in a network namespace of its own with a tc-shaped link of that rate to a switch
+(:class:`gradzip.bench.netns.Topology`; needs root). ``--write`` replaces the section
+"Step time against PyTorch DDP" of docs/benchmarks.md; without it the table is only printed.
+Run from the checkout root on an idle machine::
+
+    sudo .venv/bin/python -m benchmarks.step_vs_ddp --network loopback,1gbit --rounds 7 --steps 10 --write
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from benchmarks.docs_section import replace_section
+from gradzip.bench import emulated, netns
+from gradzip.bench.units import format_rate, parse_rate
+from gradzip.comm import allreduce_wire_bytes, init_from_env
+from gradzip.errors import GradzipError
+from gradzip.launch import WorkerError, run_processes
+from gradzip.optim import CDSGD, SSGD, BitSGD, EFSGD
+from gradzip.train import models
+
+HEADING = "Step time against PyTorch DDP"
+ROOT = Path(__file__).resolve().parents[1]
+#: variant -> how it is built; the first one is the ratios' base.
+VARIANTS = ("ddp", "ddp-fp16", "ssgd", "efsgd-topk1%", "bitsgd", "cdsgd")
+SHAPE = (3, 32, 32)
+CLASSES = 10
+LR = 0.01
+
+
+def build(variant: str, comm, model_name: str):
+    """(model to call, optimizer, finish) for one variant: ``finish()`` ends a round (waits
+    for a background exchange)."""
+    model = models.build(model_name, SHAPE, CLASSES, seed=0)
+    if variant.startswith("ddp"):
+        model = DDP(model)
+        if variant == "ddp-fp16":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return model, torch.optim.SGD(model.parameters(), lr=LR), lambda: None
+    params = model.parameters()
+    if variant == "ssgd":
+        opt = SSGD(params, LR, comm=comm)
+    elif variant == "efsgd-topk1%":
+        opt = EFSGD(params, LR, comm=comm, compressor="topk:ratio=0.01")
+    elif variant == "bitsgd":
+        opt = BitSGD(params, LR, comm=comm)
+    elif variant == "cdsgd":
+        opt = CDSGD(params, LR, comm=comm)
+        return model, opt, opt.synchronize
+    else:
+        raise GradzipError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+    return model, opt, lambda: None
+
+
+def copy_seconds(numel: int, repeats: int = 9) -> float:
+    """Median time of ``out.copy_(x)`` of ``numel`` float32 values into a reused buffer."""
+    x, out = torch.randn(numel), torch.empty(numel)
+    out.copy_(x)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out.copy_(x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(comm, spec: dict[str, Any]) -> dict[str, Any]:
+    """What each worker runs: every variant warmed up, then ``rounds`` interleaved rounds;
+    per variant the per-round median step seconds of this worker, and the bytes it sent."""
+    torch.set_num_threads(spec["threads"])
+    rank, variants = comm.rank, spec["variants"]
+    g = torch.Generator().manual_seed(1000 + rank)
+    data = [(torch.randn(spec["batch"], *SHAPE, generator=g), torch.randint(0, CLASSES, (spec["batch"],), generator=g))
+            for _ in range(4)]
+    built = {v: build(v, comm, spec["model"]) for v in variants}
+    counter = {v: 0 for v in variants}
+
+    def step(v):
+        model, opt, _ = built[v]
+        x, y = data[counter[v] % len(data)]
+        counter[v] += 1
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    for v in variants:
+        for _ in range(spec["warmup"]):
+            step(v)
+        built[v][2]()
+    rounds: dict[str, list[float]] = {v: [] for v in variants}
+    bytes0 = {v: getattr(built[v][1], "bytes_sent", 0) for v in variants}
+    for r in range(spec["rounds"]):
+        shift = r % len(variants)
+        for v in variants[shift:] + variants[:shift]:
+            _, _, finish = built[v]
+            comm.barrier()
+            times = []
+            for i in range(spec["steps"]):
+                t0 = time.perf_counter()
+                step(v)
+                if i == spec["steps"] - 1:
+                    finish()
+                times.append(time.perf_counter() - t0)
+            rounds[v].append(statistics.median(times))
+    measured = spec["rounds"] * spec["steps"]
+    sent = {v: (getattr(built[v][1], "bytes_sent", 0) - bytes0[v]) / measured for v in variants}
+    numel = sum(p.numel() for p in built[variants[0]][0].parameters())
+    return {"rank": rank, "rounds": rounds, "bytes_per_step": sent, "parameters": numel,
+            "copy_s": copy_seconds(numel)}
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+def namespace_worker(spec_path: str, rank: int) -> None:
+    """What a worker runs inside its namespace: :func:`measure`, its result written to
+    ``rank{rank}.json`` beside the spec; leaves with ``os._exit`` (see
+    :func:`gradzip.bench.emulated.worker_main`)."""
+    code = 1
+    try:
+        spec = json.loads(Path(spec_path).read_text())
+        comm = init_from_env(timeout_s=spec["timeout_s"])
+        try:
+            out = measure(comm, spec)
+            Path(spec_path).with_name(f"rank{rank}.json").write_text(json.dumps(out))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_shaped(n: int, bandwidth: float, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """:func:`measure` on ``n`` workers, each in its own namespace behind a link of
+    ``bandwidth`` bits/s (both ways); the per-rank results in rank order."""
+    netns.check_available()
+    with tempfile.TemporaryDirectory(prefix="step_vs_ddp-") as tmp:
+        spec_path = Path(tmp, "spec.json")
+        spec_path.write_text(json.dumps(spec))
+        with netns.Topology(n, bandwidth) as topo:
+            procs = []
+            try:
+                for rank in range(n):
+                    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK="0",
+                               LOCAL_WORLD_SIZE="1", MASTER_ADDR=netns.address(0),
+                               MASTER_PORT=str(emulated.MASTER_PORT), GLOO_SOCKET_IFNAME=netns.IFNAME,
+                               TP_SOCKET_IFNAME=netns.IFNAME, OMP_NUM_THREADS=str(spec["threads"]),
+                               CUDA_VISIBLE_DEVICES="",
+                               PYTHONPATH=os.pathsep.join([str(ROOT), *sys.path[1:]]))
+                    cmd = topo.exec_prefix(rank) + [
+                        sys.executable, "-c",
+                        f"from benchmarks.step_vs_ddp import namespace_worker; "
+                        f"namespace_worker({str(spec_path)!r}, {rank})"]
+                    log = open(Path(tmp, f"rank{rank}.log"), "w")
+                    procs.append((subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log,
+                                                   stderr=subprocess.STDOUT), log))
+                _wait(procs, Path(tmp), spec["timeout_s"])
+            finally:
+                for proc, log in procs:
+                    if proc.poll() is None:
+                        proc.terminate()
+                        try:
+                            proc.wait(timeout=5)
+                        except subprocess.TimeoutExpired:
+                            proc.kill()
+                            proc.wait()
+                    log.close()
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def _wait(procs, tmp: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [p.poll() for p, _ in procs]
+        bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            rank, code = bad[0]
+            tail = Path(tmp, f"rank{rank}.log").read_text()[-3000:]
+            raise GradzipError(f"step_vs_ddp worker rank {rank} exited with code {code}:\n{tail}")
+        if all(c == 0 for c in codes):
+            return
+        if time.monotonic() > deadline:
+            raise GradzipError(f"step_vs_ddp workers did not finish in {timeout_s:.0f} s; "
+                               "raise --timeout or lower --rounds / --steps")
+        time.sleep(0.1)
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def summarize(ranks: list[dict[str, Any]], n: int, bandwidth: float | None) -> dict[str, Any]:
+    """One network setting's rows: per variant the slowest worker's per-round median, then
+    the median (min, max) over rounds, the ratio to the first variant, bytes per step; and
+    the physical limits (reused copy of the gradients, the link time of S-SGD's bytes)."""
+    variants = list(ranks[0]["rounds"])
+    params = ranks[0]["parameters"]
+    dense = allreduce_wire_bytes(4 * params, n)
+    rows = []
+    for v in variants:
+        per_round = [max(r["rounds"][v][i] for r in ranks) for i in range(len(ranks[0]["rounds"][v]))]
+        sent = statistics.fmean(r["bytes_per_step"][v] for r in ranks)
+        if v == "ddp":
+            sent = dense
+        elif v == "ddp-fp16":
+            sent = allreduce_wire_bytes(2 * params, n)
+        rows.append({"variant": v, "median_s": statistics.median(per_round), "min_s": min(per_round),
+                     "max_s": max(per_round), "rounds_s": per_round, "bytes_per_step": sent})
+    base = rows[0]["median_s"]
+    for row in rows:
+        row["ratio"] = row["median_s"] / base
+    return {"network": "loopback" if bandwidth is None else format_rate(bandwidth), "bandwidth_bps": bandwidth,
+            "workers": n, "parameters": params, "rows": rows,
+            "copy_s": statistics.median(r["copy_s"] for r in ranks),
+            "link_s": dense * 8 / bandwidth if bandwidth else None}
+
+
+def table(result: dict[str, Any]) -> str:
+    """The markdown table of one network setting, with its limits line."""
+    base = result["rows"][0]["variant"]
+    lines = [f"| variant | ms/step (median) | min | max | × {base} | MB sent / step |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['variant']} | {r['median_s'] * 1e3:.1f} | {r['min_s'] * 1e3:.1f} | "
+                     f"{r['max_s'] * 1e3:.1f} | **{r['ratio']:.2f}** | {r['bytes_per_step'] / 1e6:.2f} |")
+    limits = (f"Limits: one reused-buffer copy of the {result['parameters'] / 1e6:.1f}M gradients "
+              f"(`out.copy_(x)`) {result['copy_s'] * 1e3:.2f} ms")
+    if result["link_s"] is not None:
+        limits += (f"; S-SGD's ring allreduce bytes over one {result['network']} link "
+                   f"{result['link_s'] * 1e3:.1f} ms")
+    return f"**{result['network']}**, {result['workers']} workers\n\n" + "\n".join(lines) + "\n\n" + limits + "."
+
+
+def run(args) -> list[dict[str, Any]]:
+    spec = {"model": args.model, "batch": args.batch, "threads": args.threads, "warmup": args.warmup,
+            "rounds": args.rounds, "steps": args.steps, "variants": list(args.variants),
+            "timeout_s": args.timeout}
+    results = []
+    for setting in args.network:
+        print(f"[step_vs_ddp] {args.workers} workers, {setting} ...", file=sys.stderr, flush=True)
+        if setting == "loopback":
+            ranks = run_processes(args.workers, measure, spec, timeout_s=args.timeout)
+            results.append(summarize(ranks, args.workers, None))
+        else:
+            bandwidth = parse_rate(setting)
+            if bandwidth is None:
+                raise GradzipError("--network 'unshaped' is 'loopback' here; give loopback or a rate such as 1gbit")
+            results.append(summarize(run_shaped(args.workers, bandwidth, spec), args.workers, bandwidth))
+    return results
+
+
+def section(results: list[dict[str, Any]], args, command: str) -> str:
+    return (f"gradzip's optimizers against PyTorch's DDP in the same run: `{args.model}` "
+            f"({results[0]['parameters'] / 1e6:.1f}M parameters), {args.workers} gloo worker processes, "
+            f"batch {args.batch} per worker on synthetic {'x'.join(map(str, SHAPE))} data, {args.threads} "
+            f"torch thread per worker; forward + backward + `step()` per step; {args.warmup} warm-up steps, "
+            f"then {args.rounds} rounds of {args.steps} steps per variant, interleaved in a rotating order. "
+            "ms/step: the slowest worker's median step of a round, median (min, max) over rounds; "
+            "× ddp: against DDP + `torch.optim.SGD` of the same run (lower is better). "
+            "MB sent / step: one worker's counted bytes (DDP: its ring allreduce of fp32 or fp16 buckets). "
+            "Shaped settings put each worker in a namespace of its own with a `tc tbf` link of that "
+            "rate (`gradzip.bench.netns`). Produced by:\n\n"
+            f"```\n{command}\n```\n\n" + "\n\n".join(table(r) for r in results) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.step_vs_ddp",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=2, help="gloo worker processes (default: %(default)s)")
+    parser.add_argument("--network", default="loopback,1gbit",
+                        help="comma-separated settings: loopback, or a link rate such as 1gbit "
+                             "(namespaces, needs root) (default: %(default)s)")
+    parser.add_argument("--model", default="mlp10m", help="model of the registry (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=32, help="batch per worker (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per variant (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round (default: %(default)s)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated subset, the first is the ratios' base (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the workers are given up")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--write", action="store_true", help=f"replace the section '{HEADING}' of docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    command = "python -m benchmarks.step_vs_ddp " + " ".join(argv)
+    try:
+        args.network = [s.strip().lower() for s in args.network.split(",") if s.strip()]
+        args.variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+        unknown = [v for v in args.variants if v not in VARIANTS]
+        if unknown or not args.variants:
+            raise GradzipError(f"unknown variant(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(VARIANTS)}")
+        for flag, value, low in (("--workers", args.workers, 2), ("--batch", args.batch, 1), ("--threads", args.threads, 1),
+                                 ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1), ("--steps", args.steps, 1)):
+            if value < low:
+                raise GradzipError(f"{flag} must be >= {low}, got {value}")
+        results = run(args)
+    except (GradzipError, WorkerError) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    text = section(results, args, command)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": command, "host": emulated.host_info(),
+                                               "results": results}, indent=1))
+    if args.write:
+        replace_section(HEADING, text)
+        print(f"updated section '{HEADING}' of docs/benchmarks.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
