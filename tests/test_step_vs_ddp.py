@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import step_vs_ddp
+from gradzip.bench import netns
 from gradzip.comm import allreduce_wire_bytes
+from gradzip.errors import GradzipError
 from gradzip.launch import run_processes
 
 
@@ -63,3 +65,23 @@ def test_a_tiny_loopback_run_returns_a_row_per_variant():
     assert sent["ssgd"] == sent["ddp"] == allreduce_wire_bytes(4 * result["parameters"], 2)
     assert 0 < sent["efsgd-topk1%"] < sent["ssgd"] / 10
     assert 0 < sent["bitsgd"] < sent["ssgd"]
+
+
+def _can_emulate() -> bool:
+    try:
+        netns.check_available()
+    except GradzipError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_emulate(), reason="network namespaces and tc need root (and the ip / tc programs)")
+def test_a_tiny_shaped_run_returns_rows_and_leaves_no_namespace():
+    spec = {"model": "mlp10m:params=20000", "batch": 4, "threads": 1, "warmup": 1, "rounds": 1,
+            "steps": 1, "variants": ["ddp", "ssgd"], "timeout_s": 120.0}
+    before = {n for n in netns.list_namespaces() if n.startswith(netns.PREFIX)}
+    result = step_vs_ddp.summarize(step_vs_ddp.run_shaped(2, 1e9, spec), 2, 1e9)
+    assert [r["variant"] for r in result["rows"]] == ["ddp", "ssgd"]
+    assert result["link_s"] == pytest.approx(allreduce_wire_bytes(4 * result["parameters"], 2) * 8 / 1e9)
+    assert {n for n in netns.list_namespaces() if n.startswith(netns.PREFIX)} <= before
