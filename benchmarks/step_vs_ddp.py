@@ -66,7 +66,7 @@ from gradzip.train import models
 
 HEADING = "Step time against PyTorch DDP"
 ROOT = Path(__file__).resolve().parents[1]
-#: variant -> how it is built; the first one is the ratios' base.
+#: The variants (:func:`build`), in the default order; the first given is the ratios' base.
 VARIANTS = ("ddp", "ddp-fp16", "ssgd", "efsgd-topk1%", "bitsgd", "cdsgd")
 SHAPE = (3, 32, 32)
 CLASSES = 10
