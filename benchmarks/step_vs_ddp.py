@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -190,51 +189,11 @@ def run_shaped(n: int, bandwidth: float, spec: dict[str, Any]) -> list[dict[str,
         spec_path = Path(tmp, "spec.json")
         spec_path.write_text(json.dumps(spec))
         with netns.Topology(n, bandwidth) as topo:
-            procs = []
-            try:
-                for rank in range(n):
-                    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK="0",
-                               LOCAL_WORLD_SIZE="1", MASTER_ADDR=netns.address(0),
-                               MASTER_PORT=str(emulated.MASTER_PORT), GLOO_SOCKET_IFNAME=netns.IFNAME,
-                               TP_SOCKET_IFNAME=netns.IFNAME, OMP_NUM_THREADS=str(spec["threads"]),
-                               CUDA_VISIBLE_DEVICES="",
-                               PYTHONPATH=os.pathsep.join([str(ROOT), *sys.path[1:]]))
-                    cmd = topo.exec_prefix(rank) + [
-                        sys.executable, "-c",
-                        f"from benchmarks.step_vs_ddp import namespace_worker; "
-                        f"namespace_worker({str(spec_path)!r}, {rank})"]
-                    log = open(Path(tmp, f"rank{rank}.log"), "w")
-                    procs.append((subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log,
-                                                   stderr=subprocess.STDOUT), log))
-                _wait(procs, Path(tmp), spec["timeout_s"])
-            finally:
-                for proc, log in procs:
-                    if proc.poll() is None:
-                        proc.terminate()
-                        try:
-                            proc.wait(timeout=5)
-                        except subprocess.TimeoutExpired:
-                            proc.kill()
-                            proc.wait()
-                    log.close()
+            emulated.run_ranks(topo, "from benchmarks.step_vs_ddp import namespace_worker; "
+                                     f"namespace_worker({str(spec_path)!r}, {{rank}})",
+                               Path(tmp), spec["timeout_s"], spec["threads"], what="step_vs_ddp", cwd=ROOT,
+                               env={"PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path[1:]])})
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(n)]
-
-
-def _wait(procs, tmp: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        codes = [p.poll() for p, _ in procs]
-        bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if bad:
-            rank, code = bad[0]
-            tail = Path(tmp, f"rank{rank}.log").read_text()[-3000:]
-            raise GradzipError(f"step_vs_ddp worker rank {rank} exited with code {code}:\n{tail}")
-        if all(c == 0 for c in codes):
-            return
-        if time.monotonic() > deadline:
-            raise GradzipError(f"step_vs_ddp workers did not finish in {timeout_s:.0f} s; "
-                               "raise --timeout or lower --rounds / --steps")
-        time.sleep(0.1)
 
 
 # ----------------------------------------------------------------------------- results

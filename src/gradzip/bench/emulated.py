@@ -166,6 +166,50 @@ def _work(spec: dict[str, Any], rank: int) -> None:
 # ----------------------------------------------------------------------------- parent side
 
 
+def run_ranks(topo: "netns.Topology", code: str, log_dir: Path, timeout_s: float, threads: int,
+              what: str = "emulated-network", cwd: str | os.PathLike | None = None,
+              env: dict[str, str] | None = None) -> None:
+    """Run ``python -c code`` as ranks ``0..n-1`` of ``topo``, each in its own namespace with
+    torchrun's variables (rendezvous on rank 0's address, gloo on the namespace's link), its
+    output in ``log_dir/rank<r>.log``; ``{rank}`` in ``code`` is the rank. Returns when every
+    rank exited 0; raises :class:`GradzipError` with the log's tail when one fails or all have
+    not finished in ``timeout_s``, and stops the others either way."""
+    procs = []
+    try:
+        for rank in range(topo.n):
+            rank_env = dict(os.environ, **(env or {}), RANK=str(rank), WORLD_SIZE=str(topo.n), LOCAL_RANK="0",
+                            LOCAL_WORLD_SIZE="1", MASTER_ADDR=netns.address(0), MASTER_PORT=str(MASTER_PORT),
+                            GLOO_SOCKET_IFNAME=netns.IFNAME, TP_SOCKET_IFNAME=netns.IFNAME,
+                            OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="")
+            cmd = topo.exec_prefix(rank) + [sys.executable, "-c", code.replace("{rank}", str(rank))]
+            log_file = open(Path(log_dir) / f"rank{rank}.log", "w")
+            procs.append((subprocess.Popen(cmd, env=rank_env, cwd=cwd, stdout=log_file,
+                                           stderr=subprocess.STDOUT), log_file))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            codes = [p.poll() for p, _ in procs]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                rank, code_ = bad[0]
+                tail = (Path(log_dir) / f"rank{rank}.log").read_text()[-3000:]
+                raise GradzipError(f"{what} worker rank {rank} exited with code {code_}:\n{tail}")
+            if all(c == 0 for c in codes):
+                return
+            if time.monotonic() > deadline:
+                raise GradzipError(f"{what} workers did not finish in {timeout_s:.0f} s (logs in {log_dir})")
+            time.sleep(0.1)
+    finally:
+        for proc, log_file in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            log_file.close()
+
+
 @dataclasses.dataclass
 class NetBench:
     """One ``gradzip bench net`` invocation."""
@@ -212,49 +256,13 @@ class NetBench:
         spec_path.write_text(json.dumps(spec))
         began = time.perf_counter()
         with netns.Topology(n, bandwidth, latency) as topo:
-            procs = []
-            try:
-                for rank in range(n):
-                    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK="0",
-                               LOCAL_WORLD_SIZE="1", MASTER_ADDR=netns.address(0), MASTER_PORT=str(MASTER_PORT),
-                               GLOO_SOCKET_IFNAME=netns.IFNAME, TP_SOCKET_IFNAME=netns.IFNAME,
-                               OMP_NUM_THREADS=str(self.threads), CUDA_VISIBLE_DEVICES="")
-                    cmd = topo.exec_prefix(rank) + [
-                        sys.executable, "-c",
-                        f"from gradzip.bench.emulated import worker_main; worker_main({str(spec_path.resolve())!r}, {rank})"]
-                    log_file = open(out_dir / f"rank{rank}.log", "w")
-                    procs.append((subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT), log_file))
-                self._wait(procs, out_dir)
-            finally:
-                for proc, log_file in procs:
-                    if proc.poll() is None:
-                        proc.terminate()
-                        try:
-                            proc.wait(timeout=5)
-                        except subprocess.TimeoutExpired:
-                            proc.kill()
-                            proc.wait()
-                    log_file.close()
+            run_ranks(topo, "from gradzip.bench.emulated import worker_main; "
+                            f"worker_main({str(spec_path.resolve())!r}, {{rank}})",
+                      out_dir, self.timeout_s, self.threads, what="emulated-network")
         ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(n)]
         record = merge(ranks, n, bandwidth, latency, nbytes)
         record["elapsed_s"] = time.perf_counter() - began
         return record
-
-    def _wait(self, procs, out_dir: Path) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            codes = [p.poll() for p, _ in procs]
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                rank, code = bad[0]
-                tail = (out_dir / f"rank{rank}.log").read_text()[-3000:]
-                raise GradzipError(f"emulated-network worker rank {rank} exited with code {code}:\n{tail}")
-            if all(c == 0 for c in codes):
-                return
-            if time.monotonic() > deadline:
-                raise GradzipError(f"emulated-network workers did not finish in {self.timeout_s:.0f} s "
-                                   f"(logs in {out_dir})")
-            time.sleep(0.1)
 
     def run(self, log: Callable[[str], None] = _log, command: str = "") -> dict[str, Any]:
         netns.check_available()
