@@ -51,6 +51,19 @@ def test_killed_worker_is_named_by_every_survivor_at_once(tmp_path):
         assert f"rank {r}: PeerFailure: {view['message']}" in str(info.value)
 
 
+def test_a_blamed_rank_still_exiting_is_not_taken_for_a_stuck_one():
+    # Under load, a SIGKILLed worker's peers blame it before its exit is seen by the launcher:
+    # it must get BLAMED_GRACE_S to show up as a death, not be reported "still running" at once.
+    blame = {0: (PeerFailure("rank 0: peer rank 2 is gone", rank=0, lost=(2,)), ""),
+             1: (PeerFailure("rank 1: peer rank 2 is gone", rank=1, lost=(2,)), "")}
+    assert not launch._settled(3, {}, blame, {}, {0, 1, 2}, since_s=0.0)
+    assert launch._settled(3, {}, blame, {}, {0, 1, 2}, since_s=launch.BLAMED_GRACE_S)  # then: stuck
+    assert launch._settled(3, {}, blame, {2: -9}, {0, 1}, since_s=0.0)                    # seen dead
+    assert not launch._settled(3, {}, dict(list(blame.items())[:1]), {}, {0, 1, 2}, since_s=0.0)
+    assert launch._settled(3, {}, dict(list(blame.items())[:1]), {}, {0, 1, 2}, since_s=launch.SETTLE_S)
+    assert launch._settled(3, {}, {0: (ValueError("own"), "tb")}, {}, {0, 1, 2}, since_s=0.0)
+
+
 @pytest.mark.slow
 def test_stuck_worker_is_named_after_the_timeout_on_a_new_group(tmp_path):
     # new_group() must inherit the 3 s timeout (torch's own default there is 30 minutes)

@@ -42,6 +42,9 @@ GRACE_S = 5.0
 #: Once a worker died or gave up on a peer, seconds the others get to report their own view
 #: (a peer dies: they notice it at once on this machine, within STALE_S elsewhere).
 SETTLE_S = 5.0
+#: Seconds before a rank that the others blame, and that is still running, counts as stuck
+#: (a dead one shows up as a death meanwhile, even when its exit is slow under load).
+BLAMED_GRACE_S = 2.0
 #: Host the c10d store in this (parent) process, as torchrun's agent does; False: rank 0
 #: hosts it (plain env:// rendezvous), and its death takes the store with it.
 HOST_STORE_IN_PARENT = True
@@ -122,8 +125,6 @@ def run_processes(world_size: int, fn: Callable[..., Any], *args: Any,
     results = ctx.Queue()
     store = None
     if HOST_STORE_IN_PARENT:
-        import torch.distributed as dist
-
         store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
                               wait_for_workers=False)
         port = store.port
@@ -160,14 +161,8 @@ def run_processes(world_size: int, fn: Callable[..., Any], *args: Any,
                     return [outputs[r] for r in range(world_size)]
                 continue
             failed_at = failed_at or time.monotonic()
-            if any(not isinstance(exc, PeerFailure) for exc, _ in reports.values()):
-                break  # a worker's own error: the root cause is known
-            accounted = set(outputs) | set(reports) | set(deaths)
-            # a rank the others blame and that is still running is stuck (a dead one shows
-            # up as a death on the next round)
-            accounted |= {r for exc, _ in reports.values() for r in exc.lost
-                          if 0 <= r < world_size and procs[r].exitcode is None}
-            if len(accounted) >= world_size or time.monotonic() - failed_at >= SETTLE_S:
+            running = {r for r, p in enumerate(procs) if p.exitcode is None}
+            if _settled(world_size, outputs, reports, deaths, running, time.monotonic() - failed_at):
                 break
         _raise_failure(reports, deaths, [r for r, p in enumerate(procs) if p.is_alive()])
     finally:
@@ -180,6 +175,22 @@ def run_processes(world_size: int, fn: Callable[..., Any], *args: Any,
                 p.kill()
                 p.join(timeout=2)
         del store  # after the workers: they must not see it go
+
+
+def _settled(world_size: int, outputs: dict, reports: dict, deaths: dict, running: set[int],
+             since_s: float) -> bool:
+    """Whether a failed run's cause is known, ``since_s`` seconds after its first failure:
+    a worker's own error; or every rank accounted for (finished, reported, dead, or blamed by
+    the others and still running after :data:`BLAMED_GRACE_S`: stuck); or :data:`SETTLE_S`
+    passed. The grace matters on a loaded machine: a SIGKILLed worker's sockets close, and
+    its peers blame it, before its exit is seen here; counted at once as stuck, it would be
+    reported as "still running" instead of killed."""
+    if any(not isinstance(exc, PeerFailure) for exc, _ in reports.values()):
+        return True
+    accounted = set(outputs) | set(reports) | set(deaths)
+    if since_s >= BLAMED_GRACE_S:
+        accounted |= {r for exc, _ in reports.values() for r in exc.lost if r in running}
+    return len(accounted) >= world_size or since_s >= SETTLE_S
 
 
 def _raise_failure(reports: dict, deaths: dict, running: list[int]) -> None:
