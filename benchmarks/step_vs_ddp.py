@@ -325,12 +325,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text = section(results, args, command)
     print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"command": command, "host": emulated.host_info(),
-                                               "results": results}, indent=1))
     if args.write:
         replace_section(HEADING, text)
         print(f"updated section '{HEADING}' of docs/benchmarks.md", file=sys.stderr)
+    if args.json:
+        try:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"command": command, "host": emulated.host_info(),
+                                                   "results": results}, indent=1))
+        except OSError as exc:
+            print(f"{parser.prog}: error: --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
     return 0
 
 
