@@ -191,23 +191,29 @@ def every_codec(comm, steps=2):
     return out
 
 
+def _hooked_ddp(kind: str, nonfinite: str):
+    """A DDP model with gradzip's hook for ``kind`` (``"powersgd"``: ``powersgd_hook`` at
+    rank 1 from the first step; else ``codec_hook`` with that codec) under ``nonfinite``;
+    returns ``(net, ddp, state, memory)``, ``memory()`` a copy of the hook's error state."""
+    import gradzip.ddp
+
+    net, ddp = make_ddp()
+    if kind == "powersgd":
+        state = gradzip.ddp.PowerSGDState(rank=1, start_iter=0, model=ddp, nonfinite=nonfinite)
+        ddp.register_comm_hook(state, gradzip.ddp.powersgd_hook)
+        return net, ddp, state, lambda: {**{("e", k): v.clone() for k, v in state.errors.items()},
+                                         **{("q", k): v.clone() for k, v in state.qs.items()}}
+    state = gradzip.ddp.hook(kind, model=ddp, nonfinite=nonfinite)
+    ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
+    return net, ddp, state, lambda: {k: v.clone() for k, v in state.residuals.items()}
+
+
 def overflow_keeps_state(comm):
     """An overflowed step (inf / NaN gradients, as GradScaler skips) leaves the hook state
     (``nonfinite="off"``, the GradScaler mode: the Inf passes through to the scaler)."""
-    import gradzip.ddp
-
     out = {}
     for kind in ("topk:ratio=0.1", "powersgd"):
-        net, ddp = make_ddp()
-        if kind == "powersgd":
-            state = gradzip.ddp.PowerSGDState(rank=1, start_iter=0, model=ddp, nonfinite="off")
-            ddp.register_comm_hook(state, gradzip.ddp.powersgd_hook)
-            memory = lambda: {**{("e", k): v.clone() for k, v in state.errors.items()},
-                              **{("q", k): v.clone() for k, v in state.qs.items()}}
-        else:
-            state = gradzip.ddp.hook(kind, model=ddp, nonfinite="off")
-            ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
-            memory = lambda: {k: v.clone() for k, v in state.residuals.items()}
+        net, ddp, _, memory = _hooked_ddp(kind, "off")
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         train(comm, ddp, opt, 2)
         before = memory()
@@ -267,21 +273,10 @@ def qsgd_default_stays_finite(comm, steps=30):
 def nonfinite_policies(comm):
     """An Inf in rank 1's gradient only, under each policy of both hooks: the error on
     each rank ("raise"), or the gradients and hook state after the step ("skip")."""
-    import gradzip.ddp
-
     out = {}
     for kind in ("topk:ratio=0.1", "powersgd"):
         for policy in ("raise", "skip"):
-            net, ddp = make_ddp()
-            if kind == "powersgd":
-                state = gradzip.ddp.PowerSGDState(rank=1, start_iter=0, model=ddp, nonfinite=policy)
-                ddp.register_comm_hook(state, gradzip.ddp.powersgd_hook)
-                memory = lambda: {**{("e", k): v.clone() for k, v in state.errors.items()},
-                                  **{("q", k): v.clone() for k, v in state.qs.items()}}
-            else:
-                state = gradzip.ddp.hook(kind, model=ddp, nonfinite=policy)
-                ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
-                memory = lambda: {k: v.clone() for k, v in state.residuals.items()}
+            net, ddp, state, memory = _hooked_ddp(kind, policy)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
             train(comm, ddp, opt, 2)
             before = memory()
