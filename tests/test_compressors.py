@@ -672,3 +672,27 @@ def test_unbiased_is_a_property_of_the_codec():
     assert build("qsgd").spec == "qsgd:levels=16"
     with pytest.raises(GradzipError, match="no parameter 'unbiased'"):
         build("qsgd:unbiased=false")
+
+
+# -- decoding into a caller's buffer, and the residual in one call ----------------------------
+@pytest.mark.parametrize("spec", ALL_SPECS)
+@pytest.mark.parametrize("shape", [(37, 41), (1,), (0,), (9, 4, 5)])
+def test_decompress_into_out_and_compress_residual_match_the_plain_calls(spec, shape):
+    """``decompress(p, out=buf)`` writes the very bits ``decompress(p)`` returns into ``buf``
+    and returns ``buf``; ``compress_residual(t, seed, out)`` gives the same packet as
+    ``compress(t, seed)`` and ``out == t − decompress(packet)`` bit for bit."""
+    codec = build(spec)
+    x = randn(shape, seed=3)
+    packet = codec.compress(x, seed=11)
+    plain = codec.decompress(packet)
+    buf = torch.full(shape, float("nan"))
+    got = codec.decompress(packet, out=buf)
+    assert got is buf and torch.equal(buf, plain)
+    residual = torch.full(shape, float("nan"))
+    again = codec.compress_residual(x, 11, residual)
+    assert again.wire.keys() == packet.wire.keys()
+    for name, wire in packet.wire.items():
+        assert torch.equal(again.wire[name], wire), name
+    assert torch.equal(residual, x - plain)
+    with pytest.raises(ValueError, match="shape"):
+        codec.decompress(packet, out=torch.empty(tuple(shape) + (2,)))

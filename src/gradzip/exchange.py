@@ -147,10 +147,13 @@ class PSync:
         keys = range(len(tensors)) if keys is None else keys
         codec = self.compressor
         began = time.perf_counter()
-        packets = [codec.compress(t.detach(), self._seed(step, key)) for t, key in zip(tensors, keys)]
         residuals = None
-        if residual:
-            residuals = [t.detach() - codec.decompress(p) for t, p in zip(tensors, packets)]
+        if residual:  # one fused pass where the codec has one (Compressor.compress_residual)
+            residuals = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+            packets = [codec.compress_residual(t.detach(), self._seed(step, key), r)
+                       for t, key, r in zip(tensors, keys, residuals)]
+        else:
+            packets = [codec.compress(t.detach(), self._seed(step, key)) for t, key in zip(tensors, keys)]
         buckets = self._launch(packets)
         payload = sum(p.nbytes for p in packets)
         self.payload_bytes += payload

@@ -64,6 +64,16 @@ class Packet:
         return Packet(wire=wire, shape=self.shape, dtype=self.dtype, meta=self.meta)
 
 
+def deliver(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``decompress``'s ending: ``result`` itself, or copied into the caller's ``out``."""
+    if out is None:
+        return result
+    if out.shape != result.shape or out.dtype != result.dtype:
+        raise ValueError(f"decompress(out=...) needs a {result.dtype} tensor of shape "
+                         f"{tuple(result.shape)}, got {out.dtype} {tuple(out.shape)}")
+    return out.copy_(result)
+
+
 def keep_count(ratio: float, numel: int) -> int:
     """``k = max(1, ceil(ratio * d))`` in float64 (float32 rounds differently; docs/algorithms.md
     §Layer-wise compression and k)."""
@@ -86,8 +96,22 @@ class Compressor:
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
         raise NotImplementedError
 
-    def decompress(self, packet: Packet) -> torch.Tensor:
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoded tensor (shape and dtype of the compressed one). With ``out`` (a
+        tensor of that shape and dtype, not sharing memory with the packet), the result is
+        written into ``out`` and ``out`` is returned: a caller decoding every step into the
+        same buffer pays no allocation (a fresh 64 MB tensor costs page faults worth a
+        tenth of a copy)."""
         raise NotImplementedError
+
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor) -> Packet:
+        """``C(tensor)``, and ``tensor − decompress(C(tensor))`` written into ``out`` (the
+        error-feedback residual; ``out`` has ``tensor``'s shape and dtype and does not
+        overlap it). The same packet and the same residual bits as the two calls; fused
+        codecs do it in one pass over memory."""
+        packet = self.compress(tensor, seed)
+        torch.sub(tensor, self.decompress(packet), out=out)
+        return packet
 
     # -- aggregation -----------------------------------------------------------------
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:

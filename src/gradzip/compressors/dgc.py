@@ -39,7 +39,7 @@ import torch
 from ..validation import is_real, require
 from . import _util
 from ._util import generator, scatter_mean
-from .base import Compressor, Packet, keep_count
+from .base import Compressor, Packet, keep_count, deliver
 from .registry import register
 
 #: Refinement rounds of the sampled threshold before falling back to the exact top-k.
@@ -136,10 +136,10 @@ class DGCCompressor(Compressor):
         wire = {"values": values, "indices": idx.to(torch.int32)}
         return Packet(wire, tensor.shape, tensor.dtype, meta={"selected": selected})
 
-    def decompress(self, packet: Packet) -> torch.Tensor:
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         values = packet.wire["values"]
-        out = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
-        return out.index_add_(0, packet.wire["indices"].long(), values.to(packet.dtype)).view(packet.shape)
+        dense = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
+        return deliver(dense.index_add_(0, packet.wire["indices"].long(), values.to(packet.dtype)).view(packet.shape), out)
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """One dense buffer, every packet's values index-added, divided by n."""

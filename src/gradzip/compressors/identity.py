@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Compressor, Packet
+from .base import Compressor, Packet, deliver
 from .registry import register
 
 
@@ -30,8 +30,8 @@ class NoCompression(Compressor):
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
         return Packet({"x": tensor.detach()}, tensor.shape, tensor.dtype)
 
-    def decompress(self, packet: Packet) -> torch.Tensor:
-        return packet.wire["x"].view(packet.shape)  # read-only view (see base: memory rules)
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        return deliver(packet.wire["x"].view(packet.shape), out)  # read-only view (see base: memory rules)
 
     def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
         return dtype
@@ -53,8 +53,8 @@ class _Cast(Compressor):
         x = tensor.detach().to(self.wire_dtype, copy=True)
         return Packet({"x": x}, tensor.shape, tensor.dtype)
 
-    def decompress(self, packet: Packet) -> torch.Tensor:
-        return packet.wire["x"].to(packet.dtype).view(packet.shape)
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        return deliver(packet.wire["x"].to(packet.dtype).view(packet.shape), out)
 
     def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
         return self.wire_dtype

@@ -14,7 +14,7 @@ import torch
 
 from . import _util
 from ._util import _lut, decode_lut, encode_chunks, matrix_shape
-from .base import Compressor, Packet
+from .base import Compressor, Packet, deliver
 from .registry import register
 
 
@@ -44,16 +44,16 @@ class OneBit(Compressor):
         means = torch.stack([sums[0] / pos_n.clamp(min=1), sums[1] / (rows - pos_n).clamp(min=1)])
         return Packet({"bits": bits, "means": means}, tensor.shape, tensor.dtype)
 
-    def decompress(self, packet: Packet) -> torch.Tensor:
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         rows, cols = matrix_shape(packet.shape)
         bits = packet.wire["bits"]
         pos, neg = packet.wire["means"].to(packet.dtype)
         if cols == 1:  # one column: decode straight through a (neg, pos) byte table
             table = torch.where(bit_table(bits.device), pos, neg)
-            out = torch.index_select(table, 0, bits.to(torch.int32)).view(-1)[: rows]
-            return out.view(packet.shape)
+            dense = torch.index_select(table, 0, bits.to(torch.int32)).view(-1)[: rows]
+            return deliver(dense.view(packet.shape), out)
         bit = decode_lut(bits, 1, (0.0, 1.0), rows * cols, packet.dtype).view(rows, cols)
-        return torch.lerp(neg, pos, bit, out=bit).view(packet.shape)  # exactly pos or neg
+        return deliver(torch.lerp(neg, pos, bit, out=bit).view(packet.shape), out)  # exactly pos or neg
 
 
 def bit_table(device: torch.device) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 
 from ..validation import is_int, is_real, require
 from ._util import matrix_shape, shared_generator
-from .base import Compressor, Packet
+from .base import Compressor, Packet, deliver
 from .registry import register
 
 
@@ -114,8 +114,8 @@ class PowerSGDCompressor(Compressor):
         rows = matrix_shape(packet.shape)[0]
         return (flat.view(rows, -1) @ q.T).to(packet.dtype).view(packet.shape)
 
-    def decompress(self, packet: Packet) -> torch.Tensor:
-        return self._decode(next(iter(packet.wire.values())), packet)
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        return deliver(self._decode(next(iter(packet.wire.values())), packet), out)
 
     def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
         return torch.promote_types(dtype, torch.float32)

@@ -14,7 +14,7 @@ import torch
 
 from ..validation import is_int, require
 from ._util import as_float32, decode_chunks, encode_chunks, generator
-from .base import Compressor, Packet
+from .base import Compressor, Packet, deliver
 from .registry import register
 
 
@@ -51,12 +51,12 @@ class QSGD(Compressor):
         wire = {"norm": norm.reshape(1), "codes": encode_chunks(v, self.bits, codes_of)}
         return Packet(wire, tensor.shape, tensor.dtype)
 
-    def decompress(self, packet: Packet) -> torch.Tensor:
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         s = self.levels
         step = packet.wire["norm"] / s
 
         def fill(codes: torch.Tensor, out: torch.Tensor) -> None:
             out.copy_(codes).sub_(s).mul_(step)  # (code - s)·‖v‖/s
 
-        out = decode_chunks(packet.wire["codes"], self.bits, packet.numel, torch.float32, fill)
-        return out.to(packet.dtype).view(packet.shape)
+        dense = decode_chunks(packet.wire["codes"], self.bits, packet.numel, torch.float32, fill)
+        return deliver(dense.to(packet.dtype).view(packet.shape), out)

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from ._util import decode_lut, encode_chunks
-from .base import Compressor, Packet
+from .base import Compressor, Packet, deliver
 from .registry import register
 
 _PM1 = (-1, 1)
@@ -42,8 +42,8 @@ class Sign(Compressor):
     def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
         return Packet({"bits": sign_bits(tensor)}, tensor.shape, tensor.dtype)
 
-    def decompress(self, packet: Packet) -> torch.Tensor:
-        return decode_lut(packet.wire["bits"], 1, _PM1, packet.numel, packet.dtype).view(packet.shape)
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        return deliver(decode_lut(packet.wire["bits"], 1, _PM1, packet.numel, packet.dtype).view(packet.shape), out)
 
     def summand_numel(self, packet: Packet, world_size: int) -> int:
         return packet.numel  # one int8 per entry
@@ -78,7 +78,7 @@ class ScaledSign(Compressor):
         scale = (l1 / max(v.numel(), 1)).to(torch.float32)  # ‖v‖₁ / d
         return Packet({"bits": bits, "scale": scale.reshape(1)}, tensor.shape, tensor.dtype)
 
-    def decompress(self, packet: Packet) -> torch.Tensor:
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         scale = packet.wire["scale"].to(packet.dtype)
-        out = decode_lut(packet.wire["bits"], 1, _PM1, packet.numel, packet.dtype)
-        return out.mul_(scale).view(packet.shape)
+        dense = decode_lut(packet.wire["bits"], 1, _PM1, packet.numel, packet.dtype)
+        return deliver(dense.mul_(scale).view(packet.shape), out)

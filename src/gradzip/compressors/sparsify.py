@@ -36,7 +36,7 @@ import torch
 from ..validation import is_int, is_real, require
 from . import _util
 from ._util import sample_indices, scatter_mean, shared_generator
-from .base import Compressor, Packet, keep_count
+from .base import Compressor, Packet, keep_count, deliver
 from .registry import register
 
 
@@ -94,10 +94,10 @@ class TopK(Compressor):
         wire = {"values": flat.index_select(0, idx), "indices": idx.to(torch.int32)}
         return Packet(wire, tensor.shape, tensor.dtype)
 
-    def decompress(self, packet: Packet) -> torch.Tensor:
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         values = packet.wire["values"]
-        out = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
-        return out.index_copy_(0, packet.wire["indices"].long(), values.to(packet.dtype)).view(packet.shape)
+        dense = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
+        return deliver(dense.index_copy_(0, packet.wire["indices"].long(), values.to(packet.dtype)).view(packet.shape), out)
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """One dense buffer, every packet's values index-added, divided by n."""
@@ -129,8 +129,8 @@ class RandomK(Compressor):
             values.mul_(flat.numel() / max(idx.numel(), 1))
         return Packet({"values": values}, tensor.shape, tensor.dtype, meta={"indices": idx})
 
-    def decompress(self, packet: Packet) -> torch.Tensor:
-        return self._scatter(packet.wire["values"], packet)
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        return deliver(self._scatter(packet.wire["values"], packet), out)
 
     def _scatter(self, values: torch.Tensor, packet: Packet) -> torch.Tensor:
         out = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
@@ -226,8 +226,8 @@ class RandBlock(Compressor):
             target.copy_(values.view(target.shape))
         return out
 
-    def decompress(self, packet: Packet) -> torch.Tensor:
-        return self._place(packet.wire.get("values"), packet, packet.dtype).view(packet.shape)
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        return deliver(self._place(packet.wire.get("values"), packet, packet.dtype).view(packet.shape), out)
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         first = packets[0]

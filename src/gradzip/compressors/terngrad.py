@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ._util import as_float32, decode_lut, encode_chunks, generator
-from .base import Compressor, Packet
+from .base import Compressor, Packet, deliver
 from .registry import register
 
 _SIGNS = (0.0, 0.0, -1.0, 1.0)
@@ -40,6 +40,6 @@ class TernGrad(Compressor):
         packed = encode_chunks(v, 2, codes_of)
         return Packet({"codes": packed, "scale": s.reshape(1)}, tensor.shape, tensor.dtype)
 
-    def decompress(self, packet: Packet) -> torch.Tensor:
-        out = decode_lut(packet.wire["codes"], 2, _SIGNS, packet.numel, torch.float32)
-        return out.mul_(packet.wire["scale"]).to(packet.dtype).view(packet.shape)
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        dense = decode_lut(packet.wire["codes"], 2, _SIGNS, packet.numel, torch.float32)
+        return deliver(dense.mul_(packet.wire["scale"]).to(packet.dtype).view(packet.shape), out)

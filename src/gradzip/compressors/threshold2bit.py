@@ -26,7 +26,7 @@ import torch
 
 from ..validation import is_real, require
 from ._util import decode_lut, encode_chunks
-from .base import Compressor, Packet
+from .base import Compressor, Packet, deliver
 from .registry import register
 
 PLUS = 3  # MXNet codes: 11 = +t, 10 = -t (negative << 1), 00 = 0 (01 unused, decodes to 0)
@@ -58,10 +58,10 @@ class TwoBit(Compressor):
         packed = encode_chunks(tensor.detach().reshape(-1), 2, lambda p: ternary_codes(p >= t, p <= -t))
         return Packet({"codes": packed}, tensor.shape, tensor.dtype)
 
-    def decompress(self, packet: Packet) -> torch.Tensor:
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         t = self.threshold
         values = (0.0, 0.0, -t, t)
-        return decode_lut(packet.wire["codes"], 2, values, packet.numel, packet.dtype).view(packet.shape)
+        return deliver(decode_lut(packet.wire["codes"], 2, values, packet.numel, packet.dtype).view(packet.shape), out)
 
     def summand_numel(self, packet: Packet, world_size: int) -> int:
         return packet.numel  # one int8 per entry
