@@ -93,7 +93,11 @@ class Compressor:
     unbiased: ClassVar[bool] = False
 
     # -- the codec -------------------------------------------------------------------
-    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        """``C(tensor)`` as a :class:`Packet`. ``reuse``: a packet this codec made earlier from
+        a tensor of the same shape and dtype, whose wire tensors the caller no longer needs;
+        a codec may write the new wire into its buffers (the returned packet then holds
+        them) instead of allocating. Codecs without a fused path ignore it."""
         raise NotImplementedError
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,12 +108,13 @@ class Compressor:
         tenth of a copy)."""
         raise NotImplementedError
 
-    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor) -> Packet:
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
         """``C(tensor)``, and ``tensor − decompress(C(tensor))`` written into ``out`` (the
         error-feedback residual; ``out`` has ``tensor``'s shape and dtype and does not
         overlap it). The same packet and the same residual bits as the two calls; fused
-        codecs do it in one pass over memory."""
-        packet = self.compress(tensor, seed)
+        codecs do it in one pass over memory. ``reuse``: as for :meth:`compress`."""
+        packet = self.compress(tensor, seed, reuse)
         torch.sub(tensor, self.decompress(packet), out=out)
         return packet
 

@@ -120,7 +120,7 @@ class DGCCompressor(Compressor):
             value = getattr(self, key)
             require(is_real(value) and 0 < value <= 1, "dgc", f"{key} must be in (0, 1], got {value!r}")
 
-    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         flat = tensor.detach().reshape(-1)
         numel = flat.numel()
         k = min(keep_count(self.ratio, numel), numel)

@@ -27,7 +27,7 @@ class NoCompression(Compressor):
 
     name = "none"
 
-    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         return Packet({"x": tensor.detach()}, tensor.shape, tensor.dtype)
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,7 +49,7 @@ class _Cast(Compressor):
 
     wire_dtype: ClassVar[torch.dtype]
 
-    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         x = tensor.detach().to(self.wire_dtype, copy=True)
         return Packet({"x": x}, tensor.shape, tensor.dtype)
 

@@ -23,7 +23,7 @@ from .registry import register
 class OneBit(Compressor):
     name = "1bit"
 
-    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         rows, cols = matrix_shape(tensor.shape)
         flat = tensor.detach().reshape(-1)
         # column sums of the non-negative / negative entries and the non-negative counts,

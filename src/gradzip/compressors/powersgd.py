@@ -96,7 +96,7 @@ class PowerSGDCompressor(Compressor):
         require(is_real(rate) and rate >= 0, "powersgd",
                 f"min_compression_rate must be >= 0, got {self.min_compression_rate!r}")
 
-    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         if not should_compress(tensor.shape, self.rank, self.min_compression_rate):
             return Packet({"values": tensor.detach().reshape(-1).clone()}, tensor.shape, tensor.dtype,
                           meta={"q": None, "device": tensor.device})

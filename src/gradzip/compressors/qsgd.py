@@ -36,7 +36,7 @@ class QSGD(Compressor):
     def bits(self) -> int:
         return (2 * self.levels).bit_length()  # = ceil(log2(2s + 1))
 
-    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         s = self.levels
         v = as_float32(tensor.detach())
         norm = torch.linalg.vector_norm(v)

@@ -39,7 +39,7 @@ def sign_bits(tensor: torch.Tensor, abs_sum: torch.Tensor | None = None) -> torc
 class Sign(Compressor):
     name = "sign"
 
-    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         return Packet({"bits": sign_bits(tensor)}, tensor.shape, tensor.dtype)
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,7 +71,7 @@ class Sign(Compressor):
 class ScaledSign(Compressor):
     name = "scaled_sign"
 
-    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         v = tensor.detach().reshape(-1)
         l1 = torch.zeros((), dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
         bits = sign_bits(v, abs_sum=l1)

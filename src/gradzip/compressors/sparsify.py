@@ -87,7 +87,7 @@ class TopK(Compressor):
     def __post_init__(self):
         _check_ratio("topk", self.ratio)
 
-    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         flat = tensor.detach().reshape(-1)
         k = min(keep_count(self.ratio, flat.numel()), flat.numel())
         idx = topk_indices(flat, k)
@@ -121,7 +121,7 @@ class RandomK(Compressor):
         k = min(keep_count(self.ratio, numel), numel)
         return sample_indices(numel, k, shared_generator(seed)).to(device)
 
-    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         flat = tensor.detach().reshape(-1)
         idx = self.indices(flat.numel(), seed, flat.device)
         values = flat.index_select(0, idx)
@@ -209,7 +209,7 @@ class RandBlock(Compressor):
         return round(4 * numel / parts)
 
     # -- the codec -----------------------------------------------------------------------
-    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         view, slices = self.block(tensor.shape, seed)
         meta = {"view": view, "block": slices, "device": tensor.device}
         wire = {}

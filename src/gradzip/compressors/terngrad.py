@@ -24,7 +24,7 @@ class TernGrad(Compressor):
     name = "terngrad"
     unbiased = True
 
-    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         v = as_float32(tensor.detach())
         low, high = torch.aminmax(v) if v.numel() else (v.new_zeros(()), v.new_zeros(()))
         s = torch.maximum(-low, high)  # max |v|

@@ -53,7 +53,7 @@ class TwoBit(Compressor):
             f"threshold must be a finite number > 0, got {t!r}",
         )
 
-    def compress(self, tensor: torch.Tensor, seed: int = 0) -> Packet:
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         t = self.threshold
         packed = encode_chunks(tensor.detach().reshape(-1), 2, lambda p: ternary_codes(p >= t, p <= -t))
         return Packet({"codes": packed}, tensor.shape, tensor.dtype)
