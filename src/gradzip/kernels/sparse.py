@@ -1,0 +1,286 @@
+"""Fused kernels of the sparsifiers (``topk``, ``dgc``, ``randomk``; compressors/sparsify.py,
+compressors/dgc.py): the candidate scan, the residual, the decode and the aggregate, each
+one pass over the dense tensor.
+
+* :func:`scan`: the entries with ``|x| >= threshold``, ascending indices (int32) and raw
+  values, written into reused scratch buffers; with ``residual``, the same pass copies
+  ``x`` into it (a sparsifier's residual is ``x`` with the sent entries replaced, which
+  :func:`fix_residual` then does for the few sent entries only).
+* :func:`place`: ``out`` zero-filled, then the values scattered into it: copied
+  (``index_copy_``, ``topk`` / ``randomk``) or added (``index_add_``, ``dgc``, whose
+  padding repeats an index with value 0).
+* :func:`mean_of`: every packet's values added into one zero-filled buffer, in packet
+  order, then divided by ``n`` (``_util.scatter_mean``).
+
+Bit-identical to the torch reference, which computes in the tensor's dtype: float32
+arithmetic here is the same IEEE operations in the same order (fastmath off). 16-bit
+floats are uint16 bit patterns (:func:`gradzip.kernels.array`); every kernel on them
+needs no rounding: comparisons of magnitudes are comparisons of ``bits & 0x7FFF`` (NaN
+excluded), ``0 + v`` is ``v`` (``-0`` becomes ``+0``), ``v − v`` is ``+0`` or NaN. Where a
+16-bit result would need rounding (two non-zero values added into one slot), the kernel
+says so and the caller takes the reference path. Which NaN bit pattern a NaN result gets
+is the one thing left free (torch itself gives different ones on its vector and scalar
+paths). Indices out of range make a kernel return -1 before writing anything out of
+bounds; the caller then runs the reference, which raises.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from . import array, njit
+
+#: 16-bit dtypes: the magnitude bits of +inf (the largest non-NaN magnitude) and the NaN
+#: a 16-bit ``v − v`` of a non-finite ``v`` gets.
+INF_BITS = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
+NAN_BITS = {torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}
+#: The dtypes the fused kernels take (others: the reference path).
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Entries per block of the scan: a block is first tested as a whole (a vectorized
+#: count), and only blocks with a candidate are walked again to collect it.
+BLOCK = 64
+
+
+def supported(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors' dtype (float32, float16, bfloat16)."""
+    return all(t.dtype in DTYPES for t in tensors)
+
+
+# -- the kernels (plain loops over flat arrays; numba compiles one version per dtype) ----------
+@njit
+def _scan_float(x, thr, idx, val, res):
+    n = x.size
+    cap = idx.size
+    copy = res.size == n
+    count = 0
+    for start in range(0, n, BLOCK):
+        stop = min(start + BLOCK, n)
+        hits = 0
+        if copy:
+            for i in range(start, stop):
+                v = x[i]
+                res[i] = v
+                hits += abs(v) >= thr
+        else:
+            for i in range(start, stop):
+                hits += abs(x[i]) >= thr
+        if hits:
+            for i in range(start, stop):
+                v = x[i]
+                if abs(v) >= thr:
+                    if count < cap:
+                        idx[count] = i
+                        val[count] = v
+                    count += 1
+    return count
+
+
+@njit
+def _scan_bits(x, lo, hi, idx, val, res):
+    n = x.size
+    cap = idx.size
+    copy = res.size == n
+    count = 0
+    for start in range(0, n, BLOCK):
+        stop = min(start + BLOCK, n)
+        hits = 0
+        if copy:
+            for i in range(start, stop):
+                v = x[i]
+                res[i] = v
+                m = v & 0x7FFF
+                hits += (m >= lo) & (m <= hi)
+        else:
+            for i in range(start, stop):
+                m = x[i] & 0x7FFF
+                hits += (m >= lo) & (m <= hi)
+        if hits:
+            for i in range(start, stop):
+                v = x[i]
+                m = v & 0x7FFF
+                if m >= lo and m <= hi:
+                    if count < cap:
+                        idx[count] = i
+                        val[count] = v
+                    count += 1
+    return count
+
+
+@njit
+def _fix_float(res, x, idx, added):
+    n = x.size
+    for j in range(idx.size):
+        if idx[j] < 0 or idx[j] >= n:
+            return -1
+    zero = np.float32(0.0)
+    for j in range(idx.size):
+        i = idx[j]
+        v = x[i]
+        if added:
+            res[i] = v - (zero + v)
+        else:
+            res[i] = v - v
+    return 0
+
+
+@njit
+def _fix_bits(res, x, idx, added, inf, nan):
+    n = x.size
+    for j in range(idx.size):
+        if idx[j] < 0 or idx[j] >= n:
+            return -1
+    for j in range(idx.size):
+        i = idx[j]
+        v = x[i]
+        if v & 0x7FFF >= inf:
+            res[i] = nan
+        elif added and v == 0x8000:   # -0 − (0 + -0) = -0 − +0 = -0
+            res[i] = 0x8000
+        else:
+            res[i] = 0
+    return 0
+
+
+@njit
+def _place_float(out, idx, val, added):
+    n = out.size
+    for j in range(idx.size):
+        if idx[j] < 0 or idx[j] >= n:
+            return -1
+    zero = np.float32(0.0)
+    for i in range(n):
+        out[i] = zero
+    if added:
+        for j in range(idx.size):
+            out[idx[j]] += val[j]
+    else:
+        for j in range(idx.size):
+            out[idx[j]] = val[j]
+    return 0
+
+
+@njit
+def _place_bits(out, idx, val, added, inf):
+    n = out.size
+    for j in range(idx.size):
+        if idx[j] < 0 or idx[j] >= n:
+            return -1
+    for i in range(n):
+        out[i] = 0
+    if added:
+        for j in range(idx.size):
+            i = idx[j]
+            v = val[j]
+            s = out[i]
+            if v & 0x7FFF == 0:          # s + ±0 = s (s is never -0 here)
+                continue
+            if s != 0:                    # two non-zero values: a rounded sum
+                return 1
+            out[i] = v                    # +0 + v = v (v non-zero, NaN stays NaN)
+    else:
+        for j in range(idx.size):
+            out[idx[j]] = val[j]
+    return 0
+
+
+@njit
+def _mean_float(total, idx, val, n):
+    size = total.size
+    for j in range(idx.size):
+        if idx[j] < 0 or idx[j] >= size:
+            return -1
+    zero = np.float32(0.0)
+    for i in range(size):
+        total[i] = zero
+    for j in range(idx.size):
+        total[idx[j]] += val[j]
+    d = np.float32(n)
+    for i in range(size):
+        total[i] = total[i] / d
+    return 0
+
+
+# -- scratch buffers, one set per thread (workers of gradzip.simulate run on threads) ---------
+_scratch = threading.local()
+
+
+def _buffers(capacity: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reused (int32 indices, values) scratch of at least ``capacity`` entries."""
+    held = getattr(_scratch, "bufs", None)
+    if held is None:
+        held = _scratch.bufs = {}
+    idx, val = held.get(dtype, (None, None))
+    if idx is None or idx.numel() < capacity:
+        size = max(capacity, 2 * (0 if idx is None else idx.numel()), 1024)
+        idx, val = torch.empty(size, dtype=torch.int32), torch.empty(size, dtype=dtype)
+        held[dtype] = (idx, val)
+    return idx, val
+
+
+def _bits(value: torch.Tensor) -> int:
+    return int(value.view(torch.int16)) & 0xFFFF
+
+
+def scan(flat: torch.Tensor, threshold, residual: torch.Tensor | None = None,
+         expect: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices, values)`` of the entries of the contiguous ``flat`` with
+    ``|x| >= threshold`` (ascending int32 indices, raw values), as ``_util.above_threshold``
+    and ``flat.index_select`` give them. ``threshold``: a number or a 0-d tensor, cast to
+    ``flat``'s dtype as torch's comparison casts it. ``residual`` (flat, contiguous, same
+    dtype): receives a copy of ``flat`` in the same pass. The results are views of this
+    thread's scratch buffers, valid until its next :func:`scan`. ``expect``: the count
+    expected (sizes the scratch; a larger count costs a second pass)."""
+    numel = flat.numel()
+    if isinstance(threshold, torch.Tensor):
+        thr = threshold.to(flat.dtype)
+    else:   # a Python number: cast as torch casts the scalar of a comparison
+        thr = torch.tensor(float(threshold), dtype=torch.float64).to(flat.dtype)
+    x = array(flat)
+    res = array(residual) if residual is not None else x[:0]
+    idx, val = _buffers(max(expect, 1), flat.dtype)
+    for _ in range(2):
+        if flat.dtype == torch.float32:
+            count = _scan_float(x, np.float32(float(thr)), idx.numpy(), array(val), res)
+        else:
+            inf = INF_BITS[flat.dtype]
+            bits = _bits(thr)
+            lo = 0xFFFF if bits & 0x7FFF > inf else (0 if bits & 0x8000 else bits)
+            count = _scan_bits(x, np.uint16(lo), np.uint16(inf), idx.numpy(), array(val), res)
+        if count <= idx.numel():
+            return idx[:count], val[:count]
+        idx, val = _buffers(count + count // 4, flat.dtype)
+        res = x[:0]   # copied already
+    raise AssertionError("unreachable: the second scan has room for every candidate")
+
+
+def fix_residual(residual: torch.Tensor, flat: torch.Tensor, indices: torch.Tensor, added: bool) -> None:
+    """``residual[i] = x[i] − d[i]`` at the sent ``indices`` (int32), where the decoded ``d``
+    is ``x`` itself (``added=False``: ``index_copy_``) or ``0 + x`` (``added=True``:
+    ``index_add_`` into zeros); elsewhere ``residual`` already holds ``x − 0 = x``."""
+    r, x, i = array(residual), array(flat), indices.numpy()
+    if flat.dtype == torch.float32:
+        status = _fix_float(r, x, i, added)
+    else:
+        status = _fix_bits(r, x, i, added, np.uint16(INF_BITS[flat.dtype]), np.uint16(NAN_BITS[flat.dtype]))
+    if status:
+        raise IndexError(f"index out of range for a tensor of {flat.numel()} entries")
+
+
+def place(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, added: bool) -> bool:
+    """``out`` (flat, contiguous) zero-filled, then ``values`` copied (``index_copy_``) or added
+    (``index_add_``) at ``indices`` (int32, contiguous), in one kernel. False (``out``
+    unspecified) where the reference must do it: an index out of range (it raises), or two
+    non-zero 16-bit values added into one entry (a rounded sum)."""
+    o, i, v = array(out), indices.numpy(), array(values)
+    if out.dtype == torch.float32:
+        return _place_float(o, i, v, added) == 0
+    return _place_bits(o, i, v, added, np.uint16(INF_BITS[out.dtype])) == 0
+
+
+def mean_of(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, n: int) -> bool:
+    """``total`` (flat float32) = zeros, ``values`` (float32) added at ``indices`` (int32) in
+    order, divided by ``n``: ``_util.scatter_mean`` in one kernel. False: an index is out
+    of range (``total`` unspecified; the reference raises)."""
+    return _mean_float(total.numpy(), indices.numpy(), values.numpy(), n) == 0
