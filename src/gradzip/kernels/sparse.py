@@ -34,13 +34,15 @@ from . import array, njit
 
 #: 16-bit dtypes: the magnitude bits of +inf (the largest non-NaN magnitude) and the NaN
 #: a 16-bit ``v − v`` of a non-finite ``v`` gets.
-INF_BITS = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
+INF_BITS = {torch.float32: 0x7F800000, torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
 NAN_BITS = {torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}
 #: The dtypes the fused kernels take (others: the reference path).
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: Entries per block of the scan: a block is first tested as a whole (a vectorized
-#: count), and only blocks with a candidate are walked again to collect it.
-BLOCK = 64
+#: Entries per chunk of the scan (its flags stay in L1).
+CHUNK = 4096
+#: Per dtype: the unsigned type of its bits, and the mask of the magnitude bits.
+BITS = {torch.float32: (np.uint32, 0x7FFFFFFF), torch.float16: (np.uint16, 0x7FFF),
+        torch.bfloat16: (np.uint16, 0x7FFF)}
 
 
 def supported(*tensors: torch.Tensor) -> bool:
@@ -50,61 +52,44 @@ def supported(*tensors: torch.Tensor) -> bool:
 
 # -- the kernels (plain loops over flat arrays; numba compiles one version per dtype) ----------
 @njit
-def _scan_float(x, thr, idx, val, res):
+def _scan(x, mask, lo, span, idx, val, res):
+    # x: the bits (uint32 or uint16); an entry passes iff lo <= (x & mask) <= lo + span.
+    # Per chunk of CHUNK entries: a vectorized pass writes one flag byte per entry (and
+    # copies into res), then 8 flags at a time are read as one word: a zero word (no
+    # candidate among 8) costs one test, others store all 8 without branching (the count
+    # advances only for the candidates).
     n = x.size
-    cap = idx.size
+    cap = idx.size - 8
     copy = res.size == n
+    flags = np.zeros(CHUNK + 8, np.uint8)
+    words = flags.view(np.uint64)
     count = 0
-    for start in range(0, n, BLOCK):
-        stop = min(start + BLOCK, n)
-        hits = 0
+    for start in range(0, n, CHUNK):
+        stop = min(start + CHUNK, n)
+        size = stop - start
+        chunk = x[start:stop]
         if copy:
-            for i in range(start, stop):
-                v = x[i]
-                res[i] = v
-                hits += abs(v) >= thr
+            dst = res[start:stop]
+            for i in range(size):
+                v = chunk[i]
+                dst[i] = v
+                flags[i] = (v & mask) - lo <= span
         else:
-            for i in range(start, stop):
-                hits += abs(x[i]) >= thr
-        if hits:
-            for i in range(start, stop):
-                v = x[i]
-                if abs(v) >= thr:
-                    if count < cap:
-                        idx[count] = i
-                        val[count] = v
-                    count += 1
-    return count
-
-
-@njit
-def _scan_bits(x, lo, hi, idx, val, res):
-    n = x.size
-    cap = idx.size
-    copy = res.size == n
-    count = 0
-    for start in range(0, n, BLOCK):
-        stop = min(start + BLOCK, n)
-        hits = 0
-        if copy:
-            for i in range(start, stop):
-                v = x[i]
-                res[i] = v
-                m = v & 0x7FFF
-                hits += (m >= lo) & (m <= hi)
-        else:
-            for i in range(start, stop):
-                m = x[i] & 0x7FFF
-                hits += (m >= lo) & (m <= hi)
-        if hits:
-            for i in range(start, stop):
-                v = x[i]
-                m = v & 0x7FFF
-                if m >= lo and m <= hi:
-                    if count < cap:
-                        idx[count] = i
-                        val[count] = v
-                    count += 1
+            for i in range(size):
+                flags[i] = (chunk[i] & mask) - lo <= span
+        for i in range(size, CHUNK):
+            flags[i] = 0
+        for w in range((size + 7) // 8):
+            if words[w] != 0:
+                first = 8 * w
+                if count <= cap:
+                    for t in range(first, first + 8):
+                        idx[count] = start + t
+                        val[count] = chunk[min(t, size - 1)]
+                        count += flags[t]
+                else:   # the scratch is full: count only (the caller scans again)
+                    for t in range(first, first + 8):
+                        count += flags[t]
     return count
 
 
@@ -219,8 +204,18 @@ def _buffers(capacity: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
     return idx, val
 
 
-def _bits(value: torch.Tensor) -> int:
-    return int(value.view(torch.int16)) & 0xFFFF
+def _bounds(thr: torch.Tensor) -> tuple[int, int]:
+    """``(lo, span)``: ``|x| >= thr`` (``thr`` a 0-d tensor of ``x``'s dtype) iff the magnitude
+    bits ``m`` of ``x`` have ``lo <= m <= lo + span``: at most those of +inf (NaN never
+    passes), at least those of ``thr`` (0 for a negative ``thr``); a NaN ``thr``: nothing."""
+    int_type = torch.int32 if thr.dtype == torch.float32 else torch.int16
+    unsigned, mask = BITS[thr.dtype]
+    bits = int(thr.view(int_type)) & (2 * mask + 1)
+    inf = INF_BITS[thr.dtype]
+    if bits & mask > inf:
+        return mask + 1, 0      # above every magnitude
+    lo = 0 if bits > mask else bits
+    return lo, inf - lo
 
 
 def scan(flat: torch.Tensor, threshold, residual: torch.Tensor | None = None,
@@ -232,25 +227,20 @@ def scan(flat: torch.Tensor, threshold, residual: torch.Tensor | None = None,
     dtype): receives a copy of ``flat`` in the same pass. The results are views of this
     thread's scratch buffers, valid until its next :func:`scan`. ``expect``: the count
     expected (sizes the scratch; a larger count costs a second pass)."""
-    numel = flat.numel()
     if isinstance(threshold, torch.Tensor):
         thr = threshold.to(flat.dtype)
     else:   # a Python number: cast as torch casts the scalar of a comparison
         thr = torch.tensor(float(threshold), dtype=torch.float64).to(flat.dtype)
-    x = array(flat)
-    res = array(residual) if residual is not None else x[:0]
-    idx, val = _buffers(max(expect, 1), flat.dtype)
+    unsigned, mask = BITS[flat.dtype]
+    lo, span = _bounds(thr)
+    x = array(flat).view(unsigned)
+    res = array(residual).view(unsigned) if residual is not None else x[:0]
+    idx, val = _buffers(max(expect, 1) + 8, flat.dtype)
     for _ in range(2):
-        if flat.dtype == torch.float32:
-            count = _scan_float(x, np.float32(float(thr)), idx.numpy(), array(val), res)
-        else:
-            inf = INF_BITS[flat.dtype]
-            bits = _bits(thr)
-            lo = 0xFFFF if bits & 0x7FFF > inf else (0 if bits & 0x8000 else bits)
-            count = _scan_bits(x, np.uint16(lo), np.uint16(inf), idx.numpy(), array(val), res)
-        if count <= idx.numel():
+        count = _scan(x, unsigned(mask), unsigned(lo), unsigned(span), idx.numpy(), array(val).view(unsigned), res)
+        if count + 8 <= idx.numel():
             return idx[:count], val[:count]
-        idx, val = _buffers(count + count // 4, flat.dtype)
+        idx, val = _buffers(count + count // 4 + 8, flat.dtype)
         res = x[:0]   # copied already
     raise AssertionError("unreachable: the second scan has room for every candidate")
 
