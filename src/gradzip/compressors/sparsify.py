@@ -220,19 +220,46 @@ class RandomK(Compressor):
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         flat = tensor.detach().reshape(-1)
         idx = self.indices(flat.numel(), seed, flat.device)
-        values = flat.index_select(0, idx)
+        if fused_path(tensor):   # the gather into reuse's buffer
+            (values,) = wire_buffers(reuse, ("values",), (idx.numel(),), (flat.dtype,))
+            torch.index_select(flat, 0, idx, out=values)
+        else:
+            values = flat.index_select(0, idx)
         if self.unbiased:
             values.mul_(flat.numel() / max(idx.numel(), 1))
         return Packet({"values": values}, tensor.shape, tensor.dtype, meta={"indices": idx})
 
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        """Fused: ``out`` = a copy of ``tensor`` (one pass), then ``x − d`` at the k drawn
+        entries only (``d`` the decoded value: ``x``, or the scaled value when ``unbiased``,
+        for float32; a scaled 16-bit value needs a rounded difference: the reference)."""
+        if not (fused_path(tensor) and fits_out(out, tensor)
+                and (not self.unbiased or tensor.dtype == torch.float32)):
+            return super().compress_residual(tensor, seed, out, reuse)
+        packet = self.compress(tensor, seed, reuse)
+        flat = tensor.detach().reshape(-1).contiguous()
+        residual = out.view(-1).copy_(flat)
+        sparse_kernels.fix_residual(residual, flat, packet.meta["indices"].to(torch.int32), added=False,
+                                    values=packet.wire["values"] if self.unbiased else None)
+        return packet
+
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        return deliver(self._scatter(packet.wire["values"], packet), out)
+        values = packet.wire["values"]
+        if (out is not None and fused_path(out) and out.dtype == packet.dtype == values.dtype
+                and out.shape == packet.shape and out.is_contiguous() and values.is_contiguous()
+                and sparse_kernels.place(out.view(-1), packet.meta["indices"].to(torch.int32), values, added=False)):
+            return out
+        return deliver(self._scatter(values, packet), out)
 
     def _scatter(self, values: torch.Tensor, packet: Packet) -> torch.Tensor:
         out = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
         return out.index_copy_(0, packet.meta["indices"], values.to(packet.dtype)).view(packet.shape)
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        fused = fused_scatter_mean(packets, lambda p: (p.meta["indices"], p.wire["values"]))
+        if fused is not None:
+            return fused
         return scatter_mean(packets, lambda p: (p.meta["indices"], p.wire["values"]), packets[0].numel)
 
     def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:

@@ -111,6 +111,18 @@ def _fix_float(res, x, idx, added):
 
 
 @njit
+def _fix_sub(res, x, idx, val):
+    n = x.size
+    for j in range(idx.size):
+        if idx[j] < 0 or idx[j] >= n:
+            return -1
+    for j in range(idx.size):
+        i = idx[j]
+        res[i] = x[i] - val[j]
+    return 0
+
+
+@njit
 def _fix_bits(res, x, idx, added, inf, nan):
     n = x.size
     for j in range(idx.size):
@@ -245,12 +257,18 @@ def scan(flat: torch.Tensor, threshold, residual: torch.Tensor | None = None,
     raise AssertionError("unreachable: the second scan has room for every candidate")
 
 
-def fix_residual(residual: torch.Tensor, flat: torch.Tensor, indices: torch.Tensor, added: bool) -> None:
+def fix_residual(residual: torch.Tensor, flat: torch.Tensor, indices: torch.Tensor, added: bool,
+                 values: torch.Tensor | None = None) -> None:
     """``residual[i] = x[i] − d[i]`` at the sent ``indices`` (int32), where the decoded ``d``
     is ``x`` itself (``added=False``: ``index_copy_``) or ``0 + x`` (``added=True``:
-    ``index_add_`` into zeros); elsewhere ``residual`` already holds ``x − 0 = x``."""
+    ``index_add_`` into zeros), or (float32 only) the sent ``values`` copied there;
+    elsewhere ``residual`` already holds ``x − 0 = x``."""
     r, x, i = array(residual), array(flat), indices.numpy()
-    if flat.dtype == torch.float32:
+    if values is not None:
+        if flat.dtype != torch.float32 or added:
+            raise ValueError("fix_residual(values=) takes float32 and index_copy_ decoding only")
+        status = _fix_sub(r, x, i, array(values))
+    elif flat.dtype == torch.float32:
         status = _fix_float(r, x, i, added)
     else:
         status = _fix_bits(r, x, i, added, np.uint16(INF_BITS[flat.dtype]), np.uint16(NAN_BITS[flat.dtype]))
