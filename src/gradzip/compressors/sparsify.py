@@ -69,15 +69,14 @@ def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     return _topk_select(flat, k)[0]
 
 
-def _topk_select(flat: torch.Tensor, k: int, scan=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(indices, values, candidates)``: :func:`topk_indices`. ``scan`` (the fused path):
-    ``scan(threshold) -> (indices, values)`` of the candidates (:func:`kernels.sparse.scan`);
-    then the values of the selected entries come from the candidates' (no gather from
-    ``flat``) and ``candidates`` is the mask of the kept candidates (ascending indices
-    of the selection: ``indices`` in candidate order), else both None."""
+def _topk_select(flat: torch.Tensor, k: int, scan=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(indices, values)``: :func:`topk_indices`. ``scan`` (the fused path):
+    ``scan(threshold, expect) -> (indices, values)`` of the candidates
+    (:func:`kernels.sparse.scan`); then the values of the selected entries come from the
+    candidates' (no gather from ``flat``), else None."""
     numel = flat.numel()
     if flat.device.type != "cpu" or numel < (1 << 15) or 8 * k > numel:
-        return torch.topk(torch.abs(flat), k, sorted=False).indices, None, None
+        return torch.topk(torch.abs(flat), k, sorted=False).indices, None
     sample = torch.abs(flat[::64])
     expect = k * sample.numel() / numel
     rank = min(sample.numel(), int(1.25 * expect + 3 * math.sqrt(expect)) + 8)
@@ -87,13 +86,10 @@ def _topk_select(flat: torch.Tensor, k: int, scan=None) -> tuple[torch.Tensor, t
     else:
         candidates, found = scan(threshold, 2 * k)
     if candidates.numel() < k:
-        return torch.topk(torch.abs(flat), k, sorted=False).indices, None, None
+        return torch.topk(torch.abs(flat), k, sorted=False).indices, None
     picked = flat.index_select(0, candidates) if found is None else found
     best = torch.topk(torch.abs(picked), k, sorted=False).indices
-    if found is None:
-        return candidates.index_select(0, best), None, None
-    kept = torch.zeros(candidates.numel(), dtype=torch.bool).index_fill_(0, best, True)
-    return candidates.index_select(0, best), found.index_select(0, best), candidates[kept]
+    return candidates.index_select(0, best), None if found is None else found.index_select(0, best)
 
 
 def wire_buffers(reuse: Packet | None, names: Sequence[str], sizes: Sequence[int], dtypes) -> list[torch.Tensor]:
@@ -152,7 +148,7 @@ class TopK(Compressor):
             copied.append(residual is not None)
             return sparse_kernels.scan(flat, threshold, residual if len(copied) == 1 else None, expect)
 
-        idx, values, ascending = _topk_select(flat, k, scan)
+        idx, values = _topk_select(flat, k, scan)
         wire_values, wire_idx = wire_buffers(reuse, ("values", "indices"), (k, k), (flat.dtype, torch.int32))
         if values is None:
             torch.index_select(flat, 0, idx, out=wire_values)
@@ -162,8 +158,7 @@ class TopK(Compressor):
         if residual is not None:
             if not copied:
                 residual.copy_(flat)
-            sent = wire_idx if ascending is None else ascending.to(torch.int32)
-            sparse_kernels.fix_residual(residual, flat, sent, added=False)
+            sparse_kernels.fix_residual(residual, flat, wire_idx, added=False)
         return Packet({"values": wire_values, "indices": wire_idx}, tensor.shape, tensor.dtype)
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:

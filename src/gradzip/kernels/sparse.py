@@ -40,9 +40,9 @@ NAN_BITS = {torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Entries per chunk of the scan (its flags stay in L1).
 CHUNK = 4096
-#: Per dtype: the unsigned type of its bits, and the mask of the magnitude bits.
-BITS = {torch.float32: (np.uint32, 0x7FFFFFFF), torch.float16: (np.uint16, 0x7FFF),
-        torch.bfloat16: (np.uint16, 0x7FFF)}
+#: Per dtype: the (signed) integer type of its bits, and the mask of the magnitude bits.
+BITS = {torch.float32: (np.int32, 0x7FFFFFFF), torch.float16: (np.int16, 0x7FFF),
+        torch.bfloat16: (np.int16, 0x7FFF)}
 
 
 def supported(*tensors: torch.Tensor) -> bool:
@@ -52,12 +52,13 @@ def supported(*tensors: torch.Tensor) -> bool:
 
 # -- the kernels (plain loops over flat arrays; numba compiles one version per dtype) ----------
 @njit
-def _scan(x, mask, lo, span, idx, val, res):
-    # x: the bits (uint32 or uint16); an entry passes iff lo <= (x & mask) <= lo + span.
-    # Per chunk of CHUNK entries: a vectorized pass writes one flag byte per entry (and
-    # copies into res), then 8 flags at a time are read as one word: a zero word (no
-    # candidate among 8) costs one test, others store all 8 without branching (the count
-    # advances only for the candidates).
+def _scan(x, mask, lo, hi, idx, val, res):
+    # x: the bits as signed integers (int32 or int16); an entry passes iff
+    # lo <= (x & mask) <= hi (non-negative magnitudes: signed compares, which vectorize;
+    # unsigned ones do not). Per chunk of CHUNK entries: a vectorized pass writes one flag
+    # byte per entry (and copies into res), then 8 flags at a time are read as one word:
+    # a zero word (no candidate among 8) costs one test, others store all 8 without
+    # branching (the count advances only for the candidates).
     n = x.size
     cap = idx.size - 8
     copy = res.size == n
@@ -73,10 +74,12 @@ def _scan(x, mask, lo, span, idx, val, res):
             for i in range(size):
                 v = chunk[i]
                 dst[i] = v
-                flags[i] = (v & mask) - lo <= span
+                m = v & mask
+                flags[i] = (m >= lo) & (m <= hi)
         else:
             for i in range(size):
-                flags[i] = (chunk[i] & mask) - lo <= span
+                m = chunk[i] & mask
+                flags[i] = (m >= lo) & (m <= hi)
         for i in range(size, CHUNK):
             flags[i] = 0
         for w in range((size + 7) // 8):
@@ -217,17 +220,16 @@ def _buffers(capacity: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
 
 
 def _bounds(thr: torch.Tensor) -> tuple[int, int]:
-    """``(lo, span)``: ``|x| >= thr`` (``thr`` a 0-d tensor of ``x``'s dtype) iff the magnitude
-    bits ``m`` of ``x`` have ``lo <= m <= lo + span``: at most those of +inf (NaN never
-    passes), at least those of ``thr`` (0 for a negative ``thr``); a NaN ``thr``: nothing."""
+    """``(lo, hi)``: ``|x| >= thr`` (``thr`` a 0-d tensor of ``x``'s dtype) iff the magnitude
+    bits ``m`` of ``x`` have ``lo <= m <= hi``: at most those of +inf (NaN never passes),
+    at least those of ``thr`` (0 for a negative ``thr``); a NaN ``thr``: nothing passes."""
     int_type = torch.int32 if thr.dtype == torch.float32 else torch.int16
-    unsigned, mask = BITS[thr.dtype]
+    _, mask = BITS[thr.dtype]
     bits = int(thr.view(int_type)) & (2 * mask + 1)
     inf = INF_BITS[thr.dtype]
     if bits & mask > inf:
-        return mask + 1, 0      # above every magnitude
-    lo = 0 if bits > mask else bits
-    return lo, inf - lo
+        return 1, 0
+    return (0 if bits > mask else bits), inf
 
 
 def scan(flat: torch.Tensor, threshold, residual: torch.Tensor | None = None,
@@ -243,13 +245,13 @@ def scan(flat: torch.Tensor, threshold, residual: torch.Tensor | None = None,
         thr = threshold.to(flat.dtype)
     else:   # a Python number: cast as torch casts the scalar of a comparison
         thr = torch.tensor(float(threshold), dtype=torch.float64).to(flat.dtype)
-    unsigned, mask = BITS[flat.dtype]
-    lo, span = _bounds(thr)
-    x = array(flat).view(unsigned)
-    res = array(residual).view(unsigned) if residual is not None else x[:0]
+    signed, mask = BITS[flat.dtype]
+    lo, hi = _bounds(thr)
+    x = array(flat).view(signed)
+    res = array(residual).view(signed) if residual is not None else x[:0]
     idx, val = _buffers(max(expect, 1) + 8, flat.dtype)
     for _ in range(2):
-        count = _scan(x, unsigned(mask), unsigned(lo), unsigned(span), idx.numpy(), array(val).view(unsigned), res)
+        count = _scan(x, signed(mask), signed(lo), signed(hi), idx.numpy(), array(val).view(signed), res)
         if count + 8 <= idx.numel():
             return idx[:count], val[:count]
         idx, val = _buffers(count + count // 4 + 8, flat.dtype)
