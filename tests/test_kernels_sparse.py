@@ -245,3 +245,16 @@ def test_threads_have_their_own_scratch():
         t.join(timeout=300)
     for g, w in zip(got, want):
         assert_same_packets(g, w)
+
+
+def test_a_huge_candidate_set_is_not_kept_as_scratch(monkeypatch):
+    """A threshold of 0 selects everything: the scan still returns it all, and the thread's
+    kept scratch stays within ``KEEP`` entries."""
+    monkeypatch.setattr(sparse, "KEEP", 4096)
+    monkeypatch.setattr(sparse._scratch, "bufs", {}, raising=False)
+    x = make("zeros", (50_000,), torch.float32, seed=1)
+    idx, values = sparse.scan(x, 0.0, None, expect=10)
+    assert torch.equal(idx.long(), torch.arange(50_000)) and torch.equal(values, x)
+    held = sparse._scratch.bufs[torch.float32][0]
+    assert held.numel() <= 4096
+    check_codec("dgc:ratio=0.01", x)

@@ -206,14 +206,21 @@ def _mean_float(total, idx, val, n):
 _scratch = threading.local()
 
 
+#: Scratch entries a thread keeps between calls (16 MiB with float32 values); a larger
+#: candidate set (a threshold of 0 over a mostly-zero tensor) gets a buffer of its own.
+KEEP = 1 << 21
+
+
 def _buffers(capacity: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Reused (int32 indices, values) scratch of at least ``capacity`` entries."""
+    if capacity > KEEP:
+        return torch.empty(capacity, dtype=torch.int32), torch.empty(capacity, dtype=dtype)
     held = getattr(_scratch, "bufs", None)
     if held is None:
         held = _scratch.bufs = {}
     idx, val = held.get(dtype, (None, None))
     if idx is None or idx.numel() < capacity:
-        size = max(capacity, 2 * (0 if idx is None else idx.numel()), 1024)
+        size = min(KEEP, max(capacity, 2 * (0 if idx is None else idx.numel()), 1024))
         idx, val = torch.empty(size, dtype=torch.int32), torch.empty(size, dtype=dtype)
         held[dtype] = (idx, val)
     return idx, val
