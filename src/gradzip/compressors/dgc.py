@@ -27,6 +27,11 @@ left over are padding: index of the first selected entry, value 0, which adds no
 (decoding scatter-*adds*). ``packet.meta["selected"]`` is the number of real entries
 (the achieved density is ``selected / d``); :func:`selected_indices` returns them, which
 is what DGC's momentum factor masking zeroes.
+
+Fused path (as ``topk``'s, compressors/sparsify.py): every candidate pass is the numba
+scan of gradzip/kernels/sparse.py, the first one also copying the tensor into the
+residual of ``compress_residual``; the refinement, trimming and padding are the same torch
+code on the (small) candidate set, so the wire is the reference's bit for bit.
 """
 from __future__ import annotations
 

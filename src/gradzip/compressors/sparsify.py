@@ -24,6 +24,15 @@
 
 Shared random choices come from a CPU generator (the same numbers on every device).
 Indices are int32 on the wire, so a tensor has fewer than 2**31 entries.
+
+Fused path (CPU, float32 / float16 / bfloat16, unless ``GRADZIP_KERNELS=torch``;
+gradzip/kernels/sparse.py): ``topk``'s candidate scan is one numba pass that also copies
+the tensor into the residual of ``compress_residual`` (then only the ``k`` sent entries
+of it are rewritten); ``randomk``'s residual is a copy plus the ``k`` drawn entries;
+``decompress(out=)`` zero-fills ``out`` and scatters into it; the aggregate adds every
+packet into one buffer and divides it, in one kernel; ``reuse`` receives the wire. The
+torch code is the reference: the same wire, decoding, residual and aggregate bit for bit
+(tests/test_kernels_sparse.py).
 """
 from __future__ import annotations
 
