@@ -27,6 +27,11 @@ left over are padding: index of the first selected entry, value 0, which adds no
 (decoding scatter-*adds*). ``packet.meta["selected"]`` is the number of real entries
 (the achieved density is ``selected / d``); :func:`selected_indices` returns them, which
 is what DGC's momentum factor masking zeroes.
+
+Fused path (as ``topk``'s, compressors/sparsify.py): every candidate pass is the numba
+scan of gradzip/kernels/sparse.py, the first one also copying the tensor into the
+residual of ``compress_residual``; the refinement, trimming and padding are the same torch
+code on the (small) candidate set, so the wire is the reference's bit for bit.
 """
 from __future__ import annotations
 
@@ -36,10 +41,12 @@ from typing import Sequence
 
 import torch
 
+from ..kernels import sparse as sparse_kernels
 from ..validation import is_real, require
 from . import _util
 from ._util import generator, scatter_mean
 from .base import Compressor, Packet, keep_count, deliver
+from .sparsify import fits_out, fused_path, fused_scatter_mean, wire_buffers
 from .registry import register
 
 #: Refinement rounds of the sampled threshold before falling back to the exact top-k.
@@ -65,6 +72,15 @@ def sampled_threshold_select(flat: torch.Tensor, k: int, sample_ratio: float, se
     largest magnitude, selected by a threshold estimated on a strided sample and refined
     (see the module docstring). ``stats`` (optional) receives ``passes`` (full passes over
     the tensor), ``rounds`` (refinements) and ``exact`` (the fallback was used)."""
+    return _select(flat, k, sample_ratio, seed, stats)[0]
+
+
+def _select(flat: torch.Tensor, k: int, sample_ratio: float, seed: int = 0, stats: dict | None = None,
+            scan=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(indices, values)``: :func:`sampled_threshold_select`. ``scan`` (the fused path):
+    ``scan(threshold, expect) -> (indices, values)`` of the candidates
+    (:func:`kernels.sparse.scan`, int32 indices in its scratch); the values of the selection
+    then come with it (None on the exact path and without ``scan``)."""
     numel = flat.numel()
     # capped at numel + 1 (a sample of at most one entry: the exact path either way), so a
     # tiny sample_ratio (1/s beyond int64, or inf) cannot overflow randint
@@ -73,6 +89,15 @@ def sampled_threshold_select(flat: torch.Tensor, k: int, sample_ratio: float, se
     sample = torch.abs(flat[start::stride])
     lo_count, hi_count = math.ceil(LOWER * k), math.floor(UPPER * k)
     passes = rounds = 0
+    raw = None
+
+    def candidates(threshold: float):
+        nonlocal raw
+        if scan is None:
+            return _candidates(flat, threshold)
+        idx, raw = scan(threshold, 2 * k)
+        return idx, torch.abs(raw)
+
     exact = sample.numel() < MIN_SAMPLE or k >= numel or 4 * k > numel
     if not exact:
         # the sample's largest magnitudes, sorted: the threshold at sample rank j selects
@@ -81,7 +106,7 @@ def sampled_threshold_select(flat: torch.Tensor, k: int, sample_ratio: float, se
         ranked = torch.topk(sample, min(sample.numel(), math.ceil(4 * AIM * top) + 16), sorted=True).values
         j = max(1, min(ranked.numel(), math.ceil(AIM * top)))
         threshold = float(ranked[j - 1])
-        idx, vals = _candidates(flat, threshold)
+        idx, vals = candidates(threshold)
         passes = 1
         while idx.numel() < lo_count:   # too few: a lower threshold, another pass
             rounds += 1
@@ -94,18 +119,20 @@ def sampled_threshold_select(flat: torch.Tensor, k: int, sample_ratio: float, se
             else:
                 lower = threshold * LOWER
             threshold = min(lower, threshold * (1 - 1e-6))
-            idx, vals = _candidates(flat, threshold)
+            idx, vals = candidates(threshold)
             passes += 1
         if not exact and idx.numel() > hi_count:   # too many: raise it among the candidates
             rounds += 1
             threshold = float(torch.topk(vals, round(1.05 * k), sorted=False).values.min())
-            idx = idx[vals >= threshold]
+            keep = vals >= threshold
+            idx = idx[keep]
+            raw = raw[keep] if raw is not None else None
             exact = idx.numel() > hi_count   # ties at the threshold
     if stats is not None:
         stats.update(passes=passes, rounds=rounds, exact=exact)
     if exact:
-        return torch.topk(torch.abs(flat), min(k, numel), sorted=False).indices
-    return idx
+        return torch.topk(torch.abs(flat), min(k, numel), sorted=False).indices, None
+    return idx, raw
 
 
 @register
@@ -121,6 +148,8 @@ class DGCCompressor(Compressor):
             require(is_real(value) and 0 < value <= 1, "dgc", f"{key} must be in (0, 1], got {value!r}")
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        if fused_path(tensor):
+            return self._compress_fused(tensor, seed, reuse, None)
         flat = tensor.detach().reshape(-1)
         numel = flat.numel()
         k = min(keep_count(self.ratio, numel), numel)
@@ -136,13 +165,63 @@ class DGCCompressor(Compressor):
         wire = {"values": values, "indices": idx.to(torch.int32)}
         return Packet(wire, tensor.shape, tensor.dtype, meta={"selected": selected})
 
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        """One pass over ``tensor`` (fused): the first candidate scan copies it into ``out``,
+        then the selected entries of ``out`` get ``x − (0 + x)``."""
+        if fused_path(tensor) and fits_out(out, tensor):
+            return self._compress_fused(tensor, seed, reuse, out.view(-1))
+        return super().compress_residual(tensor, seed, out, reuse)
+
+    def _compress_fused(self, tensor: torch.Tensor, seed: int, reuse: Packet | None,
+                        residual: torch.Tensor | None) -> Packet:
+        flat = tensor.detach().reshape(-1).contiguous()
+        numel = flat.numel()
+        k = min(keep_count(self.ratio, numel), numel)
+        copied = []
+
+        def scan(threshold, expect):
+            copied.append(residual is not None)
+            return sparse_kernels.scan(flat, threshold, residual if len(copied) == 1 else None, expect)
+
+        idx, values = _select(flat, k, self.sample_ratio, seed, scan=scan)
+        if idx.numel() > k:   # keep the k largest candidates
+            picked = flat.index_select(0, idx) if values is None else values
+            best = torch.topk(picked.abs(), k, sorted=False).indices
+            idx = idx.index_select(0, best)
+            values = None if values is None else values.index_select(0, best)
+        selected = idx.numel()
+        wire_values, wire_idx = wire_buffers(reuse, ("values", "indices"), (k, k), (flat.dtype, torch.int32))
+        if values is None:
+            torch.index_select(flat, 0, idx, out=wire_values[:selected])
+        else:
+            wire_values[:selected].copy_(values)
+        wire_idx[:selected].copy_(idx)
+        if selected < k:      # pad: index of a selected entry, value 0 (adds nothing)
+            wire_idx[selected:].fill_(int(idx[0]) if selected else 0)
+            wire_values[selected:].zero_()
+        if residual is not None:
+            if not copied:
+                residual.copy_(flat)
+            sparse_kernels.fix_residual(residual, flat, wire_idx[:selected], added=True)
+        return Packet({"values": wire_values, "indices": wire_idx}, tensor.shape, tensor.dtype,
+                      meta={"selected": selected})
+
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        values = packet.wire["values"]
+        values, indices = packet.wire["values"], packet.wire["indices"]
+        if (out is not None and fused_path(out) and out.dtype == packet.dtype == values.dtype
+                and out.shape == packet.shape and out.is_contiguous() and indices.dtype == torch.int32
+                and indices.is_contiguous() and values.is_contiguous()
+                and sparse_kernels.place(out.view(-1), indices, values, added=True)):
+            return out
         dense = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
-        return deliver(dense.index_add_(0, packet.wire["indices"].long(), values.to(packet.dtype)).view(packet.shape), out)
+        return deliver(dense.index_add_(0, indices.long(), values.to(packet.dtype)).view(packet.shape), out)
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """One dense buffer, every packet's values index-added, divided by n."""
+        fused = fused_scatter_mean(packets, lambda p: (p.wire["indices"], p.wire["values"]))
+        if fused is not None:
+            return fused
         return scatter_mean(packets, lambda p: (p.wire["indices"].long(), p.wire["values"]), packets[0].numel)
 
     def wire_nbytes(self, shape) -> int:

@@ -24,6 +24,15 @@
 
 Shared random choices come from a CPU generator (the same numbers on every device).
 Indices are int32 on the wire, so a tensor has fewer than 2**31 entries.
+
+Fused path (CPU, float32 / float16 / bfloat16, unless ``GRADZIP_KERNELS=torch``;
+gradzip/kernels/sparse.py): ``topk``'s candidate scan is one numba pass that also copies
+the tensor into the residual of ``compress_residual`` (then only the ``k`` sent entries
+of it are rewritten); ``randomk``'s residual is a copy plus the ``k`` drawn entries;
+``decompress(out=)`` zero-fills ``out`` and scatters into it; the aggregate adds every
+packet into one buffer and divides it, in one kernel; ``reuse`` receives the wire. The
+torch code is the reference: the same wire, decoding, residual and aggregate bit for bit
+(tests/test_kernels_sparse.py).
 """
 from __future__ import annotations
 
@@ -33,6 +42,8 @@ from typing import Sequence
 
 import torch
 
+from .. import kernels
+from ..kernels import sparse as sparse_kernels
 from ..validation import is_int, is_real, require
 from . import _util
 from ._util import sample_indices, scatter_mean, shared_generator
@@ -64,18 +75,51 @@ def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     result is always exact (NaN entries aside, which ``torch.topk`` ranks first and the
     threshold drops).
     """
+    return _topk_select(flat, k)[0]
+
+
+def _topk_select(flat: torch.Tensor, k: int, scan=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(indices, values)``: :func:`topk_indices`. ``scan`` (the fused path):
+    ``scan(threshold, expect) -> (indices, values)`` of the candidates
+    (:func:`kernels.sparse.scan`); then the values of the selected entries come from the
+    candidates' (no gather from ``flat``), else None."""
     numel = flat.numel()
     if flat.device.type != "cpu" or numel < (1 << 15) or 8 * k > numel:
-        return torch.topk(torch.abs(flat), k, sorted=False).indices
+        return torch.topk(torch.abs(flat), k, sorted=False).indices, None
     sample = torch.abs(flat[::64])
     expect = k * sample.numel() / numel
     rank = min(sample.numel(), int(1.25 * expect + 3 * math.sqrt(expect)) + 8)
     threshold = torch.topk(sample, rank, sorted=False).values.min()
-    candidates = _util.above_threshold(flat, threshold)
+    if scan is None:
+        candidates, found = _util.above_threshold(flat, threshold), None
+    else:
+        candidates, found = scan(threshold, 2 * k)
     if candidates.numel() < k:
-        return torch.topk(torch.abs(flat), k, sorted=False).indices
-    best = torch.topk(torch.abs(flat.index_select(0, candidates)), k, sorted=False).indices
-    return candidates.index_select(0, best)
+        return torch.topk(torch.abs(flat), k, sorted=False).indices, None
+    picked = flat.index_select(0, candidates) if found is None else found
+    best = torch.topk(torch.abs(picked), k, sorted=False).indices
+    return candidates.index_select(0, best), None if found is None else found.index_select(0, best)
+
+
+def wire_buffers(reuse: Packet | None, names: Sequence[str], sizes: Sequence[int], dtypes) -> list[torch.Tensor]:
+    """The wire tensors of a fused compress: ``reuse``'s when it has them (same sizes and
+    dtypes), else new ones."""
+    if reuse is not None:
+        held = [reuse.wire.get(n) for n in names]
+        if all(t is not None and t.numel() == s and t.dtype == d and t.is_contiguous()
+               for t, s, d in zip(held, sizes, dtypes)):
+            return held
+    return [torch.empty(s, dtype=d) for s, d in zip(sizes, dtypes)]
+
+
+def fused_path(tensor: torch.Tensor) -> bool:
+    """Whether the fused kernels (kernels/sparse.py) take ``tensor``."""
+    return kernels.enabled(tensor) and sparse_kernels.supported(tensor)
+
+
+def fits_out(out: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether a fused kernel can write ``tensor``'s residual or decoding into ``out``."""
+    return out.shape == tensor.shape and out.dtype == tensor.dtype and out.is_contiguous()
 
 
 @register
@@ -88,20 +132,76 @@ class TopK(Compressor):
         _check_ratio("topk", self.ratio)
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        if fused_path(tensor):
+            return self._compress_fused(tensor, reuse, None)
         flat = tensor.detach().reshape(-1)
         k = min(keep_count(self.ratio, flat.numel()), flat.numel())
         idx = topk_indices(flat, k)
         wire = {"values": flat.index_select(0, idx), "indices": idx.to(torch.int32)}
         return Packet(wire, tensor.shape, tensor.dtype)
 
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        """One pass over ``tensor`` (fused): the candidate scan copies it into ``out``, then
+        the selected entries of ``out`` get ``x − x``."""
+        if fused_path(tensor) and fits_out(out, tensor):
+            return self._compress_fused(tensor, reuse, out.view(-1))
+        return super().compress_residual(tensor, seed, out, reuse)
+
+    def _compress_fused(self, tensor: torch.Tensor, reuse: Packet | None, residual: torch.Tensor | None) -> Packet:
+        flat = tensor.detach().reshape(-1).contiguous()
+        k = min(keep_count(self.ratio, flat.numel()), flat.numel())
+        copied = []
+
+        def scan(threshold, expect):
+            copied.append(residual is not None)
+            return sparse_kernels.scan(flat, threshold, residual if len(copied) == 1 else None, expect)
+
+        idx, values = _topk_select(flat, k, scan)
+        wire_values, wire_idx = wire_buffers(reuse, ("values", "indices"), (k, k), (flat.dtype, torch.int32))
+        if values is None:
+            torch.index_select(flat, 0, idx, out=wire_values)
+        else:
+            wire_values.copy_(values)
+        wire_idx.copy_(idx)
+        if residual is not None:
+            if not copied:
+                residual.copy_(flat)
+            sparse_kernels.fix_residual(residual, flat, wire_idx, added=False)
+        return Packet({"values": wire_values, "indices": wire_idx}, tensor.shape, tensor.dtype)
+
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        values = packet.wire["values"]
+        values, indices = packet.wire["values"], packet.wire["indices"]
+        if (out is not None and fused_path(out) and out.dtype == packet.dtype == values.dtype
+                and out.shape == packet.shape and out.is_contiguous() and indices.dtype == torch.int32
+                and indices.is_contiguous() and values.is_contiguous()
+                and sparse_kernels.place(out.view(-1), indices, values, added=False)):
+            return out
         dense = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
-        return deliver(dense.index_copy_(0, packet.wire["indices"].long(), values.to(packet.dtype)).view(packet.shape), out)
+        return deliver(dense.index_copy_(0, indices.long(), values.to(packet.dtype)).view(packet.shape), out)
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """One dense buffer, every packet's values index-added, divided by n."""
+        fused = fused_scatter_mean(packets, lambda p: (p.wire["indices"], p.wire["values"]))
+        if fused is not None:
+            return fused
         return scatter_mean(packets, lambda p: (p.wire["indices"], p.wire["values"]), packets[0].numel)
+
+
+def fused_scatter_mean(packets: Sequence[Packet], items) -> torch.Tensor | None:
+    """``_util.scatter_mean`` in one kernel (zero, add every packet in rank order, divide),
+    or None where the kernels do not take the packets (the caller runs the reference)."""
+    first = packets[0]
+    pairs = [items(p) for p in packets]
+    if not (kernels.enabled(*(v for _, v in pairs)) and first.dtype in sparse_kernels.DTYPES
+            and all(i.dtype in (torch.int32, torch.int64) for i, _ in pairs)):
+        return None
+    idx = torch.cat([i.reshape(-1) for i, _ in pairs]).to(torch.int32)
+    vals = torch.cat([v.reshape(-1).to(torch.float32) for _, v in pairs])
+    total = torch.empty(first.numel, dtype=torch.float32)
+    if not sparse_kernels.mean_of(total, idx, vals, len(packets)):
+        return None
+    return total.to(first.dtype).view(first.shape)
 
 
 @register
@@ -124,19 +224,46 @@ class RandomK(Compressor):
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         flat = tensor.detach().reshape(-1)
         idx = self.indices(flat.numel(), seed, flat.device)
-        values = flat.index_select(0, idx)
+        if fused_path(tensor):   # the gather into reuse's buffer
+            (values,) = wire_buffers(reuse, ("values",), (idx.numel(),), (flat.dtype,))
+            torch.index_select(flat, 0, idx, out=values)
+        else:
+            values = flat.index_select(0, idx)
         if self.unbiased:
             values.mul_(flat.numel() / max(idx.numel(), 1))
         return Packet({"values": values}, tensor.shape, tensor.dtype, meta={"indices": idx})
 
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        """Fused: ``out`` = a copy of ``tensor`` (one pass), then ``x − d`` at the k drawn
+        entries only (``d`` the decoded value: ``x``, or the scaled value when ``unbiased``,
+        for float32; a scaled 16-bit value needs a rounded difference: the reference)."""
+        if not (fused_path(tensor) and fits_out(out, tensor)
+                and (not self.unbiased or tensor.dtype == torch.float32)):
+            return super().compress_residual(tensor, seed, out, reuse)
+        packet = self.compress(tensor, seed, reuse)
+        flat = tensor.detach().reshape(-1).contiguous()
+        residual = out.view(-1).copy_(flat)
+        sparse_kernels.fix_residual(residual, flat, packet.meta["indices"].to(torch.int32), added=False,
+                                    values=packet.wire["values"] if self.unbiased else None)
+        return packet
+
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        return deliver(self._scatter(packet.wire["values"], packet), out)
+        values = packet.wire["values"]
+        if (out is not None and fused_path(out) and out.dtype == packet.dtype == values.dtype
+                and out.shape == packet.shape and out.is_contiguous() and values.is_contiguous()
+                and sparse_kernels.place(out.view(-1), packet.meta["indices"].to(torch.int32), values, added=False)):
+            return out
+        return deliver(self._scatter(values, packet), out)
 
     def _scatter(self, values: torch.Tensor, packet: Packet) -> torch.Tensor:
         out = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
         return out.index_copy_(0, packet.meta["indices"], values.to(packet.dtype)).view(packet.shape)
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        fused = fused_scatter_mean(packets, lambda p: (p.meta["indices"], p.wire["values"]))
+        if fused is not None:
+            return fused
         return scatter_mean(packets, lambda p: (p.meta["indices"], p.wire["values"]), packets[0].numel)
 
     def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
