@@ -55,6 +55,7 @@ from ..double_sync import refuse_ddp_double_sync
 from ..errors import GradzipError
 from ..exchange import Pending
 from ..nonfinite import NonFiniteAggregate, first_nonfinite
+from ..validation import require
 from .base import DistributedOptimizer
 
 
@@ -84,21 +85,25 @@ def _plan_key(pairs, bucket_bytes: int) -> tuple:
 class _Run:
     """One step's exchange as the hooks and ``step()`` build it."""
 
-    def __init__(self, plan: _Plan, step: int, counters: tuple[int, int]):
+    def __init__(self, plan: _Plan, step: int, counters: list[tuple[int, int]]):
         self.plan = plan
         self.step = step                                   # the step number of its seeds
-        self.counters = counters                           # PSync byte counters before it
+        self.counters = counters                           # every exchange's byte counters before it
+        self.pairs: list[tuple[dict, torch.Tensor]] = []   # the step's (group, param), set by step()
         self.inputs: dict[torch.Tensor, torch.Tensor] = {}
         self.seen: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # hooked: (grad, version)
         self.missing = [len(b) for b in plan.buckets]      # members not fed yet, per bucket
-        self.launched: list[Pending] = []                  # in bucket order
+        self.launched: list[list[tuple[list, Pending]]] = []   # per bucket: (members, pending) per exchange
         self.poisoned = False                              # "raise": a non-finite gradient; launch no more
 
 
 class GradientExchange(DistributedOptimizer):
     """Base of the methods whose exchange input for a parameter is known once its gradient
     is ready (module docstring). A subclass sets ``self.psync`` and writes
-    :meth:`exchange_input` and :meth:`apply_exchange`; ``step()`` is this class's.
+    :meth:`exchange_input` and :meth:`apply_exchange`; ``step()`` is this class's. A method
+    with more than one exchange per step overrides :meth:`start_bucket` and
+    :meth:`apply_bucket` (DGC's sparse and dense tensors), or has work after the exchange
+    (:meth:`finish_exchange`: CSER's error reset).
 
     ``overlap_backward=True`` (default): the exchange starts from gradient hooks during
     backward; ``False``: ``step()`` does everything, in one ``PSync`` call."""
@@ -109,9 +114,8 @@ class GradientExchange(DistributedOptimizer):
     exchange_residual: bool = True
 
     def __init__(self, params, lr, *, overlap_backward: bool = True, **kwargs):
-        if not isinstance(overlap_backward, bool):
-            raise GradzipError(f"{type(self).__name__}: overlap_backward must be True or False, "
-                               f"got {overlap_backward!r}")
+        require(isinstance(overlap_backward, bool), type(self).__name__,
+                f"overlap_backward must be True or False, got {overlap_backward!r}")
         super().__init__(params, lr, **kwargs)
         self.overlap_backward = overlap_backward
         self._accumulating = 0
@@ -133,6 +137,18 @@ class GradientExchange(DistributedOptimizer):
         """Apply the exchange's result to ``pairs`` (``(group, param)``, in the order of
         ``aggregates`` and ``residuals``)."""
         raise NotImplementedError
+
+    def start_bucket(self, members: list, inputs: list, step: int) -> list[tuple[list, Pending]]:
+        """Launch one bucket: ``(members, pending)`` per exchange started (default: one
+        ``self.psync.start`` over all members)."""
+        return [(members, self.psync.start(inputs, step, keys=self.keys(members), residual=self.exchange_residual))]
+
+    def apply_bucket(self, pairs: list, pending: Pending, result) -> None:
+        """Apply one exchange of a bucket (``pairs`` its members)."""
+        self.apply_exchange(pairs, result.aggregate, result.residual)
+
+    def finish_exchange(self, pairs: list) -> None:
+        """After every bucket was applied (``pairs``: the step's, in parameter order)."""
 
     # -- the public surface -------------------------------------------------------------
     @contextlib.contextmanager
@@ -164,8 +180,9 @@ class GradientExchange(DistributedOptimizer):
                 result = self.psync(inputs, self.steps, keys=self.keys(params), residual=self.exchange_residual)
                 self.apply_exchange(pairs, result.aggregate, result.residual)
             else:
-                for pairs, result in self._wait_buckets(run):   # all decoded before any is applied
-                    self.apply_exchange(pairs, result.aggregate, result.residual)
+                for pairs, pending, result in self._wait_buckets(run):   # all decoded before any is applied
+                    self.apply_bucket(pairs, pending, result)
+                self.finish_exchange(run.pairs)
         except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
             return self.codec_overflow(overflow, loss)
         return loss
@@ -215,7 +232,7 @@ class GradientExchange(DistributedOptimizer):
 
     def _new_run(self) -> _Run:
         self.start_undo_log()
-        return _Run(self._plan, self.steps + 1, (self.psync.bytes_sent, self.psync.payload_bytes))
+        return _Run(self._plan, self.steps + 1, [(x.bytes_sent, x.payload_bytes) for x in self._exchanges])
 
     def _feed(self, run: _Run, p: torch.Tensor) -> None:
         if self.nonfinite != "off" and first_nonfinite([p.grad]) >= 0:
@@ -229,8 +246,7 @@ class GradientExchange(DistributedOptimizer):
         buckets = run.plan.buckets
         while not run.poisoned and len(run.launched) < len(buckets) and run.missing[len(run.launched)] == 0:
             members = buckets[len(run.launched)]
-            run.launched.append(self.psync.start([run.inputs[p] for p in members], run.step,
-                                                 keys=self.keys(members), residual=self.exchange_residual))
+            run.launched.append(self.start_bucket(members, [run.inputs[p] for p in members], run.step))
 
     def _feed_rest(self, run: _Run) -> None:
         for members in run.plan.buckets:
@@ -243,14 +259,21 @@ class GradientExchange(DistributedOptimizer):
         """Wait for ``run``'s launched exchanges (the peers take part in them), drop their
         results, put back what its inputs changed and (``uncount``: a skipped step, as if it
         never happened) its byte counters."""
-        for pending in run.launched:
+        for _, pending in (x for exchanges in run.launched for x in exchanges):
             try:
                 pending.wait()
             except NonFiniteAggregate:
                 pass
         self.restore_replaced()
         if uncount:
-            self.psync.bytes_sent, self.psync.payload_bytes = run.counters
+            self.forget_exchanges(len(run.counters))
+            for psync, (sent, payload) in zip(self._exchanges, run.counters):
+                psync.bytes_sent, psync.payload_bytes = sent, payload
+
+    def forget_exchanges(self, count: int) -> None:
+        """A skipped step: drop the exchanges created since the step began (their number was
+        ``count``); a method that keeps them elsewhere too (DGC) overrides this."""
+        del self._exchanges[count:]
 
     def begin_overlapped_step(self, closure):
         """``begin_step`` with ``overlap_backward``: evaluate the closure (its backward fires
@@ -259,7 +282,7 @@ class GradientExchange(DistributedOptimizer):
         loss = self._evaluate(closure)           # its backward fires the hooks
         run = self._current_run()                # verifies first if no hook did
         self._run = None                         # this step consumes it, whatever happens
-        pairs = self.params_with_grad()          # a missing gradient becomes zeros
+        pairs = run.pairs = self.params_with_grad()   # a missing gradient becomes zeros
         params = [p for _, p in pairs]
         stale = any(p.grad is not grad or p.grad._version != version for p, (grad, version) in run.seen.items())
         first_bad = first_nonfinite([p.grad for p in params]) if self.nonfinite != "off" else -1
@@ -278,19 +301,20 @@ class GradientExchange(DistributedOptimizer):
         if int(flags[:, 1].max()) > 0:           # a gradient changed after its hook: all exchange again
             self._discard(run, uncount=False)  # the traffic happened: it stays counted
             run = self._new_run()
+            run.pairs = pairs
             self._feed_rest(run)
         self.steps += 1
         return loss, run, False
 
     def _wait_buckets(self, run: _Run) -> list:
-        """``(pairs, result)`` per bucket, once every bucket is decoded; a codec overflow in
+        """``(pairs, pending, result)`` per exchange of every bucket, once every bucket is decoded; a codec overflow in
         any is raised after all were waited for, naming the first tensor in the step's order."""
         params = [p for members in run.plan.buckets for p in members]
         params.sort(key=lambda p: self._keys[p])
         results, overflows = [], []
-        for members, pending in zip(run.plan.buckets, run.launched):
+        for members, pending in (x for exchanges in run.launched for x in exchanges):
             try:
-                results.append(([(run.plan.group[p], p) for p in members], pending.wait()))
+                results.append(([(run.plan.group[p], p) for p in members], pending, pending.wait()))
             except NonFiniteAggregate as error:
                 overflows.append(_renumbered(error, members, params))
         if overflows:
