@@ -22,6 +22,11 @@ OVERLAPPED = {
     "bitsgd": ("bitsgd", {"lr": 0.1, "threshold": 0.05, "momentum": 0.9, "nesterov": True}),
     "csea": ("csea", {"lr": 0.1, "compressor": "topk:ratio=0.3", "momentum": 0.9}),
     "csea-randblock": ("csea", {"lr": 0.1, "compressor": "randblock:ratio=0.3"}),
+    "dgc": ("dgc", {"lr": 0.1, "ratio": 0.3, "warmup_steps": 2, "lr_warmup_steps": 3, "momentum": 0.9,
+                    "weight_decay": 0.01}),
+    "dgc-dense": ("dgc", {"lr": 0.1, "ratio": 1.0, "momentum": 0.5}),
+    "cser": ("cser", {"lr": 0.1, "H": 2, "c1": "topk:ratio=0.3", "c2": "topk:ratio=0.5", "momentum": 0.5}),
+    "cser-randblock": ("cser", {"lr": 0.1, "H": 3, "c1": "randblock:ratio=0.3", "c2": "randblock:ratio=0.5"}),
 }
 
 #: Small buckets, so that the tiny model's four tensors make several (and one larger than a

@@ -127,6 +127,12 @@ class GradientExchange(DistributedOptimizer):
         if overlap_backward:
             self._register_hooks(self._all_params())
 
+    def disable_overlap(self) -> None:
+        """This instance's exchange cannot start in backward (e.g. DGC with clipping, CSER
+        without a gradient exchange): ``step()`` does everything; the hooks are removed."""
+        self.overlap_backward = False
+        _remove_hooks(self._handles)
+
     # -- the method's two halves --------------------------------------------------------
     def exchange_input(self, group: dict, p: torch.Tensor) -> torch.Tensor:
         """What goes into PSync for ``p`` this step, with its state changes (logged with
