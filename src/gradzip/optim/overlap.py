@@ -1,8 +1,8 @@
 """The exchange starts during backward (docs/algorithms.md §PSync, "Overlap with backward").
 
 For a method whose exchange input for a parameter is known as soon as that parameter's
-gradient is (S-SGD with any codec, EF-SGD, BIT-SGD, CSEA), :class:`GradientExchange`
-splits ``step()`` into :meth:`~GradientExchange.exchange_input` (what goes into PSync for
+gradient is (S-SGD with any codec, EF-SGD, BIT-SGD, CSEA, DGC without clipping, CSER's
+gradient exchange), :class:`GradientExchange` splits ``step()`` into :meth:`~GradientExchange.exchange_input` (what goes into PSync for
 one parameter, with its state changes, e.g. EF-SGD's ``p = e + η d``) and
 :meth:`~GradientExchange.apply_exchange`, and launches the exchange from gradient hooks
 (``register_post_accumulate_grad_hook``) as DDP does, so compression and communication of
@@ -16,7 +16,9 @@ A bucket launches (one ``PSync.start`` over its members, with their keys and the
 seeds) once all its members' gradients are ready and every earlier bucket has launched, so
 every worker issues the same collectives in the same order. ``step()`` feeds what no hook
 did (a missing ``.grad`` is a zero gradient; a gradient set by hand), launches the rest in
-order, waits for all, and only then applies (a codec overflow leaves the step undoable).
+order, runs one control allgather (16 bytes: the first non-finite gradient, "a gradient
+changed after its hook"), waits for all, and only then applies (a codec overflow leaves the
+step undoable).
 Every path with ``overlap_backward=True`` (hooks or not) uses these buckets, so they give
 the same bits; with ``overlap_backward=False`` ``step()`` exchanges every tensor in one
 ``PSync`` call, as before this module. The two agree bit for bit on the in-process group and
@@ -28,20 +30,23 @@ composition (≈ 1 ulp, as any change of ``bucket_bytes``).
 * one backward per step: a gradient that accumulates again before ``step()`` raises
   :class:`GradzipError`; accumulate over micro-batches inside ``with opt.accumulate():``
   (hooks idle, like DDP's ``no_sync``), the last backward outside it;
-* a gradient changed between backward and ``step()`` (clipping, editing by hand): the
-  exchange already started from the old one. Under ``nonfinite="skip"`` (whose agreement
-  collective carries a flag for it) and on one worker, the step discards it and exchanges
-  again from the current gradients (exact, twice the traffic); else it raises, naming the fix
-  (``overlap_backward=False``);
+* a gradient changed between backward and ``step()`` (clipping, editing by hand; seen by its
+  tensor or version counter): the exchange already started from the old one. The control
+  allgather tells every worker; all discard it and exchange again from the current
+  gradients (exact; twice the traffic, counted: ``overlap_backward=False`` if you clip every
+  step);
 * hyper-parameters (lr, momentum, weight decay) are read when the gradient is ready: an LR
   scheduler stepped after ``step()`` (the usual place) acts on the next step, as without hooks.
 
 **Guards**: the settings check and the DDP double-sync refusal run at the first hook of the
 first step, before any hook-launched collective. A non-finite gradient seen by a hook sends
 zeros in its place (never applied): under ``"raise"`` nothing further launches and
-``step()`` raises; under ``"skip"`` ``step()`` launches the rest, the workers agree (one
-control allgather, as before), and a skipped step waits for and discards its exchanges and
-puts back what the hooks changed (undo log, byte counters): as if the step never happened.
+``step()`` raises (the state the hooks changed put back; the peers fail at their next
+collective, as before); under ``"skip"`` ``step()`` launches the rest, the workers agree (the
+control allgather), and a skipped step waits for and discards its exchanges and puts back
+what the hooks changed (undo log, byte counters): as if the step never happened. Between
+backward and ``step()``, ``opt.state`` already holds the step's momentum buffers (DGC's
+``u``, ``v`` excepted: they enter when applied).
 """
 from __future__ import annotations
 
@@ -95,6 +100,7 @@ class _Run:
         self.missing = [len(b) for b in plan.buckets]      # members not fed yet, per bucket
         self.launched: list[list[tuple[list, Pending]]] = []   # per bucket: (members, pending) per exchange
         self.poisoned = False                              # "raise": a non-finite gradient; launch no more
+        self.bad: set[int] = set()                         # keys of parameters fed a non-finite gradient
 
 
 class GradientExchange(DistributedOptimizer):
@@ -243,6 +249,7 @@ class GradientExchange(DistributedOptimizer):
     def _feed(self, run: _Run, p: torch.Tensor) -> None:
         if self.nonfinite != "off" and first_nonfinite([p.grad]) >= 0:
             run.poisoned = run.poisoned or self.nonfinite == "raise"
+            run.bad.add(self._keys[p])
             run.inputs[p] = torch.zeros_like(p)  # never applied: the step raises or is skipped
         else:
             run.inputs[p] = self.exchange_input(run.plan.group[p], p)
@@ -291,11 +298,17 @@ class GradientExchange(DistributedOptimizer):
         pairs = run.pairs = self.params_with_grad()   # a missing gradient becomes zeros
         params = [p for _, p in pairs]
         stale = any(p.grad is not grad or p.grad._version != version for p, (grad, version) in run.seen.items())
-        first_bad = first_nonfinite([p.grad for p in params]) if self.nonfinite != "off" else -1
+        if stale:                                # a non-finite gradient a hook saw may be replaced since
+            run.poisoned = False
+        else:                                    # the hooks checked theirs; feeding checks the rest
+            self._feed_rest(run)
+        if stale or (run.bad and self.nonfinite == "raise"):
+            first_bad = first_nonfinite([p.grad for p in params]) if self.nonfinite != "off" else -1
+        else:
+            first_bad = min((i for i, p in enumerate(params) if self._keys[p] in run.bad), default=-1)
         if self.nonfinite == "raise" and first_bad >= 0:  # what was sent stays counted
             self.restore_replaced()
             self.gradients_finite(params)        # raises NonFiniteGradient, naming rank and parameter
-        run.poisoned = False                     # a non-finite gradient a hook saw was replaced since: stale
         self._feed_rest(run)                     # every bucket launched before the agreement
         flags = torch.tensor([[first_bad, int(stale)]])
         if self.comm.world_size > 1:             # the one control collective of the step
