@@ -23,6 +23,8 @@ class SSGD(GradientExchange):
         self.psync = self.make_psync(compressor)
 
     def exchange_input(self, group, p):
+        if not group["weight_decay"] and not group["momentum"]:
+            return p.grad   # d = g: no copy (PSync reads it at once; a later change is caught)
         return self.local_direction(p, group)
 
     def apply_exchange(self, pairs, aggregates, residuals):
