@@ -70,6 +70,10 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
     #: step t run while step t+1 computes (OD-SGD, CD-SGD), so step t's update lands a step
     #: late and ``synchronize()`` waits for it. Part of the method's contract.
     overlaps_exchange: bool = False
+    #: The exchange starts from gradient hooks during backward (``overlap_backward``; the
+    #: methods of :class:`gradzip.optim.overlap.GradientExchange`): the input for a tensor is
+    #: known once its gradient is. False for methods whose input needs the whole step.
+    overlaps_backward: bool = False
 
     def __init__(self, params: Iterable, lr: float, *, comm: "comm_lib.Group | None" = None,
                  momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,

@@ -3,15 +3,12 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ..compressors import build
-from ..nonfinite import NonFiniteAggregate
 from ..validation import is_real, require
-from .base import DistributedOptimizer
+from .overlap import GradientExchange
 
 
-class BitSGD(DistributedOptimizer):
+class BitSGD(GradientExchange):
     """BIT-SGD (docs/algorithms.md §BIT-SGD; the baseline of the CD-SGD papers)::
 
         p_i = e_i + g_i;   q_i = 2bit_t(p_i);   e_i = p_i − q_i
@@ -22,7 +19,8 @@ class BitSGD(DistributedOptimizer):
     learning rate, weight decay and momentum act on the aggregate, identically on every
     worker, so the model stays bitwise identical. It is CD-SGD without the local update
     and without the k-step correction. ``threshold`` is compared with *mean* gradients
-    (MXNet compares 0.5 with batch-summed ones); see docs/algorithms.md §codec: 2bit.
+    (MXNet compares 0.5 with batch-summed ones); see docs/algorithms.md §codec: 2bit. The
+    exchange starts during backward (``overlap_backward``, :mod:`gradzip.optim.overlap`).
     """
 
     def __init__(self, params, lr, *, threshold: float | None = None, **kwargs):
@@ -33,20 +31,11 @@ class BitSGD(DistributedOptimizer):
         super().__init__(params, lr, **kwargs)
         self.psync = self.make_psync(build(spec))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss, pairs, params, skipped = self.begin_step(closure)
-        if skipped:
-            return loss
-        try:
-            carried = []
-            for _, p in pairs:
-                residual = self.state[p].get("residual")
-                carried.append(p.grad.clone() if residual is None else residual + p.grad)
-            result = self.psync(carried, self.steps, keys=self.keys(params))
-            for (group, p), agg, res in zip(pairs, result.aggregate, result.residual):
-                self.state[p]["residual"] = res
-                self.global_update(p, agg, group)
-        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
-            return self.codec_overflow(overflow, loss)
-        return loss
+    def exchange_input(self, group, p):
+        residual = self.state[p].get("residual")
+        return p.grad.clone() if residual is None else residual + p.grad      # p = e + g
+
+    def apply_exchange(self, pairs, aggregates, residuals):
+        for (group, p), agg, res in zip(pairs, aggregates, residuals):
+            self.state[p]["residual"] = res
+            self.global_update(p, agg, group)

@@ -1,15 +1,12 @@
 """CSEA: compression with error reset every step (Xie et al., NeurIPS 2020)."""
 from __future__ import annotations
 
-import torch
-
 from ..compressors import Compressor
-from ..nonfinite import NonFiniteAggregate
-from .base import DistributedOptimizer
+from .overlap import GradientExchange
 from .ratios import DEFAULT_RC, codec_for_ratio, single_codec
 
 
-class CSEA(DistributedOptimizer):
+class CSEA(GradientExchange):
     """CSEA (CSER slides Alg. 4 and 7; docs/algorithms.md §CSEA)::
 
         p_i = e_i − η d_i
@@ -25,6 +22,7 @@ class CSEA(DistributedOptimizer):
 
     ``rc``: target R_C = R_C1, giving ``compressor = randblock:in=rc`` (see
     :mod:`gradzip.optim.ratios`); ``"auto"`` without rc is rc = 16 (``randblock:in=16``).
+    The exchange starts during backward (``overlap_backward``, :mod:`gradzip.optim.overlap`).
     """
 
     replicas_differ = True
@@ -34,24 +32,15 @@ class CSEA(DistributedOptimizer):
         super().__init__(params, lr, **kwargs)
         self.psync = self.make_psync(codec)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss, pairs, params, skipped = self.begin_step(closure)
-        if skipped:
-            return loss
-        try:
-            errors, proposals = [], []
-            for group, p in pairs:
-                d = self.local_direction(p, group)
-                e = self.state[p].get("error")
-                errors.append(e)
-                proposals.append(d.mul_(-group["lr"]) if e is None else e.sub(d, alpha=group["lr"]))  # p = e − η d
-            res = self.psync(proposals, self.steps, keys=self.keys(params))
-            for p, e, agg, r in zip(params, errors, res.aggregate, res.residual):
-                if e is not None:
-                    p.sub_(e)                                        # x ← x − e + p'
-                p.add_(agg).add_(r)
-                self.state[p]["error"] = r                           # e ← e_new
-        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
-            return self.codec_overflow(overflow, loss)
-        return loss
+    def exchange_input(self, group, p):
+        d = self.local_direction(p, group)
+        e = self.state[p].get("error")
+        return d.mul_(-group["lr"]) if e is None else e.sub(d, alpha=group["lr"])   # p = e − η d
+
+    def apply_exchange(self, pairs, aggregates, residuals):
+        for (_, p), agg, r in zip(pairs, aggregates, residuals):
+            e = self.state[p].get("error")
+            if e is not None:
+                p.sub_(e)                                        # x ← x − e + p'
+            p.add_(agg).add_(r)
+            self.state[p]["error"] = r                           # e ← e_new

@@ -9,7 +9,7 @@ import torch
 from ..compressors import Compressor
 from ..nonfinite import NonFiniteAggregate
 from ..validation import require
-from .base import DistributedOptimizer
+from .overlap import GradientExchange
 from .ratios import DEFAULT_RC, check_period, check_rc, derive_cser, derive_periodic, is_auto
 
 
@@ -17,7 +17,7 @@ def _is_zero(value) -> bool:
     return value is None or (isinstance(value, str) and value.strip().lower() in ("zero", "0"))
 
 
-class CSER(DistributedOptimizer):
+class CSER(GradientExchange):
     """CSER (CSER slides Alg. 6; docs/algorithms.md §CSER): error reset plus gradient partial
     synchronisation. ``c2`` is the gradient codec (every step), ``c1`` the error codec
     (every ``H`` steps)::
@@ -42,6 +42,10 @@ class CSER(DistributedOptimizer):
     explicit ``c1``/``c2`` codecs, except ``c2=None``. Options left at ``"auto"`` without
     ``rc`` take the rc = 16 setting (C2 = ``randblock:in=32``, C1 = ``randblock:in=4``,
     H = 8).
+
+    The gradient exchange (C2) starts during backward (``overlap_backward``,
+    :mod:`gradzip.optim.overlap`); the error reset runs in ``step()`` after it. Without a
+    gradient exchange (``c2=None``, CSER-PL) ``step()`` does everything.
     """
 
     replicas_differ = True
@@ -69,6 +73,8 @@ class CSER(DistributedOptimizer):
         # salt 0 for C1, so that CSER(c2=None, H=1) draws the same random blocks as CSEA
         self.psync1 = self.make_psync(d1 if is_auto(c1) else c1, salt=0)
         self.psync2 = None if zero else self.make_psync(d2 if is_auto(c2) else c2, salt=1)
+        if zero:   # nothing to exchange before the error reset
+            self.disable_overlap()
 
     def _error(self, p: torch.Tensor) -> torch.Tensor:
         state = self.state[p]
@@ -77,8 +83,35 @@ class CSER(DistributedOptimizer):
             state["error"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state["error"]
 
+    # -- the gradient exchange per tensor, for overlap_backward (same operations as step()) --
+    @property
+    def psync(self):
+        return self.psync2
+
+    def exchange_input(self, group, p):
+        return self.local_direction(p, group)
+
+    def apply_exchange(self, pairs, aggregates, residuals):
+        self.irreversible()                                          # model and error change before C1
+        for (group, p), agg, r in zip(pairs, aggregates, residuals):
+            p.sub_(agg.add(r), alpha=group["lr"])                   # x ← x − η g'
+            self._error(p).sub_(r, alpha=group["lr"])               # e ← e − η r
+
+    def finish_exchange(self, pairs):
+        if self.steps % self.H == 0:                                 # error reset
+            self._reset_errors([p for _, p in pairs])
+
+    def _reset_errors(self, params) -> None:
+        errors = [self._error(p) for p in params]
+        res = self.psync1(errors, self.steps, keys=self.keys(params))
+        for p, e, agg, r in zip(params, errors, res.aggregate, res.residual):
+            p.sub_(e).add_(agg).add_(r)                              # x ← x − e + e'
+            e.copy_(r)                                               # e ← e_new
+
     @torch.no_grad()
     def step(self, closure=None):
+        if self.overlap_backward:   # GradientExchange's: the gradient exchange started in backward
+            return super().step(closure)
         loss, pairs, params, skipped = self.begin_step(closure)
         if skipped:
             return loss
@@ -98,10 +131,7 @@ class CSER(DistributedOptimizer):
                     p.sub_(agg.add(r), alpha=group["lr"])           # x ← x − η g'
                     e.sub_(r, alpha=group["lr"])                    # e ← e − η r
             if self.steps % self.H == 0:                             # error reset
-                res = self.psync1(errors, self.steps, keys=keys)
-                for p, e, agg, r in zip(params, errors, res.aggregate, res.residual):
-                    p.sub_(e).add_(agg).add_(r)                      # x ← x − e + e'
-                    e.copy_(r)                                       # e ← e_new
+                self._reset_errors(params)
         except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
             return self.codec_overflow(overflow, loss)
         return loss
@@ -120,6 +150,8 @@ class CSERPL(CSER):
     :mod:`gradzip.optim.ratios`); without it, ``"auto"`` options take the rc = 16 setting
     (H = 4, C1 = ``randblock:in=4``). With H = 1 it is CSEA.
     """
+
+    overlaps_backward = False   # no gradient exchange: nothing to start in backward
 
     def __init__(self, params, lr, *, c1: str | Compressor = "auto", H: int | None = None,
                  rc: float | None = None, **kwargs):

@@ -6,14 +6,14 @@ import torch
 from ..compressors.dgc import DGCCompressor, selected_indices
 from ..nonfinite import NonFiniteAggregate
 from ..validation import is_int, is_real, require
-from .base import DistributedOptimizer
+from .overlap import GradientExchange
 
 #: The paper's warm-up: sparsity 75%, 93.75%, 98.4375%, 99.6%, then the target (99.9%),
 #: i.e. density 0.25**s in stage s = 1, 2, 3, 4 of the warm-up.
 WARMUP_STAGES = 4
 
 
-class DGC(DistributedOptimizer):
+class DGC(GradientExchange):
     """DGC (docs/algorithms.md §DGC; reference code synxlin/deep-gradient-compression).
 
     For each tensor with more than one dimension::
@@ -52,6 +52,10 @@ class DGC(DistributedOptimizer):
     and the density achieved (selected / entries over the sparsified tensors) in the last
     step and on average; the state (``u``, ``v``, ``momentum_buffer`` for dense tensors)
     checkpoints through ``state_dict()``.
+
+    Without clipping the exchange starts during backward (``overlap_backward``,
+    :mod:`gradzip.optim.overlap`): a tensor's ``v`` (or dense gradient) is known once its
+    gradient is. ``clip_norm > 0`` needs every gradient's norm first: ``step()`` does all.
     """
 
     def __init__(self, params, lr, *, ratio: float = 0.001, sample_ratio: float = 0.01,
@@ -75,6 +79,10 @@ class DGC(DistributedOptimizer):
         self._selected_total = self._entries_total = 0
         self._target_sum = 0.0
         self._target_steps = 0
+        if self.clip_norm > 0:   # the clipping factor needs every gradient: no overlap
+            self.disable_overlap()
+        self._step_selected = 0  # entries selected in the buckets applied so far this step
+        self._corrected: dict = {}  # param -> (u, v) after the momentum correction, until applied
 
     # -- schedules ----------------------------------------------------------------------
     def density(self, step: int) -> float:
@@ -96,6 +104,8 @@ class DGC(DistributedOptimizer):
     # -- the box --------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
+        if self.overlap_backward:   # GradientExchange's: the exchange started in backward
+            return super().step(closure)
         loss, pairs, params, skipped = self.begin_step(closure)
         if skipped:
             return loss
@@ -119,6 +129,56 @@ class DGC(DistributedOptimizer):
         except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
             return self.codec_overflow(overflow, loss)
         return loss
+
+    # -- the box per tensor, for overlap_backward (same operations as step()) ---------------
+    def exchange_input(self, group, p):
+        """``v`` after the momentum correction (sparse tensors), else the gradient. The new
+        ``u``, ``v`` enter the state when the step applies (it reads as before until then)."""
+        rho = self.density(self.steps + 1)
+        if not (p.dim() > 1 and rho < 1):
+            return p.grad
+        st = self.state[p]
+        u = st["u"] if "u" in st else torch.zeros_like(p)
+        v = st["v"] if "v" in st else torch.zeros_like(p)
+        u = u.mul(group["momentum"]).add_(p.grad)            # momentum correction
+        self._corrected[p] = (u, v.add(u))
+        return self._corrected[p][1]
+
+    def start_bucket(self, members, inputs, step):
+        """The bucket's sparse tensors through the step's dgc exchange, then its dense ones."""
+        rho = self.density(step)
+        goes_sparse = [p.dim() > 1 and rho < 1 for p in members]
+        out = []
+        for sparse in (True, False):
+            chosen = [(p, x) for p, x, s in zip(members, inputs, goes_sparse) if s == sparse]
+            if chosen:
+                psync = self._psync_for(rho) if sparse else self.dense
+                ps = [p for p, _ in chosen]
+                out.append((ps, psync.start([x for _, x in chosen], step, keys=self.keys(ps), residual=sparse)))
+        return out
+
+    def apply_bucket(self, pairs, pending, result):
+        scale = self.lr_scale(self.steps)
+        if pending.psync is self.dense:                      # S-SGD, momentum after the reduction
+            for (group, p), agg in zip(pairs, result.aggregate):
+                direction = self._momentum(self.state[p], "global_momentum_buffer", agg, p, group)
+                p.add_(direction, alpha=-group["lr"] * scale)
+        else:
+            for _, p in pairs:
+                self.state[p]["u"], self.state[p]["v"] = self._corrected.pop(p)
+            self._step_selected += self._mask_and_apply(pairs, pending.packets, result, scale)
+
+    def finish_exchange(self, pairs):
+        rho = self.density(self.steps)
+        sparse, _ = self._partition(pairs, rho)
+        if sparse:
+            self._record_density(self._step_selected, sum(p.numel() for _, p in sparse), rho)
+        self._step_selected = 0
+        self._corrected.clear()
+
+    def forget_exchanges(self, count):
+        super().forget_exchanges(count)
+        self._sparse = {d: x for d, x in self._sparse.items() if any(x is y for y in self._exchanges)}
 
     # -- the box's named steps ------------------------------------------------------------
     def _clipped(self, grads: dict) -> dict:

@@ -1,16 +1,13 @@
 """EF-SGD: compression with error feedback."""
 from __future__ import annotations
 
-import torch
-
-from ..nonfinite import NonFiniteAggregate
-from .base import DistributedOptimizer
+from .overlap import GradientExchange
 from .ratios import single_codec
 
 DEFAULT_CODEC = "topk:ratio=0.01"
 
 
-class EFSGD(DistributedOptimizer):
+class EFSGD(GradientExchange):
     """EF-SGD (Karimireddy et al. 2019; CSER slides Alg. 2; docs/algorithms.md §EF-SGD)::
 
         p_i = e_i + η d_i;   p'_i = C(p_i);   e_i = p_i − p'_i;   x ← x − mean_j p'_j
@@ -23,7 +20,8 @@ class EFSGD(DistributedOptimizer):
 
     ``compressor="auto"`` is ``topk:ratio=0.01``; or give ``rc``, a target R_C = R_C1, for
     the random-block codec sending 1/rc of every tensor (as CSEA; :mod:`gradzip.optim.ratios`),
-    so that ``gradzip compare --rc`` treats EF-SGD like the error-reset methods.
+    so that ``gradzip compare --rc`` treats EF-SGD like the error-reset methods. The
+    exchange starts during backward (``overlap_backward``, :mod:`gradzip.optim.overlap`).
     """
 
     def __init__(self, params, lr, *, compressor: str = "auto", rc: float | None = None, **kwargs):
@@ -31,21 +29,12 @@ class EFSGD(DistributedOptimizer):
         super().__init__(params, lr, **kwargs)
         self.psync = self.make_psync(codec)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss, pairs, params, skipped = self.begin_step(closure)
-        if skipped:
-            return loss
-        try:
-            corrected = []
-            for group, p in pairs:
-                d = self.local_direction(p, group)
-                error = self.state[p].get("error")
-                corrected.append(d.mul_(group["lr"]) if error is None else error.add(d, alpha=group["lr"]))
-            result = self.psync(corrected, self.steps, keys=self.keys(params))
-            for p, agg, err in zip(params, result.aggregate, result.residual):
-                self.state[p]["error"] = err
-                p.sub_(agg)
-        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
-            return self.codec_overflow(overflow, loss)
-        return loss
+    def exchange_input(self, group, p):
+        d = self.local_direction(p, group)
+        error = self.state[p].get("error")
+        return d.mul_(group["lr"]) if error is None else error.add(d, alpha=group["lr"])   # p = e + η d
+
+    def apply_exchange(self, pairs, aggregates, residuals):
+        for (_, p), agg, err in zip(pairs, aggregates, residuals):
+            self.state[p]["error"] = err
+            p.sub_(agg)

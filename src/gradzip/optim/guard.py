@@ -51,6 +51,17 @@ class NonFiniteGuard:
         if self._undo is not None:
             self._undo.append((state, key, state.get(key)))
 
+    def restore_replaced(self) -> None:
+        """Put back everything :meth:`replaced` logged since the step began (newest first)
+        and empty the log; nothing if the step became :meth:`irreversible`."""
+        for state, key, old in reversed(self._undo or []):
+            if old is None:
+                state.pop(key, None)
+            else:
+                state[key] = old
+        if self._undo is not None:
+            self._undo = []
+
     def codec_overflow(self, overflow: NonFiniteAggregate, loss: Any) -> Any:
         """What ``step()`` returns when its exchange decoded a non-finite aggregate although
         every gradient was finite: ``loss``, the step undone and skipped on every worker
@@ -59,12 +70,7 @@ class NonFiniteGuard:
         name = type(self).__name__
         undone = self._undo is not None
         if undone:  # the step as if it never began (both policies)
-            for state, key, old in reversed(self._undo):
-                if old is None:
-                    state.pop(key, None)
-                else:
-                    state[key] = old
-            self._undo = []
+            self.restore_replaced()
             self.steps -= 1
         if self.nonfinite == "skip" and undone:
             self.skipped_steps += 1

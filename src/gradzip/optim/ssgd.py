@@ -1,13 +1,10 @@
 """S-SGD: synchronous data parallel, optionally with a codec and no error memory."""
 from __future__ import annotations
 
-import torch
-
-from ..nonfinite import NonFiniteAggregate
-from .base import DistributedOptimizer
+from .overlap import GradientExchange
 
 
-class SSGD(DistributedOptimizer):
+class SSGD(GradientExchange):
     """S-SGD (docs/algorithms.md §S-SGD): ``x ← x − η · aggregate_j C(d_j)``.
 
     With ``compressor="none"`` this is plain synchronous SGD: every worker applies the
@@ -15,23 +12,21 @@ class SSGD(DistributedOptimizer):
     With a codec and no error memory it is the unbiased-compressor family:
     ``"qsgd"``, ``"terngrad"``, ``"randomk:ratio=0.01,unbiased=true"``, and ``"sign"``
     (signSGD with majority vote; with momentum it is Signum). The model stays bitwise
-    identical on every worker.
+    identical on every worker. The exchange starts during backward (``overlap_backward``,
+    :mod:`gradzip.optim.overlap`).
     """
+
+    exchange_residual = False
 
     def __init__(self, params, lr, *, compressor="none", **kwargs):
         super().__init__(params, lr, **kwargs)
         self.psync = self.make_psync(compressor)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss, pairs, params, skipped = self.begin_step(closure)
-        if skipped:
-            return loss
-        try:
-            directions = [self.local_direction(p, g) for g, p in pairs]
-            result = self.psync(directions, self.steps, keys=self.keys(params), residual=False)
-            for (group, p), agg in zip(pairs, result.aggregate):
-                p.add_(agg, alpha=-group["lr"])
-        except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
-            return self.codec_overflow(overflow, loss)
-        return loss
+    def exchange_input(self, group, p):
+        if not group["weight_decay"] and not group["momentum"]:
+            return p.grad   # d = g: no copy (PSync reads it at once; a later change is caught)
+        return self.local_direction(p, group)
+
+    def apply_exchange(self, pairs, aggregates, residuals):
+        for (group, p), agg in zip(pairs, aggregates):
+            p.add_(agg, alpha=-group["lr"])
