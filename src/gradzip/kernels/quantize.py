@@ -154,24 +154,20 @@ def _onebit_encode(v, cols, packed, nonneg):
     count of them (``v`` is the row-major ``rows × cols`` matrix, flat)."""
     n = v.size
     codes = np.empty(PIECE, np.uint8)
-    c = 0
+    c = 0  # the column of the piece's first entry
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
         for i in range(m):
             codes[i] = np.uint8(vb[i] >= 0)
         _pack(codes, m, 1, packed, base // 8)
-        if cols == 1:
-            total = 0
-            for i in range(m):
-                total += codes[i]
-            nonneg[0] += total
-        else:
-            for i in range(m):
-                nonneg[c] += codes[i]
-                c += 1
-                if c == cols:
-                    c = 0
+        i = 0
+        while i < m:  # the counts, one run of a row's columns at a time (vectorised)
+            run = min(m - i, cols - c)
+            for t in range(run):
+                nonneg[c + t] += codes[i + t]
+            i += run
+            c = (c + run) % cols
 
 
 @njit
@@ -180,28 +176,23 @@ def _onebit_decode(packed, cols, pos, neg, v, residual, out):
     with ``residual``, ``v[j] − that`` instead (``v`` has ``out``'s size then)."""
     n = out.size
     codes = np.empty(PIECE, np.uint8)
-    c = 0
+    c = 0  # the column of the piece's first entry
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         _unpack(packed, base // 8, 1, m, codes)
         ob = out[base:base + m]
-        if cols == 1:
-            p, q = pos[0], neg[0]
+        vb = v[base:base + m] if residual else ob
+        i = 0
+        while i < m:  # one run of a row's columns at a time (vectorised)
+            run = min(m - i, cols - c)
             if residual:
-                vb = v[base:base + m]
-                for i in range(m):
-                    ob[i] = vb[i] - (p if codes[i] else q)
+                for t in range(run):
+                    ob[i + t] = vb[i + t] - (pos[c + t] if codes[i + t] else neg[c + t])
             else:
-                for i in range(m):
-                    ob[i] = p if codes[i] else q
-        else:
-            vb = v[base:base + m]
-            for i in range(m):
-                value = pos[c] if codes[i] else neg[c]
-                ob[i] = vb[i] - value if residual else value
-                c += 1
-                if c == cols:
-                    c = 0
+                for t in range(run):
+                    ob[i + t] = pos[c + t] if codes[i + t] else neg[c + t]
+            i += run
+            c = (c + run) % cols
 
 
 _M8 = np.uint64(0x00FF00FF00FF00FF)  # low byte of every 16-bit lane
