@@ -5,6 +5,12 @@ Matrix view ``tensor.reshape(shape[0], -1)`` (a 0-d or 1-d tensor is a single co
 the column's non-negative entries and the mean of its negative entries (0 for a kind the
 column does not have). Wire: the bits packed MSB-first (``ceil(d/8)`` bytes) and the two
 means per column in float32 (``8·columns`` bytes). Does not sum in compressed form.
+
+On the CPU the bits, their packing and the non-negative counts are one numba pass
+(:mod:`gradzip.kernels.quantize`), and decoding (or the residual) one more. The column sums
+depend on the order of a float sum, so both paths compute them with the same torch
+reduction over the same pieces (:func:`_add_sums`): the fused path reads the tensor once
+more for them, the price of bit-identical means.
 """
 from __future__ import annotations
 

@@ -1,10 +1,17 @@
 """``qsgd``: QSGD with ``s`` levels (Alistarh et al.; docs/algorithms.md §codec: qsgd).
 
 ``C(v)_j = ‖v‖₂ · sign(v_j) · ξ_j / s`` where ``ξ_j`` rounds ``s·|v_j|/‖v‖₂`` down or up at
-random with the probabilities that make it unbiased (``ξ = floor(r + u)``, u uniform in
-[0, 1) from a generator seeded with ``seed``), so ``E[C(v)] = v``. A zero vector encodes
-to zeros. Wire: the norm in float32 (4 bytes) and the codes ``sign·ξ + s`` in [0, 2s],
-packed with ``b = ceil(log2(2s + 1))`` bits: ``ceil(d·b/8) + 4`` bytes.
+random with the probabilities that make it unbiased (``ξ = min(floor(r + u), s)``), so
+``E[C(v)] = v``. A zero vector encodes to zeros. Wire: the norm in float32 (4 bytes) and
+the codes ``sign·ξ + s`` in [0, 2s], packed with ``b = ceil(log2(2s + 1))`` bits:
+``ceil(d·b/8) + 4`` bytes.
+
+The uniforms are counter-based, ``u_j = hash(seed, j)`` (:mod:`gradzip.kernels.counter_rng`;
+they replaced ``torch.rand(generator=...)``, which alone ran at a tenth of memory speed):
+the same draws on every device, and computed inside the fused kernel. On the CPU the codes,
+their packing and the residual are one numba pass (:mod:`gradzip.kernels.quantize`); the
+norm is the same torch reduction on both paths, and ``_encode_reference`` (CUDA,
+``GRADZIP_KERNELS=torch``) gives the same bits.
 """
 from __future__ import annotations
 

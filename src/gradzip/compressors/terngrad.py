@@ -1,9 +1,13 @@
 """``terngrad``: TernGrad (Wen et al.; docs/algorithms.md §codec: terngrad).
 
-``C(v) = s·sign(v)∘b`` with ``s = max|v|`` per tensor and ``b_j ~ Bernoulli(|v_j|/s)``
-drawn from a generator seeded with ``seed``; unbiased, ``E[C(v)] = v``. Wire: ternary codes
-in the ``2bit`` layout (``11`` = +s, ``10`` = −s, ``00`` = 0; ``ceil(d/4)`` bytes) and ``s``
-in float32 (4 bytes). Does not sum in compressed form (each worker has its own ``s``).
+``C(v) = s·sign(v)∘b`` with ``s = max|v|`` per tensor and ``b_j = [u_j·s < |v_j|]``, a
+Bernoulli(|v_j|/s) draw from the counter-based uniforms ``u_j = hash(seed, j)``
+(:mod:`gradzip.kernels.counter_rng`; they replaced ``torch.rand(generator=...)``); unbiased,
+``E[C(v)] = v``. Wire: ternary codes in the ``2bit`` layout (``11`` = +s, ``10`` = −s,
+``00`` = 0; ``ceil(d/4)`` bytes) and ``s`` in float32 (4 bytes). Does not sum in compressed
+form (each worker has its own ``s``). On the CPU the codes, their packing and the residual
+are one numba pass (:mod:`gradzip.kernels.quantize`), bit-identical to
+``_encode_reference`` (CUDA, ``GRADZIP_KERNELS=torch``); ``s`` is torch's ``aminmax`` on both.
 """
 from __future__ import annotations
 
