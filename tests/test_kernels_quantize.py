@@ -265,3 +265,15 @@ def test_kernel_packing_is_bitpack_layout(bits):
         assert torch.equal(pack_bits(unpack_bits(wire, bits, n), bits), wire)
         with kernels.use("torch"):
             assert torch.equal(codec.compress(x, 2).wire["codes" if levels else "bits"], wire)
+
+
+def test_helpers_compile_once_even_when_threads_race(monkeypatch):
+    """Worker threads (``gradzip.simulate``) make their first kernel call at the same time:
+    a thread that finds the helpers already compiled by another must not compile them
+    again (numba refuses to jit a jitted function: a TypeError killed a threaded run)."""
+    with kernels.use("numba"):
+        build("terngrad").compress(torch.ones(3), 1)  # the helpers are compiled
+    monkeypatch.setattr(quantize, "_helpers_ready", [])  # ... as another thread sees them
+    quantize._compile_helpers()
+    with kernels.use("numba"):
+        assert torch.equal(build("terngrad").decompress(build("terngrad").compress(torch.ones(3), 1)), torch.ones(3))

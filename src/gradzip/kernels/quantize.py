@@ -17,6 +17,7 @@ codes first into a small scratch (a loop LLVM vectorises), then packed.
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 import torch
@@ -28,16 +29,21 @@ from . import counter_rng
 #: Entries per piece (a multiple of 8: pieces pack to whole bytes).
 PIECE = 4096
 _helpers_ready: list[bool] = []
+_helpers_lock = threading.Lock()
 
 
 def _compile_helpers() -> None:
     """Turn the packing helpers the kernels call into numba functions (numba resolves a
-    kernel's globals when it compiles it); once, lazily, like the kernels themselves."""
-    if not _helpers_ready:
+    kernel's globals when it compiles it); once, lazily, like the kernels themselves, and
+    safely when worker threads make their first calls together."""
+    if _helpers_ready:
+        return
+    with _helpers_lock:
         import numba
         g = globals()
         for name in ("_merge", "_split", "_pack", "_unpack", "_pack_any", "_unpack_any"):
-            g[name] = numba.njit(cache=True, nogil=True, inline="always")(g[name])
+            if not hasattr(g[name], "py_func"):  # not compiled by a thread before us
+                g[name] = numba.njit(cache=True, nogil=True, inline="always")(g[name])
         _helpers_ready.append(True)
 
 
