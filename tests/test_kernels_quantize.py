@@ -42,7 +42,7 @@ def run(codec, x, seed, mode):
         res = torch.full(x.shape, float("nan"), dtype=x.dtype)
         rp = codec.compress_residual(x, seed, res)
         other = codec.compress(x * 0.5, seed + 1)
-        agg = codec.aggregate([p, other])
+        agg = codec.aggregate([p, other, p])  # fused for float32: decode-and-add passes
     assert into is buf
     return p, plain, buf, rp, res, agg
 
@@ -277,3 +277,21 @@ def test_helpers_compile_once_even_when_threads_race(monkeypatch):
     quantize._compile_helpers()
     with kernels.use("numba"):
         assert torch.equal(build("terngrad").decompress(build("terngrad").compress(torch.ones(3), 1)), torch.ones(3))
+
+
+@pytest.mark.parametrize("spec,kernel", [("1bit", "onebit_decode"), ("qsgd", "qsgd_decode"), ("terngrad", "terngrad_decode")])
+def test_aggregate_decodes_and_adds_in_one_pass(spec, kernel, monkeypatch):
+    """float32 on the CPU: the aggregate decodes the first packet and adds every other one
+    in its decode pass (no decoded temporary per packet), with the reference's bits."""
+    codec = build(spec)
+    xs = [sample((37, 41), seed=s) for s in range(3)]
+    with kernels.use("torch"):
+        expected = codec.aggregate([codec.compress(x, 5 + i) for i, x in enumerate(xs)])
+    calls = []
+    real = getattr(quantize, kernel)
+    monkeypatch.setattr(quantize, kernel, lambda *a, **k: calls.append(k.get("add", False)) or real(*a, **k))
+    with kernels.use("numba"):
+        packets = [codec.compress(x, 5 + i) for i, x in enumerate(xs)]
+        got = codec.aggregate(packets)
+    assert calls == [False, True, True]
+    assert torch.equal(got, expected)

@@ -15,6 +15,7 @@ more for them, the price of bit-identical means.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -95,6 +96,19 @@ class OneBit(Compressor):
         bit = decode_lut(bits, 1, (0.0, 1.0), rows * cols, packet.dtype).view(rows, cols)
         return deliver(torch.lerp(neg, pos, bit, out=bit).view(packet.shape), out)  # exactly pos or neg
 
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        """The mean of the decoded packets; fused (each packet decoded and added in one pass,
+        the same float32 sums in the same order) for float32 on the CPU."""
+        first = packets[0]
+        if first.dtype != torch.float32 or not kernels.enabled(first.wire["bits"]):
+            return super().aggregate(packets)
+        total = self.decompress(first)  # a new tensor on this path
+        _, cols = matrix_shape(first.shape)
+        for p in packets[1:]:
+            pos, neg = p.wire["means"]
+            quantize.onebit_decode(p.wire["bits"], max(cols, 1), pos.contiguous(), neg.contiguous(), total, add=True)
+        return total.div_(len(packets))
 
 def _piece(cols: int) -> int:
     """Entries per piece of the CPU encoding: whole rows, a multiple of 8 entries."""

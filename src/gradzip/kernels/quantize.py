@@ -96,16 +96,20 @@ def _qsgd_encode(v, scale, levels, bits, k0, k1, packed, residual, step):
 
 
 @njit
-def _qsgd_decode(packed, count, levels, bits, step, out):
-    """``out[j] = (code_j − s)·step``."""
+def _qsgd_decode(packed, count, levels, bits, step, out, add):
+    """``out[j] = (code_j − s)·step``; with ``add``, ``out[j] += that``."""
     codes = np.empty(PIECE, np.uint8)
     sf = np.float32(levels)
     for base in range(0, count, PIECE):
         m = min(PIECE, count - base)
         _unpack_any(packed, base // 8 * bits, bits, m, codes)
         ob = out[base:base + m]
-        for i in range(m):
-            ob[i] = (np.float32(codes[i]) - sf) * step
+        if add:
+            for i in range(m):
+                ob[i] = ob[i] + (np.float32(codes[i]) - sf) * step
+        else:
+            for i in range(m):
+                ob[i] = (np.float32(codes[i]) - sf) * step
 
 
 @njit
@@ -141,8 +145,8 @@ def _terngrad_encode(v, s, k0, k1, packed, residual):
 
 
 @njit
-def _terngrad_decode(packed, count, s, out):
-    """``out[j] = sign(code_j)·s`` with the table (0, 0, −1, 1)."""
+def _terngrad_decode(packed, count, s, out, add):
+    """``out[j] = sign(code_j)·s`` with the table (0, 0, −1, 1); with ``add``, ``out[j] += that``."""
     codes = np.empty(PIECE, np.uint8)
     for base in range(0, count, PIECE):
         m = min(PIECE, count - base)
@@ -151,7 +155,7 @@ def _terngrad_decode(packed, count, s, out):
         for i in range(m):
             c = codes[i]
             sign = np.float32(1.0) if c == 3 else (np.float32(-1.0) if c == 2 else np.float32(0.0))
-            ob[i] = sign * s
+            ob[i] = ob[i] + sign * s if add else sign * s
 
 
 @njit
@@ -177,9 +181,10 @@ def _onebit_encode(v, cols, packed, nonneg):
 
 
 @njit
-def _onebit_decode(packed, cols, pos, neg, v, residual, out):
+def _onebit_decode(packed, cols, pos, neg, v, mode, out):
     """``out[j] = pos[c]`` where bit ``j`` is set, ``neg[c]`` elsewhere (``c = j mod cols``);
-    with ``residual``, ``v[j] − that`` instead (``v`` has ``out``'s size then)."""
+    ``mode`` 1: ``v[j] − that`` instead (the residual; ``v`` has ``out``'s size); ``mode`` 2:
+    ``out[j] + that`` (``v`` is ``out``)."""
     n = out.size
     codes = np.empty(PIECE, np.uint8)
     c = 0  # the column of the piece's first entry
@@ -187,13 +192,16 @@ def _onebit_decode(packed, cols, pos, neg, v, residual, out):
         m = min(PIECE, n - base)
         _unpack(packed, base // 8, 1, m, codes)
         ob = out[base:base + m]
-        vb = v[base:base + m] if residual else ob
+        vb = v[base:base + m] if mode else ob
         i = 0
         while i < m:  # one run of a row's columns at a time (vectorised)
             run = min(m - i, cols - c)
-            if residual:
+            if mode == 1:
                 for t in range(run):
                     ob[i + t] = vb[i + t] - (pos[c + t] if codes[i + t] else neg[c + t])
+            elif mode == 2:
+                for t in range(run):
+                    ob[i + t] = vb[i + t] + (pos[c + t] if codes[i + t] else neg[c + t])
             else:
                 for t in range(run):
                     ob[i + t] = pos[c + t] if codes[i + t] else neg[c + t]
@@ -360,9 +368,10 @@ def qsgd_encode(v: torch.Tensor, scale: float, levels: int, bits: int, seed: int
                      out[start // 8 * bits:], res[start:stop] if res.size else res, np.float32(step))
 
 
-def qsgd_decode(packed: torch.Tensor, levels: int, bits: int, step: float, out: torch.Tensor) -> None:
-    """``out`` (contiguous float32) = the values of QSGD codes ``packed``."""
-    _qsgd_decode(array(packed), out.numel(), levels, bits, np.float32(step), array(out.view(-1)))
+def qsgd_decode(packed: torch.Tensor, levels: int, bits: int, step: float, out: torch.Tensor,
+                add: bool = False) -> None:
+    """``out`` (contiguous float32) = the values of QSGD codes ``packed`` (``add``: ``+=``)."""
+    _qsgd_decode(array(packed), out.numel(), levels, bits, np.float32(step), array(out.view(-1)), add)
 
 
 def terngrad_encode(v: torch.Tensor, s: float, seed: int, packed: torch.Tensor,
@@ -374,9 +383,9 @@ def terngrad_encode(v: torch.Tensor, s: float, seed: int, packed: torch.Tensor,
                          res[start:stop] if res.size else res)
 
 
-def terngrad_decode(packed: torch.Tensor, s: float, out: torch.Tensor) -> None:
-    """``out`` (contiguous float32) = the values of TernGrad codes ``packed``."""
-    _terngrad_decode(array(packed), out.numel(), np.float32(s), array(out.view(-1)))
+def terngrad_decode(packed: torch.Tensor, s: float, out: torch.Tensor, add: bool = False) -> None:
+    """``out`` (contiguous float32) = the values of TernGrad codes ``packed`` (``add``: ``+=``)."""
+    _terngrad_decode(array(packed), out.numel(), np.float32(s), array(out.view(-1)), add)
 
 
 def onebit_encode(v: torch.Tensor, cols: int, packed: torch.Tensor, nonneg: torch.Tensor) -> None:
@@ -386,9 +395,9 @@ def onebit_encode(v: torch.Tensor, cols: int, packed: torch.Tensor, nonneg: torc
 
 
 def onebit_decode(packed: torch.Tensor, cols: int, pos: torch.Tensor, neg: torch.Tensor,
-                  out: torch.Tensor, v: torch.Tensor | None = None) -> None:
-    """``out`` = the decoded 1-bit tensor (``pos``/``neg``: float32 per column), or with
-    ``v``, ``v − decoded`` (the residual)."""
+                  out: torch.Tensor, v: torch.Tensor | None = None, add: bool = False) -> None:
+    """``out`` = the decoded 1-bit tensor (``pos``/``neg``: float32 per column); with ``v``,
+    ``v − decoded`` (the residual); with ``add``, ``out += decoded``."""
     flat = array(out.view(-1))
-    _onebit_decode(array(packed), cols, array(pos), array(neg),
-                   flat if v is None else array(v), v is not None, flat)
+    mode = 1 if v is not None else (2 if add else 0)
+    _onebit_decode(array(packed), cols, array(pos), array(neg), flat if v is None else array(v), mode, flat)
