@@ -41,7 +41,7 @@ def _compile_helpers() -> None:
     with _helpers_lock:
         import numba
         g = globals()
-        for name in ("_merge", "_split", "_pack", "_unpack", "_pack_any", "_unpack_any"):
+        for name in ("_merge", "_split", "_pack", "_unpack"):
             if not hasattr(g[name], "py_func"):  # not compiled by a thread before us
                 g[name] = numba.njit(cache=True, nogil=True, inline="always")(g[name])
         _helpers_ready.append(True)
@@ -88,7 +88,7 @@ def _qsgd_encode(v, scale, levels, bits, k0, k1, packed, residual, step):
             y = np.float32(abs(a) * scale) + u
             xi = np.int32(y if y < sf else sf)
             codes[i] = np.uint8(s32 + xi if a >= 0 else s32 - xi)
-        _pack_any(codes, m, bits, packed, base // 8 * bits)
+        _pack(codes, m, bits, packed, base // 8 * bits)
         if want:
             rb = residual[base:base + m]
             for i in range(m):
@@ -102,7 +102,7 @@ def _qsgd_decode(packed, count, levels, bits, step, out, add):
     sf = np.float32(levels)
     for base in range(0, count, PIECE):
         m = min(PIECE, count - base)
-        _unpack_any(packed, base // 8 * bits, bits, m, codes)
+        _unpack(packed, base // 8 * bits, bits, m, codes)
         ob = out[base:base + m]
         if add:
             for i in range(m):
@@ -219,14 +219,18 @@ def _pack(codes, m, bits, packed, at):
     ``packed[at:]``: eight codes read as one little-endian word and merged pairwise in
     three shift/or rounds into one ``8·bits``-bit group, written as ``bits`` bytes
     (:mod:`gradzip.compressors.bitpack`'s algorithm, one word at a time). Inlined into the
-    kernels, which call it with a literal ``bits`` (the byte loop then unrolls)."""
+    kernels; with a literal ``bits`` (1bit, terngrad) the byte loop folds to ``bits`` stores,
+    qsgd's runtime width costs a predictable branch per byte (one compiled copy, not eight:
+    compiling eight took ~30 s)."""
     words = codes.view(np.uint64)
     full = m // 8
+    top = np.uint64(64 - 8 * bits)
     for g in range(full):
-        lo = _merge(words[g], bits)
+        lo = _merge(words[g], bits) << top  # the group's first byte in the word's top byte
         o = at + g * bits
-        for t in range(bits):
-            packed[o + t] = np.uint8((lo >> np.uint64(8 * (bits - 1 - t))) & np.uint64(0xFF))
+        for t in range(8):
+            if t < bits:
+                packed[o + t] = np.uint8(lo >> np.uint64(56 - 8 * t))
     rest = m - 8 * full
     if rest:  # the last, partial group: codes past m are 0
         lo = _merge(words[full] & ((np.uint64(1) << np.uint64(8 * rest)) - np.uint64(1)), bits)
@@ -272,8 +276,9 @@ def _unpack(packed, at, bits, m, codes):
     for g in range(whole):
         o = at + g * bits
         y = np.uint64(0)
-        for t in range(bits):
-            y = (y << np.uint64(8)) | np.uint64(packed[o + t])
+        for t in range(8):
+            if t < bits:
+                y = (y << np.uint64(8)) | np.uint64(packed[o + t])
         words[g] = _split(y, bits)
     for g in range(whole, groups):
         o = at + g * bits
@@ -281,46 +286,6 @@ def _unpack(packed, at, bits, m, codes):
         for t in range(bits):
             y = (y << np.uint64(8)) | (np.uint64(packed[o + t]) if o + t < packed.size else np.uint64(0))
         words[g] = _split(y, bits)
-
-
-def _pack_any(codes, m, bits, packed, at):
-    """:func:`_pack` with ``bits`` made a literal (one inlined copy per width)."""
-    if bits == 1:
-        _pack(codes, m, 1, packed, at)
-    elif bits == 2:
-        _pack(codes, m, 2, packed, at)
-    elif bits == 3:
-        _pack(codes, m, 3, packed, at)
-    elif bits == 4:
-        _pack(codes, m, 4, packed, at)
-    elif bits == 5:
-        _pack(codes, m, 5, packed, at)
-    elif bits == 6:
-        _pack(codes, m, 6, packed, at)
-    elif bits == 7:
-        _pack(codes, m, 7, packed, at)
-    else:
-        _pack(codes, m, 8, packed, at)
-
-
-def _unpack_any(packed, at, bits, m, codes):
-    """:func:`_unpack` with ``bits`` made a literal (one inlined copy per width)."""
-    if bits == 1:
-        _unpack(packed, at, 1, m, codes)
-    elif bits == 2:
-        _unpack(packed, at, 2, m, codes)
-    elif bits == 3:
-        _unpack(packed, at, 3, m, codes)
-    elif bits == 4:
-        _unpack(packed, at, 4, m, codes)
-    elif bits == 5:
-        _unpack(packed, at, 5, m, codes)
-    elif bits == 6:
-        _unpack(packed, at, 6, m, codes)
-    elif bits == 7:
-        _unpack(packed, at, 7, m, codes)
-    else:
-        _unpack(packed, at, 8, m, codes)
 
 
 # -- the calls the codecs make (torch tensors in, Python numbers) ----------------------------
