@@ -315,3 +315,9 @@ def test_aggregate_decodes_and_adds_in_one_pass(spec, kernel, monkeypatch):
         got = codec.aggregate(packets)
     assert calls == [False, True, True]
     assert torch.equal(got, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_draws_the_cpu_uniforms():
+    """The counter-based uniforms do not depend on the device (torch.rand's did)."""
+    assert torch.equal(counter_rng.uniforms(77, 5, 100_000, "cuda").cpu(), counter_rng.uniforms(77, 5, 100_000))
