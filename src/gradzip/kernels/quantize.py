@@ -43,7 +43,7 @@ def _compile_helpers() -> None:
     with _helpers_lock:
         import numba
         g = globals()
-        for name in ("_merge", "_split", "_pack", "_unpack"):
+        for name in ("_merge", "_split", "_pack", "_unpack", "_onebit_run"):
             if not hasattr(g[name], "py_func"):  # not compiled by a thread before us
                 g[name] = numba.njit(cache=True, nogil=True, inline="always")(g[name])
         _helpers_ready.append(True)
@@ -154,10 +154,16 @@ def _terngrad_decode(packed, count, s, out, add):
         m = min(PIECE, count - base)
         _unpack(packed, base // 4, 2, m, codes)
         ob = out[base:base + m]
-        for i in range(m):
-            c = codes[i]
-            sign = np.float32(1.0) if c == 3 else (np.float32(-1.0) if c == 2 else np.float32(0.0))
-            ob[i] = ob[i] + sign * s if add else sign * s
+        if add:
+            for i in range(m):
+                c = codes[i]
+                sign = np.float32(1.0) if c == 3 else (np.float32(-1.0) if c == 2 else np.float32(0.0))
+                ob[i] = ob[i] + sign * s
+        else:
+            for i in range(m):
+                c = codes[i]
+                sign = np.float32(1.0) if c == 3 else (np.float32(-1.0) if c == 2 else np.float32(0.0))
+                ob[i] = sign * s
 
 
 @njit
@@ -174,10 +180,18 @@ def _onebit_encode(v, cols, packed, nonneg):
             codes[i] = np.uint8(vb[i] >= 0)
         _pack(codes, m, 1, packed, base // 8)
         i = 0
+        if cols == 1:
+            total = 0
+            for t in range(m):
+                total += codes[t]
+            nonneg[0] += total
+            continue
         while i < m:  # the counts, one run of a row's columns at a time (vectorised)
             run = min(m - i, cols - c)
+            nt = nonneg[c:c + run]
+            ct = codes[i:i + run]
             for t in range(run):
-                nonneg[c + t] += codes[i + t]
+                nt[t] += ct[t]
             i += run
             c = (c + run) % cols
 
@@ -186,29 +200,53 @@ def _onebit_encode(v, cols, packed, nonneg):
 def _onebit_decode(packed, cols, pos, neg, v, mode, out):
     """``out[j] = pos[c]`` where bit ``j`` is set, ``neg[c]`` elsewhere (``c = j mod cols``);
     ``mode`` 1: ``v[j] − that`` instead (the residual; ``v`` has ``out``'s size); ``mode`` 2:
-    ``out[j] + that`` (``v`` is ``out``)."""
+    ``out[j] + that`` (``v`` is ``out``). Both values are loaded before the choice, so it is
+    a vector blend, not a branch on random bits."""
     n = out.size
     codes = np.empty(PIECE, np.uint8)
     c = 0  # the column of the piece's first entry
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         _unpack(packed, base // 8, 1, m, codes)
-        ob = out[base:base + m]
-        vb = v[base:base + m] if mode else ob
         i = 0
-        while i < m:  # one run of a row's columns at a time (vectorised)
-            run = min(m - i, cols - c)
-            if mode == 1:
-                for t in range(run):
-                    ob[i + t] = vb[i + t] - (pos[c + t] if codes[i + t] else neg[c + t])
-            elif mode == 2:
-                for t in range(run):
-                    ob[i + t] = vb[i + t] + (pos[c + t] if codes[i + t] else neg[c + t])
-            else:
-                for t in range(run):
-                    ob[i + t] = pos[c + t] if codes[i + t] else neg[c + t]
+        while i < m:  # one run of a row's columns at a time (the whole piece for one column)
+            run = m - i if cols == 1 else min(m - i, cols - c)
+            _onebit_run(codes[i:i + run], pos[c:c + run] if cols > 1 else pos, neg[c:c + run] if cols > 1 else neg,
+                        v[base + i:base + i + run], mode, out[base + i:base + i + run], cols == 1)
             i += run
             c = (c + run) % cols
+
+
+def _onebit_run(ct, pt, nt, vt, mode, ot, one):
+    """:func:`_onebit_decode` on one run (``one``: a single column, ``pt``/``nt`` its means)."""
+    if one:
+        p0 = pt[0]
+        q0 = nt[0]
+        if mode == 1:
+            for t in range(ct.size):
+                ot[t] = vt[t] - (p0 if ct[t] else q0)
+        elif mode == 2:
+            for t in range(ct.size):
+                ot[t] = vt[t] + (p0 if ct[t] else q0)
+        else:
+            for t in range(ct.size):
+                ot[t] = p0 if ct[t] else q0
+        return
+    if mode == 1:
+        for t in range(ct.size):
+            p = pt[t]
+            q = nt[t]
+            ot[t] = vt[t] - (p if ct[t] else q)
+    elif mode == 2:
+        for t in range(ct.size):
+            p = pt[t]
+            q = nt[t]
+            ot[t] = vt[t] + (p if ct[t] else q)
+    else:
+        for t in range(ct.size):
+            p = pt[t]
+            q = nt[t]
+            ot[t] = p if ct[t] else q
 
 
 _M8 = np.uint64(0x00FF00FF00FF00FF)  # low byte of every 16-bit lane
