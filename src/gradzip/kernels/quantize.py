@@ -43,7 +43,7 @@ def _compile_helpers() -> None:
     with _helpers_lock:
         import numba
         g = globals()
-        for name in ("_merge", "_split", "_pack", "_unpack", "_onebit_run"):
+        for name in ("_merge", "_split", "_bswap", "_pack", "_pack_words", "_unpack", "_onebit_run"):
             if not hasattr(g[name], "py_func"):  # not compiled by a thread before us
                 g[name] = numba.njit(cache=True, nogil=True, inline="always")(g[name])
         _helpers_ready.append(True)
@@ -90,7 +90,7 @@ def _qsgd_encode(v, scale, levels, bits, k0, k1, packed, residual, step):
             y = np.float32(abs(a) * scale) + u
             xi = np.int32(y if y < sf else sf)
             codes[i] = np.uint8(s32 + xi if a >= 0 else s32 - xi)
-        _pack(codes, m, bits, packed, base // 8 * bits)
+        _pack_words(codes, m, bits, packed, base // 8 * bits)
         if want:
             rb = residual[base:base + m]
             for i in range(m):
@@ -277,6 +277,51 @@ def _pack(codes, m, bits, packed, at):
         o = at + full * bits
         for t in range((rest * bits + 7) // 8):
             packed[o + t] = np.uint8((lo >> np.uint64(8 * (bits - 1 - t))) & np.uint64(0xFF))
+
+
+def _pack_words(codes, m, bits, packed, at):
+    """:func:`_pack` for a width known only at run time (qsgd's): the groups are shifted into
+    a 64-bit accumulator and written as whole big-endian words (one store per 8 bytes
+    instead of a branch and a store per byte; ``at`` is a multiple of 8 bytes, each piece
+    starting at a multiple of 64 codes). The same bytes as :func:`_pack`."""
+    words = codes.view(np.uint64)
+    full = m // 8
+    nw = full * bits // 8
+    ow = packed[at:at + nw * 8].view(np.uint64)
+    nb = np.uint64(8 * bits)
+    acc = np.uint64(0)
+    nacc = np.uint64(0)  # bits waiting in acc: a multiple of 8, below 64
+    w = 0
+    for g in range(full):
+        group = _merge(words[g], bits)
+        if nacc + nb < np.uint64(64):
+            acc = (acc << nb) | group
+            nacc += nb
+        else:
+            rem = nacc + nb - np.uint64(64)  # bits of this group left for the next word
+            word = group >> rem
+            if nacc:  # (a shift by 64 is undefined)
+                word |= acc << (np.uint64(64) - nacc)
+            ow[w] = _bswap(word)
+            w += 1
+            acc = group & ((np.uint64(1) << rem) - np.uint64(1))
+            nacc = rem
+    o = at + nw * 8
+    for t in range(int(nacc) // 8):
+        packed[o + t] = np.uint8(acc >> (nacc - np.uint64(8 * (t + 1))))
+    rest = m - 8 * full
+    if rest:  # the last, partial group: codes past m are 0
+        lo = _merge(words[full] & ((np.uint64(1) << np.uint64(8 * rest)) - np.uint64(1)), bits)
+        o = at + full * bits
+        for t in range((rest * bits + 7) // 8):
+            packed[o + t] = np.uint8((lo >> np.uint64(8 * (bits - 1 - t))) & np.uint64(0xFF))
+
+
+def _bswap(x):
+    """The bytes of ``x`` reversed (LLVM makes it one instruction)."""
+    x = ((x & _M8) << np.uint64(8)) | ((x >> np.uint64(8)) & _M8)
+    x = ((x & _M16) << np.uint64(16)) | ((x >> np.uint64(16)) & _M16)
+    return (x << np.uint64(32)) | (x >> np.uint64(32))
 
 
 def _merge(x, bits):
