@@ -270,21 +270,25 @@ def test_fused_kernels_draw_the_reference_uniforms():
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_kernel_packing_is_bitpack_layout(bits):
     """qsgd's codes for every width ``b`` (levels 1..127 cover b = 2..8; 1 and 2 are 1bit
-    and terngrad): the fused wire unpacks with bitpack and packs back to itself."""
+    and terngrad): the fused wire unpacks with bitpack and packs back to itself, is the
+    reference's, and decodes to the reference's values (sizes around words and pieces)."""
     levels = {1: None, 2: 1, 3: 2, 4: 4, 5: 8, 6: 16, 7: 32, 8: 64}[bits]
     if levels is None:
         codec = build("1bit")
     else:
         codec = build(f"qsgd:levels={levels}")
         assert codec.bits == bits
-    for n in (1, 7, 8, 9, quantize.PIECE - 1, quantize.PIECE, quantize.PIECE + 9):
+    for n in (1, 7, 8, 9, 63, 64, 65, quantize.PIECE - 1, quantize.PIECE, quantize.PIECE + 9, 2 * quantize.PIECE + 71):
         x = sample((n,), seed=n)
         with kernels.use("numba"):
-            wire = codec.compress(x, 2).wire["codes" if levels else "bits"]
+            packet = codec.compress(x, 2)
+            decoded = codec.decompress(packet)
+        wire = packet.wire["codes" if levels else "bits"]
         assert wire.numel() == math.ceil(n * bits / 8)
         assert torch.equal(pack_bits(unpack_bits(wire, bits, n), bits), wire)
         with kernels.use("torch"):
             assert torch.equal(codec.compress(x, 2).wire["codes" if levels else "bits"], wire)
+            assert torch.equal(codec.decompress(packet), decoded)
 
 
 def test_helpers_compile_once_even_when_threads_race(monkeypatch):

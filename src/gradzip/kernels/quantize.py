@@ -43,7 +43,7 @@ def _compile_helpers() -> None:
     with _helpers_lock:
         import numba
         g = globals()
-        for name in ("_merge", "_split", "_bswap", "_pack", "_pack_words", "_unpack", "_onebit_run"):
+        for name in ("_merge", "_split", "_bswap", "_pack", "_pack_words", "_unpack", "_unpack_words", "_onebit_run"):
             if not hasattr(g[name], "py_func"):  # not compiled by a thread before us
                 g[name] = numba.njit(cache=True, nogil=True, inline="always")(g[name])
         _helpers_ready.append(True)
@@ -104,7 +104,7 @@ def _qsgd_decode(packed, count, levels, bits, step, out, add):
     sf = np.float32(levels)
     for base in range(0, count, PIECE):
         m = min(PIECE, count - base)
-        _unpack(packed, base // 8 * bits, bits, m, codes)
+        _unpack_words(packed, base // 8 * bits, bits, m, codes)
         ob = out[base:base + m]
         if add:
             for i in range(m):
@@ -315,6 +315,43 @@ def _pack_words(codes, m, bits, packed, at):
         o = at + full * bits
         for t in range((rest * bits + 7) // 8):
             packed[o + t] = np.uint8((lo >> np.uint64(8 * (bits - 1 - t))) & np.uint64(0xFF))
+
+
+def _unpack_words(packed, at, bits, m, codes):
+    """:func:`_unpack` for a width known only at run time (qsgd's): whole big-endian words
+    read into a 64-bit accumulator, the groups shifted out of it; the groups past the last
+    whole word of the piece are read byte by byte (:func:`_unpack`'s loop)."""
+    words = codes.view(np.uint64)
+    groups = (m + 7) // 8
+    nw = min(groups * bits // 8, (packed.size - at) // 8)  # whole words of this piece
+    iw = packed[at:at + nw * 8].view(np.uint64)
+    gw = min(groups, nw * 8 // bits)  # groups inside those words
+    nb = np.uint64(8 * bits)
+    low = (np.uint64(1) << nb) - np.uint64(1) if bits < 8 else ~np.uint64(0)
+    acc = np.uint64(0)
+    nacc = np.uint64(0)  # unread bits at the bottom of acc
+    r = 0
+    for g in range(gw):
+        if nacc >= nb:
+            group = (acc >> (nacc - nb)) & low
+            nacc -= nb
+        else:
+            need = nb - nacc
+            word = _bswap(iw[r])
+            r += 1
+            if nacc:  # (a shift by 64 is undefined)
+                group = ((acc & ((np.uint64(1) << nacc) - np.uint64(1))) << need) | (word >> (np.uint64(64) - need))
+            else:
+                group = word >> (np.uint64(64) - need)
+            acc = word
+            nacc = np.uint64(64) - need
+        words[g] = _split(group, bits)
+    for g in range(gw, groups):
+        o = at + g * bits
+        y = np.uint64(0)
+        for t in range(bits):
+            y = (y << np.uint64(8)) | (np.uint64(packed[o + t]) if o + t < packed.size else np.uint64(0))
+        words[g] = _split(y, bits)
 
 
 def _bswap(x):
