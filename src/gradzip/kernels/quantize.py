@@ -71,21 +71,24 @@ def _qsgd_encode(v, scale, levels, bits, k0, k1, packed, residual, step):
     n = v.size
     want = residual.size == n
     codes = np.empty(PIECE, np.uint8)
+    us = np.empty(PIECE, np.float32)  # (one fused loop ran ~15% slower: 64-bit hash lanes)
     sf = np.float32(levels)
     s32 = np.int32(levels)
     mask = np.uint64(0xFFFFFFFF)
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
-        for i in range(m):
-            x = (np.uint64(base + i) & mask) ^ k0  # the counter-based uniform (counter_rng)
+        for i in range(m):  # the counter-based uniforms (counter_rng), a loop of their own
+            x = (np.uint64(base + i) & mask) ^ k0
             x ^= x >> np.uint64(16)
             x = (x * np.uint64(0x21F0AAAD)) & mask
             x ^= k1
             x ^= x >> np.uint64(15)
             x = (x * np.uint64(0x735A2D97)) & mask
             x ^= x >> np.uint64(15)
-            u = np.float32(np.int32(x >> np.uint64(8))) * np.float32(5.9604644775390625e-08)
+            us[i] = np.float32(np.int32(x >> np.uint64(8))) * np.float32(5.9604644775390625e-08)
+        for i in range(m):
+            u = us[i]
             a = vb[i]
             y = np.float32(abs(a) * scale) + u
             xi = np.int32(y if y < sf else sf)
@@ -121,19 +124,22 @@ def _terngrad_encode(v, s, k0, k1, packed, residual):
     n = v.size
     want = residual.size == n
     codes = np.empty(PIECE, np.uint8)
+    us = np.empty(PIECE, np.float32)
     mask = np.uint64(0xFFFFFFFF)
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
-        for i in range(m):
-            x = (np.uint64(base + i) & mask) ^ k0  # the counter-based uniform (counter_rng)
+        for i in range(m):  # the counter-based uniforms (counter_rng), a loop of their own
+            x = (np.uint64(base + i) & mask) ^ k0
             x ^= x >> np.uint64(16)
             x = (x * np.uint64(0x21F0AAAD)) & mask
             x ^= k1
             x ^= x >> np.uint64(15)
             x = (x * np.uint64(0x735A2D97)) & mask
             x ^= x >> np.uint64(15)
-            u = np.float32(np.int32(x >> np.uint64(8))) * np.float32(5.9604644775390625e-08)
+            us[i] = np.float32(np.int32(x >> np.uint64(8))) * np.float32(5.9604644775390625e-08)
+        for i in range(m):
+            u = us[i]
             a = vb[i]
             keep = np.uint8(np.float32(u * s) < abs(a))
             codes[i] = (keep << np.uint8(1)) | (keep & np.uint8(a > 0))
