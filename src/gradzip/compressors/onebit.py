@@ -96,7 +96,6 @@ class OneBit(Compressor):
         bit = decode_lut(bits, 1, (0.0, 1.0), rows * cols, packet.dtype).view(rows, cols)
         return deliver(torch.lerp(neg, pos, bit, out=bit).view(packet.shape), out)  # exactly pos or neg
 
-
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """The mean of the decoded packets; fused (each packet decoded and added in one pass,
         the same float32 sums in the same order) for float32 on the CPU."""
@@ -109,6 +108,7 @@ class OneBit(Compressor):
             pos, neg = p.wire["means"]
             quantize.onebit_decode(p.wire["bits"], max(cols, 1), pos.contiguous(), neg.contiguous(), total, add=True)
         return total.div_(len(packets))
+
 
 def _piece(cols: int) -> int:
     """Entries per piece of the CPU encoding: whole rows, a multiple of 8 entries."""

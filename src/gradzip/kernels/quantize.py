@@ -444,7 +444,7 @@ def _blocks(seed: int, numel: int):
         yield start, min(numel, start + block), np.uint64(k0), np.uint64(k1)
 
 
-def _residual_arrays(residual: torch.Tensor | None, numel: int):
+def _residual_arrays(residual: torch.Tensor | None):
     """The residual's flat numpy view, or an empty array (the kernels' "not asked")."""
     if residual is None:
         return np.empty(0, np.float32)
@@ -455,7 +455,7 @@ def qsgd_encode(v: torch.Tensor, scale: float, levels: int, bits: int, seed: int
                 packed: torch.Tensor, residual: torch.Tensor | None, step: float) -> None:
     """QSGD's codes of the flat contiguous float32 ``v`` into ``packed``; ``residual``: see
     :func:`_qsgd_encode`."""
-    values, out, res = array(v), array(packed), _residual_arrays(residual, v.numel())
+    values, out, res = array(v), array(packed), _residual_arrays(residual)
     for start, stop, k0, k1 in _blocks(seed, v.numel()):
         _qsgd_encode(values[start:stop], np.float32(scale), levels, bits, k0, k1,
                      out[start // 8 * bits:], res[start:stop] if res.size else res, np.float32(step))
@@ -470,7 +470,7 @@ def qsgd_decode(packed: torch.Tensor, levels: int, bits: int, step: float, out: 
 def terngrad_encode(v: torch.Tensor, s: float, seed: int, packed: torch.Tensor,
                     residual: torch.Tensor | None) -> None:
     """TernGrad's codes of the flat contiguous float32 ``v`` into ``packed``."""
-    values, out, res = array(v), array(packed), _residual_arrays(residual, v.numel())
+    values, out, res = array(v), array(packed), _residual_arrays(residual)
     for start, stop, k0, k1 in _blocks(seed, v.numel()):
         _terngrad_encode(values[start:stop], np.float32(s), k0, k1, out[start // 4:],
                          res[start:stop] if res.size else res)
