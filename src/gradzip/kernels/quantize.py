@@ -2,14 +2,14 @@
 is one pass (codes, bit packing and, when asked, the error-feedback residual
 ``v − C(v)``), each decode one pass into the caller's buffer.
 
-Every kernel is bit-identical to its codec's torch reference for finite tensors (with a NaN
-or Inf, which the optimizers stop before compressing unless ``nonfinite="off"``, the
-reference casts NaN to uint8, unspecified; the kernels write in-range codes): the same float32 operations
-in the same order (no fastmath, so no fused multiply-add), the uniforms of
+Every kernel is bit-identical to its codec's torch reference for finite tensors: the same
+float32 operations in the same order (no fastmath, so no fused multiply-add), the uniforms of
 :mod:`.counter_rng` computed inline (uint64 arithmetic masked to 32 bits), the codes
 packed MSB-first in the layout of :mod:`gradzip.compressors.bitpack`. Scalars that come
 from order-dependent reductions (the norm, the column sums) are computed by torch and
-passed in.
+passed in. (A NaN or Inf, which the optimizers stop before compressing unless
+``nonfinite="off"``: the reference casts NaN to uint8, which is unspecified; the kernels
+write in-range codes.)
 
 The kernels work on flat numpy views (:func:`gradzip.kernels.array`) of contiguous float32
 tensors. Entry ``j`` of a kernel's slice has counter ``j`` (callers slice at counter-block
