@@ -5,16 +5,26 @@ Matrix view ``tensor.reshape(shape[0], -1)`` (a 0-d or 1-d tensor is a single co
 the column's non-negative entries and the mean of its negative entries (0 for a kind the
 column does not have). Wire: the bits packed MSB-first (``ceil(d/8)`` bytes) and the two
 means per column in float32 (``8·columns`` bytes). Does not sum in compressed form.
+
+On the CPU the bits, their packing and the non-negative counts are one numba pass
+(:mod:`gradzip.kernels.quantize`), and decoding (or the residual) one more. The column sums
+depend on the order of a float sum, so both paths compute them with the same torch
+reduction over the same pieces (:func:`_add_sums`): the fused path reads the tensor once
+more for them, the price of bit-identical means.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
+from .. import kernels
+from ..kernels import quantize
 from . import _util
 from ._util import _lut, decode_lut, encode_chunks, matrix_shape
 from .base import Compressor, Packet, deliver
+from .bitpack import packed_nbytes
 from .registry import register
 
 
@@ -24,36 +34,100 @@ class OneBit(Compressor):
     name = "1bit"
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        if kernels.enabled(tensor):
+            return self._encode(tensor, reuse)
         rows, cols = matrix_shape(tensor.shape)
         flat = tensor.detach().reshape(-1)
-        # column sums of the non-negative / negative entries and the non-negative counts,
-        # accumulated over pieces of whole rows (a multiple of 8 entries each)
         sums = torch.zeros(2, cols, dtype=torch.float32, device=flat.device)
         pos_n = torch.zeros(cols, dtype=torch.int64, device=flat.device)
 
         def codes_of(part: torch.Tensor) -> torch.Tensor:
-            m = part.view(-1, cols) if cols else part.view(0, 0)  # (d0, 0, ...): nothing to code
+            m = _add_sums(part, cols, sums)
             nonneg = (m >= 0).view(torch.uint8)
-            sums[0] += m.clamp(min=0).sum(0, dtype=torch.float32)  # zeros add nothing
-            sums[1] += m.clamp(max=0).sum(0, dtype=torch.float32)
             pos_n.add_(nonneg.sum(0, dtype=torch.int32))
             return nonneg
 
-        piece_rows = max(8, _util.CHUNK // max(cols, 1) // 8 * 8)  # cols = 0: an empty tensor
-        bits = encode_chunks(flat, 1, codes_of, chunk=piece_rows * cols)
-        means = torch.stack([sums[0] / pos_n.clamp(min=1), sums[1] / (rows - pos_n).clamp(min=1)])
-        return Packet({"bits": bits, "means": means}, tensor.shape, tensor.dtype)
+        bits = encode_chunks(flat, 1, codes_of, chunk=_piece(cols))
+        return Packet({"bits": bits, "means": _means(sums, pos_n, rows)}, tensor.shape, tensor.dtype)
+
+    def _encode(self, tensor: torch.Tensor, reuse: Packet | None) -> Packet:
+        """The fused compress: the column sums by the reference's own torch reduction (over
+        the same pieces, so the same bits: float sums depend on their order), the bits and
+        the non-negative counts (exact integers) in one kernel pass."""
+        rows, cols = matrix_shape(tensor.shape)
+        flat = tensor.detach().reshape(-1)
+        sums = torch.zeros(2, cols, dtype=torch.float32)
+        chunk = _piece(cols)
+        if flat.numel() <= chunk or not _util.piecewise(flat):  # encode_chunks' pieces
+            _add_sums(flat, cols, sums)
+        else:
+            for start in range(0, flat.numel(), chunk):
+                _add_sums(flat[start : start + chunk], cols, sums)
+        wire = reuse.wire if reuse is not None else {}
+        bits = quantize.reused(wire.get("bits"), packed_nbytes(flat.numel(), 1))
+        pos_n = torch.zeros(cols, dtype=torch.int64)
+        quantize.onebit_encode(flat.to(torch.float32).contiguous(), max(cols, 1), bits, pos_n)
+        means = quantize.reused(wire.get("means"), 2 * cols, torch.float32).view(2, cols)
+        return Packet({"bits": bits, "means": means.copy_(_means(sums, pos_n, rows))}, tensor.shape, tensor.dtype)
+
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        if tensor.dtype != torch.float32 or not kernels.enabled(tensor, out) or not out.is_contiguous():
+            return super().compress_residual(tensor, seed, out, reuse)
+        packet = self._encode(tensor, reuse)
+        _, cols = matrix_shape(tensor.shape)
+        pos, neg = packet.wire["means"]
+        quantize.onebit_decode(packet.wire["bits"], max(cols, 1), pos.contiguous(), neg.contiguous(), out,
+                               tensor.detach().reshape(-1).contiguous())
+        return packet
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         rows, cols = matrix_shape(packet.shape)
         bits = packet.wire["bits"]
         pos, neg = packet.wire["means"].to(packet.dtype)
+        if kernels.enabled(bits):  # the values are exactly pos or neg: float32 holds them
+            dense = quantize.decode_target(out, packet.shape, packet.dtype)
+            quantize.onebit_decode(bits, max(cols, 1), pos.float().contiguous(), neg.float().contiguous(), dense)
+            return dense if dense is out else deliver(dense.to(packet.dtype), out)
         if cols == 1:  # one column: decode straight through a (neg, pos) byte table
             table = torch.where(bit_table(bits.device), pos, neg)
             dense = torch.index_select(table, 0, bits.to(torch.int32)).view(-1)[: rows]
             return deliver(dense.view(packet.shape), out)
         bit = decode_lut(bits, 1, (0.0, 1.0), rows * cols, packet.dtype).view(rows, cols)
         return deliver(torch.lerp(neg, pos, bit, out=bit).view(packet.shape), out)  # exactly pos or neg
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        """The mean of the decoded packets; fused (each packet decoded and added in one pass,
+        the same float32 sums in the same order) for float32 on the CPU."""
+        first = packets[0]
+        if first.dtype != torch.float32 or not kernels.enabled(first.wire["bits"]):
+            return super().aggregate(packets)
+        total = self.decompress(first)  # a new tensor on this path
+        _, cols = matrix_shape(first.shape)
+        for p in packets[1:]:
+            pos, neg = p.wire["means"]
+            quantize.onebit_decode(p.wire["bits"], max(cols, 1), pos.contiguous(), neg.contiguous(), total, add=True)
+        return total.div_(len(packets))
+
+
+def _piece(cols: int) -> int:
+    """Entries per piece of the CPU encoding: whole rows, a multiple of 8 entries."""
+    return max(8, _util.CHUNK // max(cols, 1) // 8 * 8) * cols  # cols = 0: an empty tensor
+
+
+def _add_sums(part: torch.Tensor, cols: int, sums: torch.Tensor) -> torch.Tensor:
+    """Add a piece's column sums of its non-negative entries to ``sums[0]`` and of its
+    negative entries to ``sums[1]`` (float32; the one reduction both paths use); returns
+    the piece as a ``rows × cols`` matrix."""
+    m = part.view(-1, cols) if cols else part.view(0, 0)  # (d0, 0, ...): nothing to code
+    sums[0] += m.clamp(min=0).sum(0, dtype=torch.float32)  # zeros add nothing
+    sums[1] += m.clamp(max=0).sum(0, dtype=torch.float32)
+    return m
+
+
+def _means(sums: torch.Tensor, pos_n: torch.Tensor, rows: int) -> torch.Tensor:
+    """(2, cols): the means of the non-negative and of the negative entries per column."""
+    return torch.stack([sums[0] / pos_n.clamp(min=1), sums[1] / (rows - pos_n).clamp(min=1)])
 
 
 def bit_table(device: torch.device) -> torch.Tensor:

@@ -1,20 +1,31 @@
 """``qsgd``: QSGD with ``s`` levels (Alistarh et al.; docs/algorithms.md §codec: qsgd).
 
 ``C(v)_j = ‖v‖₂ · sign(v_j) · ξ_j / s`` where ``ξ_j`` rounds ``s·|v_j|/‖v‖₂`` down or up at
-random with the probabilities that make it unbiased (``ξ = floor(r + u)``, u uniform in
-[0, 1) from a generator seeded with ``seed``), so ``E[C(v)] = v``. A zero vector encodes
-to zeros. Wire: the norm in float32 (4 bytes) and the codes ``sign·ξ + s`` in [0, 2s],
-packed with ``b = ceil(log2(2s + 1))`` bits: ``ceil(d·b/8) + 4`` bytes.
+random with the probabilities that make it unbiased (``ξ = min(floor(r + u), s)``), so
+``E[C(v)] = v``. A zero vector encodes to zeros. Wire: the norm in float32 (4 bytes) and
+the codes ``sign·ξ + s`` in [0, 2s], packed with ``b = ceil(log2(2s + 1))`` bits:
+``ceil(d·b/8) + 4`` bytes.
+
+The uniforms are counter-based, ``u_j = hash(seed, j)`` (:mod:`gradzip.kernels.counter_rng`;
+they replaced ``torch.rand(generator=...)``, which alone ran at a tenth of memory speed):
+the same draws on every device, and computed inside the fused kernel. On the CPU the codes,
+their packing and the residual are one numba pass (:mod:`gradzip.kernels.quantize`); the
+norm is the same torch reduction on both paths, and ``_encode_reference`` (CUDA,
+``GRADZIP_KERNELS=torch``) gives the same bits.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
+from .. import kernels
+from ..kernels import counter_rng, quantize
 from ..validation import is_int, require
-from ._util import as_float32, decode_chunks, encode_chunks, generator
+from ._util import as_float32, decode_chunks, encode_chunks
 from .base import Compressor, Packet, deliver
+from .bitpack import packed_nbytes
 from .registry import register
 
 
@@ -37,14 +48,37 @@ class QSGD(Compressor):
         return (2 * self.levels).bit_length()  # = ceil(log2(2s + 1))
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        return self._encode(tensor, seed, reuse, None)
+
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        if tensor.dtype != torch.float32 or not kernels.enabled(tensor, out) or not out.is_contiguous():
+            return super().compress_residual(tensor, seed, out, reuse)
+        return self._encode(tensor, seed, reuse, out)
+
+    def _encode(self, tensor: torch.Tensor, seed: int, reuse: Packet | None,
+                residual: torch.Tensor | None) -> Packet:
         s = self.levels
         v = as_float32(tensor.detach())
-        norm = torch.linalg.vector_norm(v)
+        norm = torch.linalg.vector_norm(v)  # order-dependent: the same torch call on both paths
         scale = torch.where(norm > 0, s / norm, torch.zeros_like(norm))  # no host sync
-        gen = generator(seed, v.device)
+        if not kernels.enabled(v):
+            return self._encode_reference(tensor, v, norm, scale, seed)
+        wire = reuse.wire if reuse is not None else {}
+        codes = quantize.reused(wire.get("codes"), packed_nbytes(v.numel(), self.bits))
+        norm_ = quantize.reused(wire.get("norm"), 1, torch.float32)
+        step = (norm / s).item()  # what decompress multiplies by: the residual's C(v)
+        quantize.qsgd_encode(v.contiguous(), scale.item(), s, self.bits, seed, codes, residual, step)
+        return Packet({"norm": norm_.copy_(norm.reshape(1)), "codes": codes}, tensor.shape, tensor.dtype)
+
+    def _encode_reference(self, tensor, v, norm, scale, seed) -> Packet:
+        """The torch reference (CUDA, and ``GRADZIP_KERNELS=torch``)."""
+        s = self.levels
+        done = [0]  # entries coded so far: the counter of the next piece's first entry
 
         def codes_of(part: torch.Tensor) -> torch.Tensor:
-            u = torch.rand(part.shape, generator=gen, device=part.device)
+            u = counter_rng.uniforms(seed, done[0], part.numel(), part.device)
+            done[0] += part.numel()
             xi = torch.abs(part).mul_(scale).add_(u).floor_().clamp_(max=s)  # floor(r + u)
             return xi.copysign_(part).add_(s).to(torch.uint8)
 
@@ -54,9 +88,25 @@ class QSGD(Compressor):
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         s = self.levels
         step = packet.wire["norm"] / s
+        if kernels.enabled(packet.wire["codes"]):
+            dense = quantize.decode_target(out, packet.shape, packet.dtype)
+            quantize.qsgd_decode(packet.wire["codes"], s, self.bits, step.item(), dense)
+            return dense if dense is out else deliver(dense.to(packet.dtype), out)
 
         def fill(codes: torch.Tensor, out: torch.Tensor) -> None:
             out.copy_(codes).sub_(s).mul_(step)  # (code - s)·‖v‖/s
 
         dense = decode_chunks(packet.wire["codes"], self.bits, packet.numel, torch.float32, fill)
         return deliver(dense.to(packet.dtype).view(packet.shape), out)
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        """The mean of the decoded packets; fused (each packet decoded and added in one pass,
+        the same float32 sums in the same order) for float32 on the CPU."""
+        first = packets[0]
+        if first.dtype != torch.float32 or not kernels.enabled(first.wire["codes"]):
+            return super().aggregate(packets)
+        total = self.decompress(first)  # a new tensor on this path
+        for p in packets[1:]:
+            step = (p.wire["norm"] / self.levels).item()
+            quantize.qsgd_decode(p.wire["codes"], self.levels, self.bits, step, total, add=True)
+        return total.div_(len(packets))

@@ -1,18 +1,26 @@
 """``terngrad``: TernGrad (Wen et al.; docs/algorithms.md §codec: terngrad).
 
-``C(v) = s·sign(v)∘b`` with ``s = max|v|`` per tensor and ``b_j ~ Bernoulli(|v_j|/s)``
-drawn from a generator seeded with ``seed``; unbiased, ``E[C(v)] = v``. Wire: ternary codes
-in the ``2bit`` layout (``11`` = +s, ``10`` = −s, ``00`` = 0; ``ceil(d/4)`` bytes) and ``s``
-in float32 (4 bytes). Does not sum in compressed form (each worker has its own ``s``).
+``C(v) = s·sign(v)∘b`` with ``s = max|v|`` per tensor and ``b_j = [u_j·s < |v_j|]``, a
+Bernoulli(|v_j|/s) draw from the counter-based uniforms ``u_j = hash(seed, j)``
+(:mod:`gradzip.kernels.counter_rng`; they replaced ``torch.rand(generator=...)``); unbiased,
+``E[C(v)] = v``. Wire: ternary codes in the ``2bit`` layout (``11`` = +s, ``10`` = −s,
+``00`` = 0; ``ceil(d/4)`` bytes) and ``s`` in float32 (4 bytes). Does not sum in compressed
+form (each worker has its own ``s``). On the CPU the codes, their packing and the residual
+are one numba pass (:mod:`gradzip.kernels.quantize`), bit-identical to
+``_encode_reference`` (CUDA, ``GRADZIP_KERNELS=torch``); ``s`` is torch's ``aminmax`` on both.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from ._util import as_float32, decode_lut, encode_chunks, generator
+from .. import kernels
+from ..kernels import counter_rng, quantize
+from ._util import as_float32, decode_lut, encode_chunks
 from .base import Compressor, Packet, deliver
+from .bitpack import packed_nbytes
 from .registry import register
 
 _SIGNS = (0.0, 0.0, -1.0, 1.0)
@@ -25,13 +33,34 @@ class TernGrad(Compressor):
     unbiased = True
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        return self._encode(tensor, seed, reuse, None)
+
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        if tensor.dtype != torch.float32 or not kernels.enabled(tensor, out) or not out.is_contiguous():
+            return super().compress_residual(tensor, seed, out, reuse)
+        return self._encode(tensor, seed, reuse, out)
+
+    def _encode(self, tensor: torch.Tensor, seed: int, reuse: Packet | None,
+                residual: torch.Tensor | None) -> Packet:
         v = as_float32(tensor.detach())
         low, high = torch.aminmax(v) if v.numel() else (v.new_zeros(()), v.new_zeros(()))
         s = torch.maximum(-low, high)  # max |v|
-        gen = generator(seed, v.device)
+        if not kernels.enabled(v):
+            return self._encode_reference(tensor, v, s, seed)
+        wire = reuse.wire if reuse is not None else {}
+        codes = quantize.reused(wire.get("codes"), packed_nbytes(v.numel(), 2))
+        scale = quantize.reused(wire.get("scale"), 1, torch.float32).copy_(s.reshape(1))
+        quantize.terngrad_encode(v.contiguous(), s.item(), seed, codes, residual)
+        return Packet({"codes": codes, "scale": scale}, tensor.shape, tensor.dtype)
+
+    def _encode_reference(self, tensor, v, s, seed) -> Packet:
+        """The torch reference (CUDA, and ``GRADZIP_KERNELS=torch``)."""
+        done = [0]  # entries coded so far: the counter of the next piece's first entry
 
         def codes_of(part: torch.Tensor) -> torch.Tensor:
-            u = torch.rand(part.shape, generator=gen, device=part.device)
+            u = counter_rng.uniforms(seed, done[0], part.numel(), part.device)
+            done[0] += part.numel()
             keep = u.mul_(s) < torch.abs(part)  # P = |v|/s; never when s = 0 (so v != 0)
             codes = keep.view(torch.uint8) << 1  # 10 = -s
             codes |= (keep & (part > 0)).view(torch.uint8)  # 11 = +s
@@ -41,5 +70,20 @@ class TernGrad(Compressor):
         return Packet({"codes": packed, "scale": s.reshape(1)}, tensor.shape, tensor.dtype)
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        if kernels.enabled(packet.wire["codes"]):
+            dense = quantize.decode_target(out, packet.shape, packet.dtype)
+            quantize.terngrad_decode(packet.wire["codes"], packet.wire["scale"].item(), dense)
+            return dense if dense is out else deliver(dense.to(packet.dtype), out)
         dense = decode_lut(packet.wire["codes"], 2, _SIGNS, packet.numel, torch.float32)
         return deliver(dense.mul_(packet.wire["scale"]).to(packet.dtype).view(packet.shape), out)
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        """The mean of the decoded packets; fused (each packet decoded and added in one pass,
+        the same float32 sums in the same order) for float32 on the CPU."""
+        first = packets[0]
+        if first.dtype != torch.float32 or not kernels.enabled(first.wire["codes"]):
+            return super().aggregate(packets)
+        total = self.decompress(first)  # a new tensor on this path
+        for p in packets[1:]:
+            quantize.terngrad_decode(p.wire["codes"], p.wire["scale"].item(), total, add=True)
+        return total.div_(len(packets))

@@ -1,0 +1,94 @@
+"""Counter-based uniforms for the stochastic codecs (``qsgd``, ``terngrad``):
+``u_j = hash(seed, j)``, the same numbers on every device, in any order, piece by piece.
+
+Why not ``torch.rand(generator=...)``: on one CPU thread it alone runs at ~0.6 GB/s, slower
+than the whole rest of a codec, and its numbers depend on how the tensor is cut into pieces'
+calls. A counter-based draw depends only on the seed and the entry's index ``j``, so the
+fused kernel computes it inline (one pass over memory) and the torch reference, chunked or
+whole, on CPU or CUDA, gets the very same bits.
+
+The rule (docs/algorithms.md §codec: qsgd; all arithmetic modulo 2^32):
+
+* keys: ``a = seed mod 2^64``, ``lo, hi`` its 32-bit halves,
+  ``k0 = H(H(lo ^ 0x6a09e667) ^ hi)``, and per block ``b = ⌊j / 2^32⌋`` of 2^32 entries
+  ``k1 = H(k0 ^ 0xbb67ae85 ^ H(b))``;
+* ``x = (j mod 2^32) ^ k0; x ^= x >> 16; x *= 0x21f0aaad; x ^= k1;
+  x ^= x >> 15; x *= 0x735a2d97; x ^= x >> 15`` (hash-prospector's two-round 32-bit hash,
+  the second key mixed in between the rounds);
+* ``u_j = (x >> 8) · 2^-24``: uniform on the 2^24 multiples of 2^-24 in [0, 1), exact in float32.
+
+``H`` is the same hash without keys. Both multipliers are below 2^31, so the torch reference
+computes it in int64 without overflow. For a fixed seed, ``j -> x`` is a bijection of each
+block: every 24-bit value occurs equally often over a full block.
+"""
+from __future__ import annotations
+
+import torch
+
+MASK = 0xFFFFFFFF
+M1 = 0x21F0AAAD
+M2 = 0x735A2D97
+#: Entries per counter block (``k1`` changes from one block to the next; tests make it
+#: small to reach a second block; a multiple of 8, at most 2^32).
+BLOCK = 1 << 32
+#: Entries per piece of the torch reference (its int64 temporaries stay small).
+CHUNK = 1 << 18
+
+
+def mix32(x: int) -> int:
+    """``H``: the unkeyed 32-bit hash, on a Python int."""
+    x &= MASK
+    x ^= x >> 16
+    x = (x * M1) & MASK
+    x ^= x >> 15
+    x = (x * M2) & MASK
+    return x ^ (x >> 15)
+
+
+def keys(seed: int, block: int = 0) -> tuple[int, int]:
+    """``(k0, k1)`` of ``seed`` (any Python int) for entries ``block·2^32 ... (block+1)·2^32 − 1``."""
+    a = int(seed) % (1 << 64)
+    k0 = mix32(mix32((a & MASK) ^ 0x6A09E667) ^ (a >> 32))
+    return k0, mix32(k0 ^ 0xBB67AE85 ^ mix32(block))
+
+
+def hash_at(seed: int, j: int) -> int:
+    """The 32-bit hash of entry ``j``: the plain-Python statement of the rule (tests check
+    the kernels and the torch reference against it)."""
+    k0, k1 = keys(seed, j // BLOCK)
+    x = (j % BLOCK) ^ k0
+    x ^= x >> 16
+    x = (x * M1) & MASK
+    x ^= k1
+    x ^= x >> 15
+    x = (x * M2) & MASK
+    return x ^ (x >> 15)
+
+
+def uniform_at(seed: int, j: int) -> float:
+    """``u_j`` as a Python float (exactly the float32 value the codecs use)."""
+    return (hash_at(seed, j) >> 8) * 2.0 ** -24
+
+
+def uniforms(seed: int, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``u_start ... u_(start+count-1)`` in float32: the pure-torch reference, in int64
+    (the multipliers keep every product below 2^63), on ``device``."""
+    out = torch.empty(count, dtype=torch.float32, device=device)
+    pos = 0
+    while pos < count:
+        j0 = start + pos
+        block, local = divmod(j0, BLOCK)
+        size = min(CHUNK, count - pos, BLOCK - local)  # one key pair per piece
+        k0, k1 = keys(seed, block)
+        x = torch.arange(local, local + size, dtype=torch.int64, device=device)
+        x ^= k0
+        x ^= x >> 16
+        x.mul_(M1).bitwise_and_(MASK)
+        x ^= k1
+        x ^= x >> 15
+        x.mul_(M2).bitwise_and_(MASK)
+        x ^= x >> 15
+        x >>= 8
+        torch.mul(x, 2.0 ** -24, out=out[pos : pos + size])  # < 2^24: exact in float32
+        pos += size
+    return out

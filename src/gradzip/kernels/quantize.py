@@ -1,0 +1,496 @@
+"""Fused kernels of the quantising codecs ``1bit``, ``qsgd`` and ``terngrad``: each encode
+is one pass (codes, bit packing and, when asked, the error-feedback residual
+``v − C(v)``), each decode one pass into the caller's buffer.
+
+Every kernel is bit-identical to its codec's torch reference for finite tensors: the same
+float32 operations in the same order (no fastmath, so no fused multiply-add), the uniforms of
+:mod:`.counter_rng` computed inline (uint64 arithmetic masked to 32 bits), the codes
+packed MSB-first in the layout of :mod:`gradzip.compressors.bitpack`. Scalars that come
+from order-dependent reductions (the norm, the column sums) are computed by torch and
+passed in. (A NaN or Inf, which the optimizers stop before compressing unless
+``nonfinite="off"``: the reference casts NaN to uint8, which is unspecified; the kernels
+write in-range codes.)
+
+The kernels work on flat numpy views (:func:`gradzip.kernels.array`) of contiguous float32
+tensors. Entry ``j`` of a kernel's slice has counter ``j`` (callers slice at counter-block
+boundaries, see ``counter_rng.BLOCK``). Work is done in pieces of :data:`PIECE` entries:
+codes first into a small scratch (a loop LLVM vectorises), then packed.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+import torch
+
+from . import array
+from . import njit as _njit
+from . import counter_rng
+
+#: Entries per piece (a multiple of 8: pieces pack to whole bytes).
+PIECE = 4096
+_helpers_ready: list[bool] = []
+_helpers_lock = threading.Lock()
+
+
+def _compile_helpers() -> None:
+    """Turn the packing helpers the kernels call into numba functions (numba resolves a
+    kernel's globals when it compiles it); once, lazily, like the kernels themselves, and
+    safely when worker threads make their first calls together."""
+    if _helpers_ready:
+        return
+    with _helpers_lock:
+        import numba
+        g = globals()
+        for name in ("_merge", "_split", "_bswap", "_pack", "_pack_words", "_unpack", "_unpack_words", "_onebit_run"):
+            if not hasattr(g[name], "py_func"):  # not compiled by a thread before us
+                g[name] = numba.njit(cache=True, nogil=True, inline="always")(g[name])
+        _helpers_ready.append(True)
+
+
+def njit(fn):
+    """:func:`gradzip.kernels.njit`, with the packing helpers compiled first."""
+    compiled = _njit(fn)
+
+    @functools.wraps(fn)
+    def run(*args):
+        _compile_helpers()
+        return compiled(*args)
+
+    run.py_func = fn
+    return run
+
+
+@njit
+def _qsgd_encode(v, scale, levels, bits, k0, k1, packed, residual, step):
+    """QSGD codes ``s ± ξ`` (the sign of ``v``), ``ξ = min(⌊|v|·scale + u⌋, s)``, packed with
+    ``bits`` bits into ``packed``; if ``residual`` has ``v``'s size, ``v − (code − s)·step``
+    into it. ``|v|·scale + u`` is never negative, so ``⌊·⌋`` is a truncation to int32 (taken
+    after the ``min``, which keeps it in range)."""
+    n = v.size
+    want = residual.size == n
+    codes = np.empty(PIECE, np.uint8)
+    us = np.empty(PIECE, np.float32)  # (one fused loop ran ~15% slower: 64-bit hash lanes)
+    sf = np.float32(levels)
+    s32 = np.int32(levels)
+    mask = np.uint64(0xFFFFFFFF)
+    for base in range(0, n, PIECE):
+        m = min(PIECE, n - base)
+        vb = v[base:base + m]
+        for i in range(m):  # the counter-based uniforms (counter_rng), a loop of their own
+            x = (np.uint64(base + i) & mask) ^ k0
+            x ^= x >> np.uint64(16)
+            x = (x * np.uint64(0x21F0AAAD)) & mask
+            x ^= k1
+            x ^= x >> np.uint64(15)
+            x = (x * np.uint64(0x735A2D97)) & mask
+            x ^= x >> np.uint64(15)
+            us[i] = np.float32(np.int32(x >> np.uint64(8))) * np.float32(5.9604644775390625e-08)
+        for i in range(m):
+            u = us[i]
+            a = vb[i]
+            y = np.float32(abs(a) * scale) + u
+            xi = np.int32(y if y < sf else sf)
+            codes[i] = np.uint8(s32 + xi if a >= 0 else s32 - xi)
+        _pack_words(codes, m, bits, packed, base // 8 * bits)
+        if want:
+            rb = residual[base:base + m]
+            for i in range(m):
+                rb[i] = vb[i] - (np.float32(codes[i]) - sf) * step
+
+
+@njit
+def _qsgd_decode(packed, count, levels, bits, step, out, add):
+    """``out[j] = (code_j − s)·step``; with ``add``, ``out[j] += that``."""
+    codes = np.empty(PIECE, np.uint8)
+    sf = np.float32(levels)
+    for base in range(0, count, PIECE):
+        m = min(PIECE, count - base)
+        _unpack_words(packed, base // 8 * bits, bits, m, codes)
+        ob = out[base:base + m]
+        if add:
+            for i in range(m):
+                ob[i] = ob[i] + (np.float32(codes[i]) - sf) * step
+        else:
+            for i in range(m):
+                ob[i] = (np.float32(codes[i]) - sf) * step
+
+
+@njit
+def _terngrad_encode(v, s, k0, k1, packed, residual):
+    """TernGrad codes ``11`` (+s), ``10`` (−s) where ``u·s < |v|``, else ``00``, four a byte;
+    if ``residual`` has ``v``'s size, ``v − sign·s`` into it (sign of the code)."""
+    n = v.size
+    want = residual.size == n
+    codes = np.empty(PIECE, np.uint8)
+    us = np.empty(PIECE, np.float32)
+    mask = np.uint64(0xFFFFFFFF)
+    for base in range(0, n, PIECE):
+        m = min(PIECE, n - base)
+        vb = v[base:base + m]
+        for i in range(m):  # the counter-based uniforms (counter_rng), a loop of their own
+            x = (np.uint64(base + i) & mask) ^ k0
+            x ^= x >> np.uint64(16)
+            x = (x * np.uint64(0x21F0AAAD)) & mask
+            x ^= k1
+            x ^= x >> np.uint64(15)
+            x = (x * np.uint64(0x735A2D97)) & mask
+            x ^= x >> np.uint64(15)
+            us[i] = np.float32(np.int32(x >> np.uint64(8))) * np.float32(5.9604644775390625e-08)
+        for i in range(m):
+            u = us[i]
+            a = vb[i]
+            keep = np.uint8(np.float32(u * s) < abs(a))
+            codes[i] = (keep << np.uint8(1)) | (keep & np.uint8(a > 0))
+        _pack(codes, m, 2, packed, base // 4)
+        if want:
+            rb = residual[base:base + m]
+            for i in range(m):
+                c = codes[i]
+                sign = np.float32(1.0) if c == 3 else (np.float32(-1.0) if c == 2 else np.float32(0.0))
+                rb[i] = vb[i] - sign * s
+
+
+@njit
+def _terngrad_decode(packed, count, s, out, add):
+    """``out[j] = sign(code_j)·s`` with the table (0, 0, −1, 1); with ``add``, ``out[j] += that``."""
+    codes = np.empty(PIECE, np.uint8)
+    for base in range(0, count, PIECE):
+        m = min(PIECE, count - base)
+        _unpack(packed, base // 4, 2, m, codes)
+        ob = out[base:base + m]
+        if add:
+            for i in range(m):
+                c = codes[i]
+                sign = np.float32(1.0) if c == 3 else (np.float32(-1.0) if c == 2 else np.float32(0.0))
+                ob[i] = ob[i] + sign * s
+        else:
+            for i in range(m):
+                c = codes[i]
+                sign = np.float32(1.0) if c == 3 else (np.float32(-1.0) if c == 2 else np.float32(0.0))
+                ob[i] = sign * s
+
+
+@njit
+def _onebit_encode(v, cols, packed, nonneg):
+    """1-bit codes ``v ≥ 0`` packed MSB-first into ``packed``; ``nonneg[c]`` += the column's
+    count of them (``v`` is the row-major ``rows × cols`` matrix, flat)."""
+    n = v.size
+    codes = np.empty(PIECE, np.uint8)
+    c = 0  # the column of the piece's first entry
+    for base in range(0, n, PIECE):
+        m = min(PIECE, n - base)
+        vb = v[base:base + m]
+        for i in range(m):
+            codes[i] = np.uint8(vb[i] >= 0)
+        _pack(codes, m, 1, packed, base // 8)
+        i = 0
+        if cols == 1:
+            total = 0
+            for t in range(m):
+                total += codes[t]
+            nonneg[0] += total
+            continue
+        while i < m:  # the counts, one run of a row's columns at a time (vectorised)
+            run = min(m - i, cols - c)
+            nt = nonneg[c:c + run]
+            ct = codes[i:i + run]
+            for t in range(run):
+                nt[t] += ct[t]
+            i += run
+            c = (c + run) % cols
+
+
+@njit
+def _onebit_decode(packed, cols, pos, neg, v, mode, out):
+    """``out[j] = pos[c]`` where bit ``j`` is set, ``neg[c]`` elsewhere (``c = j mod cols``);
+    ``mode`` 1: ``v[j] − that`` instead (the residual; ``v`` has ``out``'s size); ``mode`` 2:
+    ``out[j] + that`` (``v`` is ``out``). Both values are loaded before the choice, so it is
+    a vector blend, not a branch on random bits."""
+    n = out.size
+    codes = np.empty(PIECE, np.uint8)
+    c = 0  # the column of the piece's first entry
+    for base in range(0, n, PIECE):
+        m = min(PIECE, n - base)
+        _unpack(packed, base // 8, 1, m, codes)
+        i = 0
+        while i < m:  # one run of a row's columns at a time (the whole piece for one column)
+            run = m - i if cols == 1 else min(m - i, cols - c)
+            _onebit_run(codes[i:i + run], pos[c:c + run] if cols > 1 else pos, neg[c:c + run] if cols > 1 else neg,
+                        v[base + i:base + i + run], mode, out[base + i:base + i + run], cols == 1)
+            i += run
+            c = (c + run) % cols
+
+
+def _onebit_run(ct, pt, nt, vt, mode, ot, one):
+    """:func:`_onebit_decode` on one run (``one``: a single column, ``pt``/``nt`` its means)."""
+    if one:
+        p0 = pt[0]
+        q0 = nt[0]
+        if mode == 1:
+            for t in range(ct.size):
+                ot[t] = vt[t] - (p0 if ct[t] else q0)
+        elif mode == 2:
+            for t in range(ct.size):
+                ot[t] = vt[t] + (p0 if ct[t] else q0)
+        else:
+            for t in range(ct.size):
+                ot[t] = p0 if ct[t] else q0
+        return
+    if mode == 1:
+        for t in range(ct.size):
+            p = pt[t]
+            q = nt[t]
+            ot[t] = vt[t] - (p if ct[t] else q)
+    elif mode == 2:
+        for t in range(ct.size):
+            p = pt[t]
+            q = nt[t]
+            ot[t] = vt[t] + (p if ct[t] else q)
+    else:
+        for t in range(ct.size):
+            p = pt[t]
+            q = nt[t]
+            ot[t] = p if ct[t] else q
+
+
+_M8 = np.uint64(0x00FF00FF00FF00FF)  # low byte of every 16-bit lane
+_M16 = np.uint64(0x0000FFFF0000FFFF)  # low half of every 32-bit lane
+_M32 = np.uint64(0xFFFFFFFF)
+
+
+def _pack(codes, m, bits, packed, at):
+    """Pack ``codes[:m]`` (``bits``-bit codes, ``codes`` a PIECE scratch) MSB-first into
+    ``packed[at:]``: eight codes read as one little-endian word and merged pairwise in
+    three shift/or rounds into one ``8·bits``-bit group, written as ``bits`` bytes
+    (:mod:`gradzip.compressors.bitpack`'s algorithm, one word at a time). Inlined into the
+    kernels; with a literal ``bits`` (1bit, terngrad) the byte loop folds to ``bits`` stores,
+    qsgd's runtime width costs a predictable branch per byte (one compiled copy, not eight:
+    compiling eight took ~30 s)."""
+    words = codes.view(np.uint64)
+    full = m // 8
+    top = np.uint64(64 - 8 * bits)
+    for g in range(full):
+        lo = _merge(words[g], bits) << top  # the group's first byte in the word's top byte
+        o = at + g * bits
+        for t in range(8):
+            if t < bits:
+                packed[o + t] = np.uint8(lo >> np.uint64(56 - 8 * t))
+    rest = m - 8 * full
+    if rest:  # the last, partial group: codes past m are 0
+        lo = _merge(words[full] & ((np.uint64(1) << np.uint64(8 * rest)) - np.uint64(1)), bits)
+        o = at + full * bits
+        for t in range((rest * bits + 7) // 8):
+            packed[o + t] = np.uint8((lo >> np.uint64(8 * (bits - 1 - t))) & np.uint64(0xFF))
+
+
+def _pack_words(codes, m, bits, packed, at):
+    """:func:`_pack` for a width known only at run time (qsgd's): the groups are shifted into
+    a 64-bit accumulator and written as whole big-endian words (one store per 8 bytes
+    instead of a branch and a store per byte; ``at`` is a multiple of 8 bytes, each piece
+    starting at a multiple of 64 codes). The same bytes as :func:`_pack`."""
+    words = codes.view(np.uint64)
+    full = m // 8
+    nw = full * bits // 8
+    ow = packed[at:at + nw * 8].view(np.uint64)
+    nb = np.uint64(8 * bits)
+    acc = np.uint64(0)
+    nacc = np.uint64(0)  # bits waiting in acc: a multiple of 8, below 64
+    w = 0
+    for g in range(full):
+        group = _merge(words[g], bits)
+        if nacc + nb < np.uint64(64):
+            acc = (acc << nb) | group
+            nacc += nb
+        else:
+            rem = nacc + nb - np.uint64(64)  # bits of this group left for the next word
+            word = group >> rem
+            if nacc:  # (a shift by 64 is undefined)
+                word |= acc << (np.uint64(64) - nacc)
+            ow[w] = _bswap(word)
+            w += 1
+            acc = group & ((np.uint64(1) << rem) - np.uint64(1))
+            nacc = rem
+    o = at + nw * 8
+    for t in range(int(nacc) // 8):
+        packed[o + t] = np.uint8(acc >> (nacc - np.uint64(8 * (t + 1))))
+    rest = m - 8 * full
+    if rest:  # the last, partial group: codes past m are 0
+        lo = _merge(words[full] & ((np.uint64(1) << np.uint64(8 * rest)) - np.uint64(1)), bits)
+        o = at + full * bits
+        for t in range((rest * bits + 7) // 8):
+            packed[o + t] = np.uint8((lo >> np.uint64(8 * (bits - 1 - t))) & np.uint64(0xFF))
+
+
+def _unpack_words(packed, at, bits, m, codes):
+    """:func:`_unpack` for a width known only at run time (qsgd's): whole big-endian words
+    read into a 64-bit accumulator, the groups shifted out of it; the groups past the last
+    whole word of the piece are read byte by byte (:func:`_unpack`'s loop)."""
+    words = codes.view(np.uint64)
+    groups = (m + 7) // 8
+    nw = min(groups * bits // 8, (packed.size - at) // 8)  # whole words of this piece
+    iw = packed[at:at + nw * 8].view(np.uint64)
+    gw = min(groups, nw * 8 // bits)  # groups inside those words
+    nb = np.uint64(8 * bits)
+    low = (np.uint64(1) << nb) - np.uint64(1) if bits < 8 else ~np.uint64(0)
+    acc = np.uint64(0)
+    nacc = np.uint64(0)  # unread bits at the bottom of acc
+    r = 0
+    for g in range(gw):
+        if nacc >= nb:
+            group = (acc >> (nacc - nb)) & low
+            nacc -= nb
+        else:
+            need = nb - nacc
+            word = _bswap(iw[r])
+            r += 1
+            if nacc:  # (a shift by 64 is undefined)
+                group = ((acc & ((np.uint64(1) << nacc) - np.uint64(1))) << need) | (word >> (np.uint64(64) - need))
+            else:
+                group = word >> (np.uint64(64) - need)
+            acc = word
+            nacc = np.uint64(64) - need
+        words[g] = _split(group, bits)
+    for g in range(gw, groups):
+        o = at + g * bits
+        y = np.uint64(0)
+        for t in range(bits):
+            y = (y << np.uint64(8)) | (np.uint64(packed[o + t]) if o + t < packed.size else np.uint64(0))
+        words[g] = _split(y, bits)
+
+
+def _bswap(x):
+    """The bytes of ``x`` reversed (LLVM makes it one instruction)."""
+    x = ((x & _M8) << np.uint64(8)) | ((x >> np.uint64(8)) & _M8)
+    x = ((x & _M16) << np.uint64(16)) | ((x >> np.uint64(16)) & _M16)
+    return (x << np.uint64(32)) | (x >> np.uint64(32))
+
+
+def _merge(x, bits):
+    """Eight codes (the bytes of little-endian ``x``) as one group, the first code on top."""
+    b = np.uint64(bits)
+    lo = x & _M8
+    x = (x >> np.uint64(8)) & _M8
+    lo = (lo << b) | x
+    x = (lo >> np.uint64(16)) & _M16
+    lo = ((lo & _M16) << (b * np.uint64(2))) | x
+    x = lo >> np.uint64(32)
+    return ((lo & _M32) << (b * np.uint64(4))) | x
+
+
+def _split(y, bits):
+    """:func:`_merge` backwards: the group ``y`` as a word of eight code bytes."""
+    b = np.uint64(bits)
+    low1 = np.uint64((1 << bits) - 1) * np.uint64(0x0001000100010001)
+    low2 = np.uint64((1 << 2 * bits) - 1) * np.uint64(0x0000000100000001)
+    low4 = np.uint64((1 << 4 * bits) - 1)
+    x = (y & low4) << np.uint64(32)  # codes 4..7 to the high half
+    x |= y >> (b * np.uint64(4))  # codes 0..3
+    y = (x & low2) << np.uint64(16)
+    x = (x >> (b * np.uint64(2))) & low2
+    x |= y
+    y = (x & low1) << np.uint64(8)
+    x = (x >> b) & low1
+    return x | y
+
+
+def _unpack(packed, at, bits, m, codes):
+    """``codes[:m]`` = the ``bits``-bit codes packed MSB-first from ``packed[at:]``
+    (:func:`_pack` backwards; bytes past the end of ``packed`` read as 0)."""
+    words = codes.view(np.uint64)
+    groups = (m + 7) // 8
+    whole = min(groups, (packed.size - at) // bits)  # groups whose bytes all exist
+    for g in range(whole):
+        o = at + g * bits
+        y = np.uint64(0)
+        for t in range(8):
+            if t < bits:
+                y = (y << np.uint64(8)) | np.uint64(packed[o + t])
+        words[g] = _split(y, bits)
+    for g in range(whole, groups):
+        o = at + g * bits
+        y = np.uint64(0)
+        for t in range(bits):
+            y = (y << np.uint64(8)) | (np.uint64(packed[o + t]) if o + t < packed.size else np.uint64(0))
+        words[g] = _split(y, bits)
+
+
+# -- the calls the codecs make (torch tensors in, Python numbers) ----------------------------
+def reused(old: torch.Tensor | None, numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """``old`` (a wire tensor of a packet given as ``reuse=``) when it is a contiguous CPU
+    tensor of ``numel`` entries of ``dtype``, else a new one."""
+    if old is not None and old.numel() == numel and old.dtype == dtype and old.is_contiguous() \
+            and old.device.type == "cpu":
+        return old
+    return torch.empty(numel, dtype=dtype)
+
+
+def decode_target(out: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Where a fused decode writes: ``out`` itself when it is a contiguous float32 tensor of
+    ``shape`` (and the packet's ``dtype`` is float32), else a float32 scratch to convert."""
+    if out is not None and out.dtype == torch.float32 == dtype and out.is_contiguous() \
+            and out.shape == shape:
+        return out
+    return torch.empty(shape, dtype=torch.float32)
+
+
+def _blocks(seed: int, numel: int):
+    """``(start, stop, k0, k1)`` for each counter block of ``numel`` entries (one unless
+    ``numel > 2^32``; one empty block for ``numel = 0``), keys as numpy uint64."""
+    block = counter_rng.BLOCK
+    for start in range(0, max(numel, 1), block):
+        k0, k1 = counter_rng.keys(seed, start // block)
+        yield start, min(numel, start + block), np.uint64(k0), np.uint64(k1)
+
+
+def _residual_arrays(residual: torch.Tensor | None):
+    """The residual's flat numpy view, or an empty array (the kernels' "not asked")."""
+    if residual is None:
+        return np.empty(0, np.float32)
+    return array(residual.view(-1))
+
+
+def qsgd_encode(v: torch.Tensor, scale: float, levels: int, bits: int, seed: int,
+                packed: torch.Tensor, residual: torch.Tensor | None, step: float) -> None:
+    """QSGD's codes of the flat contiguous float32 ``v`` into ``packed``; ``residual``: see
+    :func:`_qsgd_encode`."""
+    values, out, res = array(v), array(packed), _residual_arrays(residual)
+    for start, stop, k0, k1 in _blocks(seed, v.numel()):
+        _qsgd_encode(values[start:stop], np.float32(scale), levels, bits, k0, k1,
+                     out[start // 8 * bits:], res[start:stop] if res.size else res, np.float32(step))
+
+
+def qsgd_decode(packed: torch.Tensor, levels: int, bits: int, step: float, out: torch.Tensor,
+                add: bool = False) -> None:
+    """``out`` (contiguous float32) = the values of QSGD codes ``packed`` (``add``: ``+=``)."""
+    _qsgd_decode(array(packed), out.numel(), levels, bits, np.float32(step), array(out.view(-1)), add)
+
+
+def terngrad_encode(v: torch.Tensor, s: float, seed: int, packed: torch.Tensor,
+                    residual: torch.Tensor | None) -> None:
+    """TernGrad's codes of the flat contiguous float32 ``v`` into ``packed``."""
+    values, out, res = array(v), array(packed), _residual_arrays(residual)
+    for start, stop, k0, k1 in _blocks(seed, v.numel()):
+        _terngrad_encode(values[start:stop], np.float32(s), k0, k1, out[start // 4:],
+                         res[start:stop] if res.size else res)
+
+
+def terngrad_decode(packed: torch.Tensor, s: float, out: torch.Tensor, add: bool = False) -> None:
+    """``out`` (contiguous float32) = the values of TernGrad codes ``packed`` (``add``: ``+=``)."""
+    _terngrad_decode(array(packed), out.numel(), np.float32(s), array(out.view(-1)), add)
+
+
+def onebit_encode(v: torch.Tensor, cols: int, packed: torch.Tensor, nonneg: torch.Tensor) -> None:
+    """1-bit codes of the flat contiguous float32 ``v`` into ``packed``; ``nonneg`` (int64,
+    ``cols``) += each column's count of non-negative entries."""
+    _onebit_encode(array(v), cols, array(packed), array(nonneg))
+
+
+def onebit_decode(packed: torch.Tensor, cols: int, pos: torch.Tensor, neg: torch.Tensor,
+                  out: torch.Tensor, v: torch.Tensor | None = None, add: bool = False) -> None:
+    """``out`` = the decoded 1-bit tensor (``pos``/``neg``: float32 per column); with ``v``,
+    ``v − decoded`` (the residual); with ``add``, ``out += decoded``."""
+    flat = array(out.view(-1))
+    mode = 1 if v is not None else (2 if add else 0)
+    _onebit_decode(array(packed), cols, array(pos), array(neg), flat if v is None else array(v), mode, flat)

@@ -1,0 +1,327 @@
+"""Fused kernels of ``1bit``, ``qsgd``, ``terngrad`` (gradzip.kernels.quantize) and the
+counter-based uniforms they draw (gradzip.kernels.counter_rng): every fused path gives the
+torch reference's bits (wire, decoded values, residual, aggregate), on odd, empty and
+one-element tensors, non-contiguous and 16-bit inputs; the uniforms follow their plain-Python
+rule and look uniform."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from gradzip import kernels
+from gradzip.compressors import _util, build
+from gradzip.compressors.bitpack import pack_bits, unpack_bits
+from gradzip.kernels import counter_rng, quantize
+
+SPECS = ["1bit", "qsgd", "qsgd:levels=1", "qsgd:levels=3", "qsgd:levels=64", "qsgd:levels=127", "terngrad"]
+SHAPES = [(), (0,), (1,), (7,), (13,), (0, 3), (3, 0), (5, 3), (37, 41), (4099,), (3, 1, 5), (9, 4, 5)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def sample(shape, seed, dtype=torch.float32, transpose=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    if x.numel():
+        x.view(-1)[:: 5] = 0.0  # zeros (sign +, no mass) and a -0.0
+        x.view(-1)[-1] = -0.0
+    if transpose and x.dim() >= 2:
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)  # same shape, not contiguous
+    return x.to(dtype)
+
+
+def run(codec, x, seed, mode):
+    """Everything a codec computes for ``x``, under one kernel mode."""
+    with kernels.use(mode):
+        p = codec.compress(x, seed)
+        plain = codec.decompress(p)
+        buf = torch.full(x.shape, float("nan"), dtype=x.dtype)
+        into = codec.decompress(p, out=buf)
+        res = torch.full(x.shape, float("nan"), dtype=x.dtype)
+        rp = codec.compress_residual(x, seed, res)
+        other = codec.compress(x * 0.5, seed + 1)
+        agg = codec.aggregate([p, other, p])  # fused for float32: decode-and-add passes
+    assert into is buf
+    return p, plain, buf, rp, res, agg
+
+
+def assert_same(a, b):
+    p, plain, buf, rp, res, agg = a
+    q, plain2, buf2, rq, res2, agg2 = b
+    for packet, other in ((p, q), (rp, rq)):
+        assert packet.wire.keys() == other.wire.keys()
+        for k in packet.wire:
+            assert packet.wire[k].dtype == other.wire[k].dtype, k
+            assert torch.equal(packet.wire[k], other.wire[k]), k
+    for t, u in ((plain, plain2), (buf, buf2), (res, res2), (agg, agg2)):
+        assert t.dtype == u.dtype and t.shape == u.shape
+        assert torch.equal(t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32),
+                           u.view(torch.int16) if u.element_size() == 2 else u.view(torch.int32)) \
+            if t.numel() else True  # bit for bit (-0.0 included)
+
+
+# -- bit identity, fused vs reference ---------------------------------------------------------------
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_equals_reference_on_every_shape(spec, dtype):
+    codec = build(spec)
+    for i, shape in enumerate(SHAPES):
+        for transpose in (False, True):
+            x = sample(shape, seed=i, dtype=dtype, transpose=transpose)
+            assert_same(run(codec, x, 7 + i, "torch"), run(codec, x, 7 + i, "numba"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(spec=st.sampled_from(SPECS), rows=st.integers(0, 70), cols=st.integers(0, 9),
+       seed=st.integers(-2**63, 2**64), dtype=st.sampled_from(DTYPES), scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e30]))
+def test_fused_equals_reference_property(spec, rows, cols, seed, dtype, scale):
+    codec = build(spec)
+    x = (sample((rows, cols) if cols else (rows,), seed=rows * 10 + cols) * scale).to(dtype)
+    assume(bool(torch.isfinite(x).all()))  # 1e30 overflows float16: non-finite, below
+    assert_same(run(codec, x, seed, "torch"), run(codec, x, seed, "numba"))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("shape", [(1000,), (37, 41), (9, 4, 5, 5)])
+def test_fused_equals_piecewise_reference(spec, shape, monkeypatch):
+    """With one torch thread the CPU reference encodes piece by piece (1bit's column sums
+    too): the fused path reproduces those pieces' sums."""
+    monkeypatch.setattr(_util, "PIECEWISE", True)
+    monkeypatch.setattr(_util, "CHUNK", 64)
+    codec = build(spec)
+    x = sample(shape, seed=3)
+    assert_same(run(codec, x, 4, "torch"), run(codec, x, 4, "numba"))
+
+
+@pytest.mark.parametrize("spec", ["qsgd", "qsgd:levels=5", "terngrad"])
+def test_fused_equals_reference_across_counter_blocks(spec, monkeypatch):
+    """Tensors of more than 2^32 entries change keys every 2^32 entries; a small block makes
+    the fused path (one kernel call per block) and the reference cross several."""
+    monkeypatch.setattr(counter_rng, "BLOCK", 64)
+    codec = build(spec)
+    x = sample((1001,), seed=5)
+    assert_same(run(codec, x, 9, "torch"), run(codec, x, 9, "numba"))
+    with kernels.use("numba"):
+        blocked = codec.compress(x, 9)
+    monkeypatch.setattr(counter_rng, "BLOCK", 1 << 32)
+    with kernels.use("numba"):
+        assert not torch.equal(blocked.wire["codes"], codec.compress(x, 9).wire["codes"])
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_non_finite_input_gives_codes_in_range(spec):
+    """Bit identity is promised for finite tensors (a NaN's uint8 cast in the reference is
+    unspecified; the optimizers stop NaN/Inf before compressing unless ``nonfinite="off"``).
+    The fused path still writes only codes of its width, and decodes without a crash."""
+    codec = build(spec)
+    x = sample((9, 5), seed=1)
+    x[1, 2], x[4, 4], x[7, 0] = float("nan"), float("inf"), -float("inf")
+    with kernels.use("numba"):
+        p = codec.compress(x, 3)
+        out = codec.decompress(p)
+    assert out.shape == x.shape
+    if spec != "1bit":
+        width = codec.bits if spec.startswith("qsgd") else 2
+        codes = unpack_bits(p.wire["codes"], width, x.numel())
+        assert torch.equal(pack_bits(codes, width), p.wire["codes"])
+        assert int(codes.max()) <= (2 * codec.levels if spec.startswith("qsgd") else 3)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_reuse_writes_into_the_earlier_packet(spec):
+    """``compress(reuse=p)`` on the fused path writes the wire into ``p``'s buffers (no new
+    tensors) and gives the bits a fresh compress gives."""
+    codec = build(spec)
+    x, y = sample((37, 41), seed=1), sample((37, 41), seed=2)
+    with kernels.use("numba"):
+        old = codec.compress(x, 3)
+        ptrs = {k: t.data_ptr() for k, t in old.wire.items()}
+        fresh = codec.compress(y, 4)
+        again = codec.compress(y, 4, reuse=old)
+        res = torch.empty_like(y)
+        old2 = codec.compress(x, 3)
+        ptrs2 = {k: t.data_ptr() for k, t in old2.wire.items()}
+        with_res = codec.compress_residual(y, 4, res, reuse=old2)
+    for k in fresh.wire:
+        assert again.wire[k].data_ptr() == ptrs[k], k
+        assert with_res.wire[k].data_ptr() == ptrs2[k], k
+        assert torch.equal(again.wire[k], fresh.wire[k]) and torch.equal(with_res.wire[k], fresh.wire[k])
+    with kernels.use("numba"):  # a packet of another size is not reused
+        small = codec.compress(sample((5,), seed=1), 3)
+        other = codec.compress(y, 4, reuse=small)
+    assert torch.equal(other.wire[next(iter(fresh.wire))], fresh.wire[next(iter(fresh.wire))])
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_decompress_into_out_of_another_layout_or_dtype(spec):
+    codec = build(spec)
+    x = sample((6, 5), seed=2)
+    with kernels.use("numba"):
+        p = codec.compress(x, 1)
+        plain = codec.decompress(p)
+        t = torch.full((5, 6), float("nan")).t()  # non-contiguous out
+        assert codec.decompress(p, out=t) is t and torch.equal(t, plain)
+        with pytest.raises(ValueError, match="shape"):
+            codec.decompress(p, out=torch.empty(30))
+        with pytest.raises(ValueError, match="float32"):
+            codec.decompress(p, out=torch.empty(6, 5, dtype=torch.float16))
+
+
+# -- the codecs' rules, element by element, in plain Python ---------------------------------------
+@pytest.mark.parametrize("levels", [1, 3, 16, 127])
+@pytest.mark.parametrize("mode", ["torch", "numba"])
+def test_qsgd_codes_follow_the_counter_uniforms(levels, mode):
+    """``ξ_j = min(⌊s·|v_j|/‖v‖ + u_j⌋, s)`` with ``u_j = counter_rng.uniform_at(seed, j)``,
+    in float32, entry by entry (the draws depend on the seed and the index only)."""
+    codec = build(f"qsgd:levels={levels}")
+    x = sample((300,), seed=levels)
+    seed = 12345 + levels
+    with kernels.use(mode):
+        p = codec.compress(x, seed)
+    codes = unpack_bits(p.wire["codes"], codec.bits, x.numel()).tolist()
+    norm = np.float32(torch.linalg.vector_norm(x).item())
+    scale = np.float32(np.float32(levels) / norm)
+    for j, a in enumerate(x.tolist()):
+        y = np.float32(np.float32(abs(np.float32(a)) * scale) + np.float32(counter_rng.uniform_at(seed, j)))
+        xi = min(math.floor(y), levels)
+        assert codes[j] == (levels + xi if a >= 0 else levels - xi), j
+
+
+@pytest.mark.parametrize("mode", ["torch", "numba"])
+def test_terngrad_codes_follow_the_counter_uniforms(mode):
+    codec = build("terngrad")
+    x = sample((300,), seed=4)
+    seed = 99
+    with kernels.use(mode):
+        p = codec.compress(x, seed)
+    codes = unpack_bits(p.wire["codes"], 2, x.numel()).tolist()
+    s = np.float32(x.abs().max().item())
+    for j, a in enumerate(x.tolist()):
+        keep = np.float32(np.float32(counter_rng.uniform_at(seed, j)) * s) < abs(np.float32(a))
+        assert codes[j] == ((3 if a > 0 else 2) if keep else 0), j
+
+
+# -- the uniforms --------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [0, 1, -1, 2**63 + 5, 2**64 - 1, 2**70 + 3])
+def test_uniforms_follow_the_plain_python_rule(seed):
+    starts = [0, 5, counter_rng.CHUNK - 3, 2**32 - 7]  # across a piece and a counter block
+    for start in starts:
+        got = counter_rng.uniforms(seed, start, 20).tolist()
+        assert got == [counter_rng.uniform_at(seed, j) for j in range(start, start + 20)], start
+
+
+def test_uniforms_in_pieces_equal_one_call(monkeypatch):
+    whole = counter_rng.uniforms(7, 3, 1000)
+    monkeypatch.setattr(counter_rng, "CHUNK", 64)
+    assert torch.equal(counter_rng.uniforms(7, 3, 1000), whole)
+    assert torch.equal(torch.cat([counter_rng.uniforms(7, 3, 500), counter_rng.uniforms(7, 503, 500)]), whole)
+
+
+def test_hash_is_a_bijection_and_matches_the_reference_hash():
+    """The keyed hash is a bijection of the 32-bit counter (checked on 2^16 counters: no
+    collision), and ``mix32`` is hash-prospector's ``x ^= x>>16; x *= 0x21f0aaad; ...``."""
+    assert counter_rng.mix32(0) == 0
+    x = 0x12345678
+    y = x ^ (x >> 16)
+    y = (y * 0x21F0AAAD) % 2**32
+    y ^= y >> 15
+    y = (y * 0x735A2D97) % 2**32
+    assert counter_rng.mix32(x) == y ^ (y >> 15)
+    values = {counter_rng.hash_at(3, j) for j in range(1 << 16)}
+    assert len(values) == 1 << 16
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 2**40])
+def test_uniforms_look_uniform(seed):
+    """Chi-square over 64 bins of 2^18 draws, mean and variance, lag-1 and cross-seed
+    correlation, all with fixed seeds (so deterministic): within 5 standard errors."""
+    n = 1 << 18
+    u = counter_rng.uniforms(seed, 0, n).double()
+    assert u.min() >= 0 and u.max() < 1
+    counts = torch.bincount((u * 64).long(), minlength=64).double()
+    chi2 = ((counts - n / 64) ** 2 / (n / 64)).sum().item()
+    assert chi2 < 63 + 5 * math.sqrt(2 * 63)  # E = 63, sd = sqrt(126)
+    se_mean = math.sqrt(1 / 12 / n)
+    assert abs(u.mean().item() - 0.5) < 5 * se_mean
+    assert abs(u.var().item() - 1 / 12) < 5 * math.sqrt(1 / 180 / n)
+    c = u - 0.5
+    for other in (c[1:] * c[:-1], c * (counter_rng.uniforms(seed + 1, 0, n).double() - 0.5)):
+        r = other.mean().item() / (1 / 12)
+        assert abs(r) < 5 / math.sqrt(other.numel())
+
+
+def test_fused_kernels_draw_the_reference_uniforms():
+    """terngrad with ``v_j = 1`` except one entry ``2``: ``s = 2`` and entry j is kept exactly
+    when ``2·u_j < 1``; the kept pattern is the uniforms' top bit, fused and reference."""
+    x = torch.ones(5000)
+    x[17] = 2.0
+    u = counter_rng.uniforms(31, 0, 5000)
+    for mode in ("torch", "numba"):
+        with kernels.use(mode):
+            out = build("terngrad").decompress(build("terngrad").compress(x, 31))
+        expect = torch.where(u * 2 < 1, 2.0, 0.0)
+        expect[17] = 2.0
+        assert torch.equal(out, expect), mode
+
+
+# -- the packing helpers --------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_kernel_packing_is_bitpack_layout(bits):
+    """qsgd's codes for every width ``b`` (levels 1..127 cover b = 2..8; 1 and 2 are 1bit
+    and terngrad): the fused wire unpacks with bitpack and packs back to itself, is the
+    reference's, and decodes to the reference's values (sizes around words and pieces)."""
+    levels = {1: None, 2: 1, 3: 2, 4: 4, 5: 8, 6: 16, 7: 32, 8: 64}[bits]
+    if levels is None:
+        codec = build("1bit")
+    else:
+        codec = build(f"qsgd:levels={levels}")
+        assert codec.bits == bits
+    for n in (1, 7, 8, 9, 63, 64, 65, quantize.PIECE - 1, quantize.PIECE, quantize.PIECE + 9, 2 * quantize.PIECE + 71):
+        x = sample((n,), seed=n)
+        with kernels.use("numba"):
+            packet = codec.compress(x, 2)
+            decoded = codec.decompress(packet)
+        wire = packet.wire["codes" if levels else "bits"]
+        assert wire.numel() == math.ceil(n * bits / 8)
+        assert torch.equal(pack_bits(unpack_bits(wire, bits, n), bits), wire)
+        with kernels.use("torch"):
+            assert torch.equal(codec.compress(x, 2).wire["codes" if levels else "bits"], wire)
+            assert torch.equal(codec.decompress(packet), decoded)
+
+
+def test_helpers_compile_once_even_when_threads_race(monkeypatch):
+    """Worker threads (``gradzip.simulate``) make their first kernel call at the same time:
+    a thread that finds the helpers already compiled by another must not compile them
+    again (numba refuses to jit a jitted function: a TypeError killed a threaded run)."""
+    with kernels.use("numba"):
+        build("terngrad").compress(torch.ones(3), 1)  # the helpers are compiled
+    monkeypatch.setattr(quantize, "_helpers_ready", [])  # ... as another thread sees them
+    quantize._compile_helpers()
+    with kernels.use("numba"):
+        assert torch.equal(build("terngrad").decompress(build("terngrad").compress(torch.ones(3), 1)), torch.ones(3))
+
+
+@pytest.mark.parametrize("spec,kernel", [("1bit", "onebit_decode"), ("qsgd", "qsgd_decode"), ("terngrad", "terngrad_decode")])
+def test_aggregate_decodes_and_adds_in_one_pass(spec, kernel, monkeypatch):
+    """float32 on the CPU: the aggregate decodes the first packet and adds every other one
+    in its decode pass (no decoded temporary per packet), with the reference's bits."""
+    codec = build(spec)
+    xs = [sample((37, 41), seed=s) for s in range(3)]
+    with kernels.use("torch"):
+        expected = codec.aggregate([codec.compress(x, 5 + i) for i, x in enumerate(xs)])
+    calls = []
+    real = getattr(quantize, kernel)
+    monkeypatch.setattr(quantize, kernel, lambda *a, **k: calls.append(k.get("add", False)) or real(*a, **k))
+    with kernels.use("numba"):
+        packets = [codec.compress(x, 5 + i) for i, x in enumerate(xs)]
+        got = codec.aggregate(packets)
+    assert calls == [False, True, True]
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_draws_the_cpu_uniforms():
+    """The counter-based uniforms do not depend on the device (torch.rand's did)."""
+    assert torch.equal(counter_rng.uniforms(77, 5, 100_000, "cuda").cpu(), counter_rng.uniforms(77, 5, 100_000))
