@@ -4,7 +4,8 @@
 threads, :func:`gradzip.launch.run_processes`, or ``torchrun``). It returns, on every
 rank, the evaluation history and a summary; rank 0's are the run's record.
 
-Time per step is split into *compute* (forward + backward), *compress* (codec work:
+Time per step is split into *compute* (forward + backward, less the exchange work that
+gradient hooks run during backward), *compress* (codec work:
 compress, decode, packing — measured inside PSync), *communicate* (time blocked waiting
 for collectives) and *update* (the rest of ``optimizer.step()``). Bytes are what this
 worker's exchanges put on the wire (``gradzip.comm.base`` explains the count).
@@ -41,6 +42,14 @@ def _phase_times(compute_s: float, step_s: float, t) -> list[float]:
     ``optimizer.step()`` that was neither codec work nor waiting on the network."""
     return [compute_s, t.compress_s, t.communicate_s, t.wait_s,
             max(0.0, step_s - t.wait_s - t.inline_compress_s)]
+
+
+def _exchange_blocked_s(opt) -> float:
+    """Seconds the training thread has spent in the method's exchanges (codec work and
+    waits): what a method overlapping backward (``overlaps_backward``) spends inside
+    ``loss.backward()`` is moved from compute to the step, so no phase counts it twice."""
+    t = opt.timings
+    return t.inline_compress_s + t.wait_s
 
 
 @dataclass
@@ -163,14 +172,16 @@ def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
     for b in range(first_batch, job.steps_per_epoch):
         idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
         t0 = time.perf_counter()
+        blocked = _exchange_blocked_s(opt)
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(job.model(job.ds.train_x[idx]), job.ds.train_y[idx])
         loss.backward()
         t1 = time.perf_counter()
+        in_backward = _exchange_blocked_s(opt) - blocked   # codec work the gradient hooks did
         opt.step()
         t2 = time.perf_counter()
-        state.compute_s += t1 - t0
-        state.step_s += t2 - t1
+        state.compute_s += t1 - t0 - in_backward
+        state.step_s += t2 - t1 + in_backward
         if job.tracer is not None:
             job.tracer.add("compute", t0, t1, step=opt.steps)
             job.tracer.add("step", t1, t2, cat="optimizer", step=opt.steps)
