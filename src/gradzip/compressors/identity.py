@@ -62,6 +62,13 @@ class _Cast(Compressor):
             x = tensor.detach().to(self.wire_dtype, copy=True)
         return Packet({"x": x}, tensor.shape, tensor.dtype)
 
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        """Decoded straight into ``out``, then ``out = tensor − out`` in place: no temporary."""
+        packet = self.compress(tensor, seed, reuse)
+        torch.sub(tensor, self.decompress(packet, out=out), out=out)
+        return packet
+
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is not None and out.shape == packet.shape and out.dtype == packet.dtype:
             return out.copy_(packet.wire["x"].view(packet.shape))  # cast straight into out

@@ -32,13 +32,13 @@ def sign_encode(x, out):
         base = i * 8
         b = 0
         for j in range(8):
-            b = (b << 1) | (1 if x[base + j] >= 0 else 0)
+            b = (b << 1) | (x[base + j] >= 0)
         out[i] = b
     rem = n - full * 8
     if rem:
         b = 0
         for j in range(rem):
-            b = (b << 1) | (1 if x[full * 8 + j] >= 0 else 0)
+            b = (b << 1) | (x[full * 8 + j] >= 0)
         out[full] = b << (8 - rem)
 
 
@@ -47,23 +47,24 @@ def sign_encode_residual(x, table, out, res):
     """:func:`sign_encode`, and ``res = x − table[bit]`` (``table``: the decoded −, + value)."""
     n = x.size
     full = n // 8
+    neg, pos = table[0], table[1]
     for i in range(full):
         base = i * 8
         b = 0
         for j in range(8):
             v = x[base + j]
-            bit = 1 if v >= 0 else 0
-            res[base + j] = v - table[bit]
-            b = (b << 1) | bit
+            ge = v >= 0
+            res[base + j] = v - (pos if ge else neg)
+            b = (b << 1) | ge
         out[i] = b
     rem = n - full * 8
     if rem:
         b = 0
         for j in range(rem):
             v = x[full * 8 + j]
-            bit = 1 if v >= 0 else 0
-            res[full * 8 + j] = v - table[bit]
-            b = (b << 1) | bit
+            ge = v >= 0
+            res[full * 8 + j] = v - (pos if ge else neg)
+            b = (b << 1) | ge
         out[full] = b << (8 - rem)
 
 
@@ -79,16 +80,14 @@ def twobit_encode(x, t, out):
         b = 0
         for j in range(4):
             v = x[base + j]
-            c = 3 if v >= t else (2 if v <= mt else 0)
-            b = (b << 2) | c
+            b = (b << 2) | (3 * (v >= t) + 2 * (v <= mt))
         out[i] = b
     rem = n - full * 4
     if rem:
         b = 0
         for j in range(rem):
             v = x[full * 4 + j]
-            c = 3 if v >= t else (2 if v <= mt else 0)
-            b = (b << 2) | c
+            b = (b << 2) | (3 * (v >= t) + 2 * (v <= mt))
         out[full] = b << (2 * (4 - rem))
 
 
@@ -98,23 +97,26 @@ def twobit_encode_residual(x, t, table, out, res):
     n = x.size
     full = n // 4
     mt = -t
+    zero, minus, plus = table[0], table[2], table[3]  # selects, not a gather: LLVM vectorizes them
     for i in range(full):
         base = i * 4
         b = 0
         for j in range(4):
             v = x[base + j]
-            c = 3 if v >= t else (2 if v <= mt else 0)
-            res[base + j] = v - table[c]
-            b = (b << 2) | c
+            ge = v >= t
+            le = v <= mt
+            res[base + j] = v - (plus if ge else (minus if le else zero))
+            b = (b << 2) | (3 * ge + 2 * le)
         out[i] = b
     rem = n - full * 4
     if rem:
         b = 0
         for j in range(rem):
             v = x[full * 4 + j]
-            c = 3 if v >= t else (2 if v <= mt else 0)
-            res[full * 4 + j] = v - table[c]
-            b = (b << 2) | c
+            ge = v >= t
+            le = v <= mt
+            res[full * 4 + j] = v - (plus if ge else (minus if le else zero))
+            b = (b << 2) | (3 * ge + 2 * le)
         out[full] = b << (2 * (4 - rem))
 
 
@@ -126,11 +128,12 @@ def decode1(packed, table, out):
     """``out[i] = table[bit i]`` for the ``out.size`` first bits of ``packed``."""
     n = out.size
     full = n // 8
+    zero, one = table[0], table[1]
     for i in range(full):
         b = packed[i]
         base = i * 8
         for j in range(8):
-            out[base + j] = table[(b >> (7 - j)) & 1]
+            out[base + j] = one if (b >> (7 - j)) & 1 else zero
     for k in range(full * 8, n):
         out[k] = table[(packed[k >> 3] >> (7 - (k & 7))) & 1]
 
@@ -140,11 +143,13 @@ def decode2(packed, table, out):
     """``out[i] = table[code i]`` for the ``out.size`` first 2-bit codes of ``packed``."""
     n = out.size
     full = n // 4
-    for i in range(full):
+    for i in range(full):  # unrolled by hand: LLVM then vectorizes the four gathers
         b = packed[i]
         base = i * 4
-        for j in range(4):
-            out[base + j] = table[(b >> (6 - 2 * j)) & 3]
+        out[base] = table[b >> 6]
+        out[base + 1] = table[(b >> 4) & 3]
+        out[base + 2] = table[(b >> 2) & 3]
+        out[base + 3] = table[b & 3]
     for k in range(full * 4, n):
         out[k] = table[(packed[k >> 2] >> (6 - 2 * (k & 3))) & 3]
 
