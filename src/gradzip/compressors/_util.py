@@ -73,8 +73,10 @@ def abs_sum(flat: torch.Tensor) -> torch.Tensor:
     numel = flat.numel()
     if numel <= CHUNK or not piecewise(flat):
         return total.add_(torch.abs(flat).sum(dtype=total.dtype))
+    scratch = torch.empty(CHUNK, dtype=flat.dtype)  # one buffer for every piece's |x| (same values)
     for start in range(0, numel, CHUNK):
-        total.add_(torch.abs(flat[start:start + CHUNK]).sum(dtype=total.dtype))
+        part = flat[start:start + CHUNK]
+        total.add_(torch.abs(part, out=scratch[:part.numel()]).sum(dtype=total.dtype))
     return total
 
 
