@@ -7,8 +7,9 @@ from typing import Sequence
 
 import torch
 
+from .. import kernels
 from .base import Packet
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .bitpack import _LITTLE, pack_bits, packed_nbytes, unpack_bits
 
 #: Elements per piece when a CPU codec encodes a large tensor piece by piece (a multiple
 #: of 8, so every piece packs to whole bytes): the temporaries of one piece stay in cache
@@ -95,6 +96,12 @@ def decode_chunks(packed: torch.Tensor, bits: int, count: int, dtype: torch.dtyp
 #: Input dtypes the fused elementwise kernels encode (compare and subtract in); other
 #: dtypes (16-bit floats) take the torch reference path, decoding is fused for every float.
 FUSED_DTYPES = (torch.float32, torch.float64)
+
+
+def fused(*tensors: torch.Tensor) -> bool:
+    """Whether the fused elementwise kernels run for these tensors (:func:`kernels.enabled`,
+    on a little-endian machine: the kernels pack through little-endian words)."""
+    return _LITTLE and kernels.enabled(*tensors)
 
 
 def flat_input(tensor: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 
 from .. import kernels
 from ..kernels import elementwise as ek
-from ._util import (FUSED_DTYPES, decode_lut, decode_target, encode_chunks, flat_input, value_table,
+from ._util import (FUSED_DTYPES, decode_lut, decode_target, encode_chunks, flat_input, fused, value_table,
                     wire_buffer)
 from ._util import abs_sum as _abs_sum
 from .base import Compressor, Packet, deliver
@@ -61,7 +61,7 @@ def _residual_fused(tensor: torch.Tensor, table: torch.Tensor, bits: torch.Tenso
 def _counts_of(packets: Sequence[Packet]) -> torch.Tensor | None:
     """Σ_j sign_j (int32) over the packets by the fused kernel, or None (torch path)."""
     first = packets[0]
-    if not kernels.enabled(*(p.wire["bits"] for p in packets)):
+    if not fused(*(p.wire["bits"] for p in packets)):
         return None
     total = torch.zeros(first.numel, dtype=torch.int32)
     table = kernels.array(value_table(_PM1, torch.int32))
@@ -88,7 +88,7 @@ class Sign(Compressor):
     name = "sign"
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
-        if kernels.enabled(tensor) and tensor.dtype in FUSED_DTYPES:
+        if fused(tensor) and tensor.dtype in FUSED_DTYPES:
             x, bits = _fused_bits(tensor, reuse)
             ek.sign_encode(kernels.array(x), kernels.array(bits))
             return Packet({"bits": bits}, tensor.shape, tensor.dtype)
@@ -96,14 +96,14 @@ class Sign(Compressor):
 
     def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
                           reuse: Packet | None = None) -> Packet:
-        if kernels.enabled(tensor) and tensor.dtype in FUSED_DTYPES:
+        if fused(tensor) and tensor.dtype in FUSED_DTYPES:
             x, bits = _fused_bits(tensor, reuse)
             _residual_fused(tensor, value_table(_PM1, tensor.dtype), bits, x, out)
             return Packet({"bits": bits}, tensor.shape, tensor.dtype)
         return super().compress_residual(tensor, seed, out, reuse)
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        if kernels.enabled(packet.wire["bits"]) and packet.dtype.is_floating_point:
+        if fused(packet.wire["bits"]) and packet.dtype.is_floating_point:
             return _decode_fused(packet, value_table(_PM1, packet.dtype), out)
         return deliver(decode_lut(packet.wire["bits"], 1, _PM1, packet.numel, packet.dtype).view(packet.shape), out)
 
@@ -125,7 +125,7 @@ class Sign(Compressor):
         return torch.int8 if world_size <= 127 else None
 
     def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
-        if kernels.enabled(packet.wire["bits"]):
+        if fused(packet.wire["bits"]):
             out = torch.empty(packet.numel, dtype=torch.int8)
             ek.decode1(kernels.array(packet.wire["bits"].contiguous()), kernels.array(value_table(_PM1, torch.int8)),
                        kernels.array(out))
@@ -133,7 +133,7 @@ class Sign(Compressor):
         return decode_lut(packet.wire["bits"], 1, _PM1, packet.numel, torch.int8)
 
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
-        if (kernels.enabled(total) and packet.dtype.is_floating_point
+        if (fused(total) and packet.dtype.is_floating_point
                 and total.dtype in (torch.int8, torch.int32)):
             out = torch.empty(packet.shape, dtype=packet.dtype)
             ek.sign_of_counts(kernels.array(total.contiguous().view(-1)), kernels.array(value_table(_SIGN3, packet.dtype)),
@@ -148,7 +148,7 @@ class ScaledSign(Compressor):
     name = "scaled_sign"
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
-        if kernels.enabled(tensor) and tensor.dtype in FUSED_DTYPES:
+        if fused(tensor) and tensor.dtype in FUSED_DTYPES:
             x, bits, scale = self._fused_scale(tensor, reuse)
             ek.sign_encode(kernels.array(x), kernels.array(bits))
             return Packet({"bits": bits, "scale": scale}, tensor.shape, tensor.dtype)
@@ -162,14 +162,14 @@ class ScaledSign(Compressor):
         scale = packet.wire["scale"].to(packet.dtype)
         # 32/64-bit only: torch's bf16 ±1·NaN has another NaN sign in its vector loop than in
         # its scalar tail, so a 2-entry table cannot reproduce it
-        if kernels.enabled(packet.wire["bits"]) and packet.dtype in FUSED_DTYPES:
+        if fused(packet.wire["bits"]) and packet.dtype in FUSED_DTYPES:
             return _decode_fused(packet, value_table(_PM1, packet.dtype).mul_(scale), out)
         dense = decode_lut(packet.wire["bits"], 1, _PM1, packet.numel, packet.dtype)
         return deliver(dense.mul_(scale).view(packet.shape), out)
 
     def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
                           reuse: Packet | None = None) -> Packet:
-        if kernels.enabled(tensor) and tensor.dtype in FUSED_DTYPES:
+        if fused(tensor) and tensor.dtype in FUSED_DTYPES:
             x, bits, scale = self._fused_scale(tensor, reuse)
             table = value_table(_PM1, tensor.dtype).mul_(scale.to(tensor.dtype))  # decompress's values
             _residual_fused(tensor, table, bits, x, out)

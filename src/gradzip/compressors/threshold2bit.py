@@ -33,7 +33,7 @@ import torch
 from .. import kernels
 from ..kernels import elementwise as ek
 from ..validation import is_real, require
-from ._util import FUSED_DTYPES, decode_lut, decode_target, encode_chunks, flat_input, value_table, wire_buffer
+from ._util import FUSED_DTYPES, decode_lut, decode_target, encode_chunks, flat_input, fused, value_table, wire_buffer
 from .base import Compressor, Packet, deliver
 from .bitpack import packed_nbytes
 from .registry import register
@@ -63,7 +63,7 @@ class TwoBit(Compressor):
         )
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
-        if kernels.enabled(tensor) and tensor.dtype in FUSED_DTYPES:
+        if fused(tensor) and tensor.dtype in FUSED_DTYPES:
             x, codes, t = self._fused_input(tensor, reuse)
             ek.twobit_encode(kernels.array(x), t, kernels.array(codes))
             return Packet({"codes": codes}, tensor.shape, tensor.dtype)
@@ -73,7 +73,7 @@ class TwoBit(Compressor):
 
     def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
                           reuse: Packet | None = None) -> Packet:
-        if kernels.enabled(tensor) and tensor.dtype in FUSED_DTYPES:
+        if fused(tensor) and tensor.dtype in FUSED_DTYPES:
             x, codes, t = self._fused_input(tensor, reuse)
             target = decode_target(out, tensor.shape, tensor.dtype)
             ek.twobit_encode_residual(kernels.array(x), t, kernels.array(value_table(self._values, tensor.dtype)),
@@ -84,7 +84,7 @@ class TwoBit(Compressor):
         return super().compress_residual(tensor, seed, out, reuse)
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        if kernels.enabled(packet.wire["codes"]) and packet.dtype.is_floating_point:
+        if fused(packet.wire["codes"]) and packet.dtype.is_floating_point:
             target = decode_target(out, packet.shape, packet.dtype)
             ek.decode2(kernels.array(packet.wire["codes"].contiguous()),
                        kernels.array(value_table(self._values, packet.dtype)), kernels.array(target.view(-1)))
@@ -113,7 +113,7 @@ class TwoBit(Compressor):
         return torch.int8 if world_size <= 127 else None
 
     def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
-        if kernels.enabled(packet.wire["codes"]):
+        if fused(packet.wire["codes"]):
             out = torch.empty(packet.numel, dtype=torch.int8)
             ek.decode2(kernels.array(packet.wire["codes"].contiguous()), kernels.array(value_table(_SIGNS, torch.int8)),
                        kernels.array(out))
@@ -121,7 +121,7 @@ class TwoBit(Compressor):
         return decode_lut(packet.wire["codes"], 2, _SIGNS, packet.numel, torch.int8)
 
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
-        if kernels.enabled(total) and packet.dtype == torch.float32 and total.dtype in (torch.int8, torch.int32):
+        if fused(total) and packet.dtype == torch.float32 and total.dtype in (torch.int8, torch.int32):
             out = torch.empty(packet.shape, dtype=torch.float32)
             scale = kernels.array(torch.tensor([self.threshold / world_size], dtype=torch.float32))[0]
             ek.scale_counts(kernels.array(total.contiguous().view(-1)), scale, kernels.array(out.view(-1)))
@@ -131,7 +131,7 @@ class TwoBit(Compressor):
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """Sum the int codes exactly (int32), then scale once: equals the allreduce path."""
-        if kernels.enabled(*(p.wire["codes"] for p in packets)):
+        if fused(*(p.wire["codes"] for p in packets)):
             total = torch.zeros(packets[0].numel, dtype=torch.int32)
             table = kernels.array(value_table(_SIGNS, torch.int32))
             for p in packets:
