@@ -244,18 +244,18 @@ TECHNOLOGY_TEXT = """\
 
 Why numba: `2bit` compress of 16M float32 elements (packed codes into a reused buffer), 1
 torch thread, measured once with a scratch script outside the package on this machine
-(load average 4.6 from other jobs; `out.copy_(x)` took 9.2 ms in the same run), every
+(load average 2.3 from other jobs; `out.copy_(x)` took 10.0 ms in the same run), every
 candidate checked byte-identical to the torch reference:
 
 | kernel | ms | first call in a fresh process | needs at run time | installs from PyPI without a compiler |
 |---|---:|---|---|---|
-| torch reference (chain of torch ops) | 66.2 | none | torch | yes |
-| numba `@njit` (gradzip.kernels) | 8.1 (8.6 through the codec) | 1.0 s compiling into an empty cache, 1.0 s loading it (mostly numba's own start-up; import numba 0.5 s) | numba + llvmlite wheels (35 + 173 MB installed) | yes |
-| `torch.compile` (inductor, CPU) | 21.1 | 17 s (generates and compiles C++) | a C++ compiler (g++), Python headers | yes, but fails at run time without one |
-| C++ via `torch.utils.cpp_extension.load_inline` (-O3 -march=native) | 8.9 | 66 s (compiles against torch's headers; cached per build directory) | g++, ninja | yes, but fails at run time without one |
+| torch reference (chain of torch ops) | 63.7 | none | torch | yes |
+| numba `@njit` (gradzip.kernels) | 8.3 (9.1 through the codec) | 1.5 s compiling into an empty cache, 0.7 s loading it (mostly numba's own start-up), plus 0.3 s to import numba | numba + llvmlite wheels (35 + 173 MB installed) | yes |
+| `torch.compile` (inductor, CPU) | 20.0 | 11 s (generates and compiles C++) | a C++ compiler (g++), Python headers | yes, but fails at run time without one |
+| C++ via `torch.utils.cpp_extension.load_inline` (-O3 -march=native) | 7.9 | 43 s (compiles against torch's headers; cached per build directory) | g++, ninja | yes, but fails at run time without one |
 
 numba reaches the hand-written C++ loop's speed (both at the copy's), with no compiler on
-the user's machine and a one-time cost of about a second; inductor's generated loop is 2.5×
+the user's machine and a one-time cost of one to two seconds; inductor's generated loop is 2.4×
 slower here and needs a compiler, as does the C++ extension.
 """
 
