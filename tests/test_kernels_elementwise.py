@@ -71,6 +71,7 @@ def run_all(spec, x, n=3):
     got["residual"] = residual
     packets = [codec.compress(x * k if k else x, seed=k) for k in range(n)]
     got["aggregate"] = codec.aggregate(packets)
+    got["aggregate_of_one"] = codec.aggregate(packets[:1])
     if codec.sum_dtype(n, x.dtype) is not None:
         summands = [codec.summand(p, n) for p in packets]
         got["summand"] = summands[0]

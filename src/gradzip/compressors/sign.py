@@ -113,6 +113,17 @@ class Sign(Compressor):
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """Majority vote: ``sign(Σ_j sign_j)``, 0 on a tie."""
         first = packets[0]
+        if fused(*(p.wire["bits"] for p in packets)) and first.dtype == torch.float32:
+            # the votes counted in the float32 output itself (exact: |count| <= n < 2**24),
+            # then replaced by their sign in place: the bits of from_sum(int total)
+            out = torch.empty(first.shape, dtype=torch.float32)
+            flat = kernels.array(out.view(-1))
+            table = kernels.array(value_table(_PM1, torch.float32))
+            ek.decode1(kernels.array(first.wire["bits"].contiguous()), table, flat)
+            for p in packets[1:]:
+                ek.accumulate1(kernels.array(p.wire["bits"].contiguous()), table, flat)
+            ek.sign_of_counts(flat, kernels.array(value_table(_SIGN3, torch.float32)), flat)
+            return out
         total = _counts_of(packets)
         if total is not None:
             return self.from_sum(total, first, len(packets))
