@@ -30,6 +30,21 @@ of two 3e38). ``wait()`` checks the decoded aggregates (one sum per tensor, an e
 only where a sum is not finite) and raises :class:`NonFiniteAggregate` naming the tensor.
 The aggregate is the same on every worker, so every worker raises at the same exchange,
 with no collective to agree.
+
+Memory across steps (what a PSync reuses, and why it is safe): once ``wait()`` has
+decoded an exchange, its packets and its multi-tensor bucket buffers have left the
+network, so the next ``start()`` writes into them instead of allocating: a packet goes to
+the codec as ``compress(..., reuse=)`` for the tensor with the same key, shape and dtype,
+a bucket buffer is refilled for a bucket of the same kind, dtype and size. Never reused:
+a packet whose wire is its input tensor (``none``), and any packet or buffer that a
+returned aggregate shares memory with (a cast's ``from_sum`` may return the summed buffer
+itself); residuals and aggregates are new tensors every step (methods keep them). An
+exchange still in flight (CD-SGD overlaps one with the next step) holds its own buffers:
+only what ``wait()`` released is reused, so two exchanges in flight simply allocate. A
+caller may read ``Pending.packets`` after ``wait()`` until its next ``start()`` (DGC does).
+A one-tensor bucket is sent as that tensor (its summand, or a view of its packet's wire:
+no copy into a bucket buffer); other workers' wire tensors are views of the gathered
+bytes (a copy only where their dtype's alignment needs it).
 """
 from __future__ import annotations
 
@@ -89,6 +104,7 @@ class _Bucket:
     parts: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
     work: Work | None = None
+    buffer: torch.Tensor | None = None  # the flat buffer sent, when it is a reusable one
 
 
 @dataclass
@@ -101,6 +117,8 @@ class Pending:
     residual: list[torch.Tensor] | None
     packet_bytes: int
     step: int = 0
+    keys: Sequence[int] = ()
+    recyclable: list[bool] = field(default_factory=list)  # packet i's wire is not its input
     _result: Result | None = field(default=None, repr=False)
 
     def wait(self) -> Result:
@@ -124,6 +142,9 @@ class PSync:
         self.tracer = None      # a gradzip.trace.Tracer: spans for compress / communicate / decode
         self.bytes_sent = 0     # what this worker put on the wire, all exchanges so far
         self.payload_bytes = 0  # its compressed packets (sum of packet.nbytes)
+        self._lock = threading.Lock()  # start() and wait() may run on different threads
+        self._spare_packets: dict = {}  # key -> a waited packet (module docstring: memory)
+        self._spare_buffers: dict = {}  # (kind, dtype, device, numel) -> [flat buffers]
 
     def counters(self) -> dict:
         """Bytes and seconds so far (for a checkpoint): ``load_counters`` restores them."""
@@ -147,13 +168,17 @@ class PSync:
         keys = range(len(tensors)) if keys is None else keys
         codec = self.compressor
         began = time.perf_counter()
+        keys = list(keys)
         residuals = None
+        spares = self._take_spares(tensors, keys)
         if residual:  # one fused pass where the codec has one (Compressor.compress_residual)
             residuals = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-            packets = [codec.compress_residual(t.detach(), self._seed(step, key), r)
-                       for t, key, r in zip(tensors, keys, residuals)]
+            packets = [codec.compress_residual(t.detach(), self._seed(step, key), r, reuse=old)
+                       for t, key, r, old in zip(tensors, keys, residuals, spares)]
         else:
-            packets = [codec.compress(t.detach(), self._seed(step, key)) for t, key in zip(tensors, keys)]
+            packets = [codec.compress(t.detach(), self._seed(step, key), reuse=old)
+                       for t, key, old in zip(tensors, keys, spares)]
+        recyclable = [not _shares_memory(p.wire.values(), [t]) for p, t in zip(packets, tensors)]
         buckets = self._launch(packets)
         payload = sum(p.nbytes for p in packets)
         self.payload_bytes += payload
@@ -161,9 +186,47 @@ class PSync:
         self._add_compress(ended - began)
         if self.tracer is not None:
             self.tracer.add("compress", began, ended, bytes=payload)
-        return Pending(self, packets, buckets, residuals, payload, step)
+        return Pending(self, packets, buckets, residuals, payload, step, keys, recyclable)
 
     # -- internals ------------------------------------------------------------------------
+    def _take_spares(self, tensors: Sequence[torch.Tensor], keys: list) -> list[Packet | None]:
+        """The waited packet of each key, where its shape and dtype match (else None)."""
+        with self._lock:
+            spares = [self._spare_packets.pop(key, None) for key in keys]
+        return [old if old is not None and old.shape == t.shape and old.dtype == t.dtype else None
+                for old, t in zip(spares, tensors)]
+
+    def _release(self, pending: Pending, out: list[torch.Tensor]) -> None:
+        """After ``wait()``: keep its packets and bucket buffers for the next ``start()``,
+        except what a returned aggregate shares memory with (module docstring: memory)."""
+        pinned = {t.untyped_storage().data_ptr() for t in out if t is not None}
+        with self._lock:
+            for key, packet, ok in zip(pending.keys, pending.packets, pending.recyclable):
+                if ok and not any(w.untyped_storage().data_ptr() in pinned for w in packet.wire.values()):
+                    self._spare_packets[key] = packet
+            for bucket in pending.buckets:
+                buf = bucket.buffer
+                if buf is not None and buf.untyped_storage().data_ptr() not in pinned:
+                    spare = self._spare_buffers.setdefault((bucket.kind, buf.dtype, buf.device, buf.numel()), [])
+                    if len(spare) < 2:
+                        spare.append(buf)
+
+    def _bucket_buffer(self, bucket: _Bucket, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The flat buffer a bucket sends: its one part as it is, or the parts copied into a
+        spare buffer of this size (a new one when none is spare)."""
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return torch.empty(0, dtype=bucket.dtype, device=bucket.device)
+        numel = sum(p.numel() for p in parts)
+        with self._lock:
+            spare = self._spare_buffers.get((bucket.kind, bucket.dtype, bucket.device, numel))
+            buf = spare.pop() if spare else None
+        if buf is None:
+            buf = torch.empty(numel, dtype=bucket.dtype, device=bucket.device)
+        bucket.buffer = torch.cat(parts, out=buf)
+        return buf
+
     def _seed(self, step: int, key: int) -> int:
         if self.compressor.shared_randomness:
             return mix_seed(self.seed, step, key)
@@ -201,8 +264,7 @@ class PSync:
             bucket.parts.extend(flat)
             bucket.nbytes += nbytes
         for bucket in buckets:
-            parts = bucket.parts
-            buffer = torch.cat(parts) if parts else torch.empty(0, dtype=bucket.dtype, device=bucket.device)
+            buffer = self._bucket_buffer(bucket, bucket.parts)
             bucket.parts = []
             collective = self.comm.allreduce if bucket.kind == "allreduce" else self.comm.allgather
             bucket.work = collective(buffer, async_op=True)
@@ -250,17 +312,29 @@ class PSync:
                     f"the {codec.spec} exchange of tensor #{bad} (shape {tuple(packet.shape)}) decoded a "
                     f"non-finite aggregate (NaN or Inf) from finite inputs: the codec or the sum over "
                     f"{n} workers overflowed; stopped on every worker before it was applied", bad)
+        self._release(pending, out)
         return Result(out, pending.residual, sent, pending.packet_bytes)
 
 
 def _unpack_wire(template: Packet, raw: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Another worker's wire tensors from its raw bytes, laid out like ``template``'s."""
+    """Another worker's wire tensors from its raw bytes, laid out like ``template``'s: views
+    of ``raw`` (read-only for the codec's aggregate), a copy only where the offset is not a
+    multiple of the dtype's size (a dtype view needs that alignment)."""
     wire, offset = {}, 0
     for name, t in template.wire.items():
         nbytes = t.numel() * t.element_size()
-        wire[name] = raw[offset:offset + nbytes].clone().view(t.dtype).view(t.shape)
+        piece = raw[offset:offset + nbytes]
+        if piece.storage_offset() % t.element_size():
+            piece = piece.clone()
+        wire[name] = piece.view(t.dtype).view(t.shape)
         offset += nbytes
     return wire
+
+
+def _shares_memory(tensors, others) -> bool:
+    """Whether any of ``tensors`` lives in the storage of one of ``others``."""
+    storages = {o.untyped_storage().data_ptr() for o in others}
+    return any(t.untyped_storage().data_ptr() in storages for t in tensors)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

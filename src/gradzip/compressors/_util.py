@@ -7,8 +7,9 @@ from typing import Sequence
 
 import torch
 
+from .. import kernels
 from .base import Packet
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .bitpack import _LITTLE, pack_bits, packed_nbytes, unpack_bits
 
 #: Elements per piece when a CPU codec encodes a large tensor piece by piece (a multiple
 #: of 8, so every piece packs to whole bytes): the temporaries of one piece stay in cache
@@ -65,6 +66,21 @@ def encode_chunks(flat: torch.Tensor, bits: int, codes_of, chunk: int | None = N
     return out
 
 
+def abs_sum(flat: torch.Tensor) -> torch.Tensor:
+    """``Σ|x|`` of a flat tensor as a 0-d tensor (float32, or wider for a wider input), summed
+    piece by piece exactly as :func:`encode_chunks` splits ``flat`` (the same float sum, so
+    the same bits, as a codec that adds each piece's sum while it encodes it)."""
+    total = torch.zeros((), dtype=torch.promote_types(flat.dtype, torch.float32), device=flat.device)
+    numel = flat.numel()
+    if numel <= CHUNK or not piecewise(flat):
+        return total.add_(torch.abs(flat).sum(dtype=total.dtype))
+    scratch = torch.empty(CHUNK, dtype=flat.dtype)  # one buffer for every piece's |x| (same values)
+    for start in range(0, numel, CHUNK):
+        part = flat[start:start + CHUNK]
+        total.add_(torch.abs(part, out=scratch[:part.numel()]).sum(dtype=total.dtype))
+    return total
+
+
 def decode_chunks(packed: torch.Tensor, bits: int, count: int, dtype: torch.dtype, fill) -> torch.Tensor:
     """A flat ``dtype`` tensor of ``count`` entries: ``fill(codes, out)`` writes the values of
     unpacked ``codes`` into ``out``, piece by piece on the CPU (see :func:`encode_chunks`)."""
@@ -75,6 +91,48 @@ def decode_chunks(packed: torch.Tensor, bits: int, count: int, dtype: torch.dtyp
         size = min(chunk, count - start)
         fill(unpack_bits(packed[i * step : i * step + packed_nbytes(size, bits)], bits, size), out[start : start + size])
     return out
+
+
+#: Input dtypes the fused elementwise kernels encode (compare and subtract in); other
+#: dtypes (16-bit floats) take the torch reference path, decoding is fused for every float.
+FUSED_DTYPES = (torch.float32, torch.float64)
+
+
+def fused(*tensors: torch.Tensor) -> bool:
+    """Whether the fused elementwise kernels run for these tensors (:func:`kernels.enabled`,
+    on a little-endian machine: the kernels pack through little-endian words)."""
+    return _LITTLE and kernels.enabled(*tensors)
+
+
+def flat_input(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, contiguous (a copy only when it is not) and flat: a kernel's input."""
+    return tensor.detach().contiguous().reshape(-1)
+
+
+def wire_buffer(reuse: Packet | None, name: str, numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """The ``name`` wire tensor of the ``reuse`` packet when it fits (``numel`` contiguous CPU
+    entries of ``dtype``: the codec's ``compress(reuse=)`` contract), else a new one."""
+    if reuse is not None:
+        old = reuse.wire.get(name)
+        if (old is not None and old.dtype == dtype and old.numel() == numel and old.is_contiguous()
+                and old.device.type == "cpu"):
+            return old.reshape(-1)
+    return torch.empty(numel, dtype=dtype)
+
+
+def decode_target(out: torch.Tensor | None, shape, dtype: torch.dtype) -> torch.Tensor:
+    """Where a fused decode writes: ``out`` itself when it is a contiguous CPU tensor of this
+    shape and dtype, else a new tensor (the codec then ends with :func:`base.deliver`, which
+    copies into ``out`` or names its mismatch)."""
+    if (out is not None and out.shape == shape and out.dtype == dtype and out.is_contiguous()
+            and out.device.type == "cpu"):
+        return out
+    return torch.empty(shape, dtype=dtype)
+
+
+def value_table(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    """The decoded value of each code, in ``dtype``: what :func:`decode_lut`'s table holds."""
+    return torch.tensor(tuple(values), dtype=dtype)
 
 
 def sample_indices(numel: int, k: int, gen: torch.Generator) -> torch.Tensor:

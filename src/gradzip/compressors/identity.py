@@ -7,6 +7,10 @@ workers cannot overflow where each term fits;
 ``from_sum`` then already holds the mean. ``none`` sums in the tensor's own dtype and
 divides after the sum (``sum_dtype(n, dtype)`` is that dtype), as an uncompressed
 allreduce does.
+
+The casts are torch's own (``Tensor.copy_`` casts at the speed of a plain copy when it
+writes into an existing buffer; only the allocation of a fresh wire costs): ``compress``
+casts into the ``reuse`` packet's wire and ``decompress(out=)`` straight into ``out``.
 """
 from __future__ import annotations
 
@@ -50,10 +54,24 @@ class _Cast(Compressor):
     wire_dtype: ClassVar[torch.dtype]
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
-        x = tensor.detach().to(self.wire_dtype, copy=True)
+        old = reuse.wire.get("x") if reuse is not None else None
+        if (old is not None and old.dtype == self.wire_dtype and old.numel() == tensor.numel()
+                and old.is_contiguous() and old.device == tensor.device):
+            x = old.view(tensor.shape).copy_(tensor.detach())  # the same cast as .to(), no allocation
+        else:
+            x = tensor.detach().to(self.wire_dtype, copy=True)
         return Packet({"x": x}, tensor.shape, tensor.dtype)
 
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        """Decoded straight into ``out``, then ``out = tensor − out`` in place: no temporary."""
+        packet = self.compress(tensor, seed, reuse)
+        torch.sub(tensor, self.decompress(packet, out=out), out=out)
+        return packet
+
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is not None and out.shape == packet.shape and out.dtype == packet.dtype:
+            return out.copy_(packet.wire["x"].view(packet.shape))  # cast straight into out
         return deliver(packet.wire["x"].to(packet.dtype).view(packet.shape), out)
 
     def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:

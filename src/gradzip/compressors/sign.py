@@ -7,6 +7,12 @@ vote ``sign(Σ_j sign_j)`` (ties -> 0); as int8 ±1 its packets also sum exactly
 allreduce for n <= 127, which the exchange picks from 16 workers on (``2bit``: from 8).
 ``scaled_sign`` decodes to ``(‖v‖₁/d)·sign(v)`` with the scale sent as float32 (4 more
 bytes); its aggregate is the plain mean and it does not sum.
+
+On the CPU the fused kernels of :mod:`gradzip.kernels.elementwise` encode (float32 and
+float64 inputs; bits and residual in one pass, into the ``reuse`` packet's buffer), decode
+(any float dtype, into ``out``) and aggregate; the torch code below them is the reference
+they are tested bit-identical to (``gradzip.kernels.use("torch")`` runs it). The
+``scaled_sign`` scale ``‖v‖₁/d`` is a torch sum shared by both paths.
 """
 from __future__ import annotations
 
@@ -15,11 +21,53 @@ from typing import Sequence
 
 import torch
 
-from ._util import decode_lut, encode_chunks
+from .. import kernels
+from ..kernels import elementwise as ek
+from ._util import (FUSED_DTYPES, decode_lut, decode_target, encode_chunks, flat_input, fused, value_table,
+                    wire_buffer)
+from ._util import abs_sum as _abs_sum
 from .base import Compressor, Packet, deliver
+from .bitpack import packed_nbytes
 from .registry import register
 
 _PM1 = (-1, 1)
+_SIGN3 = (-1, 0, 1)
+
+
+def _fused_bits(tensor: torch.Tensor, reuse: Packet | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat contiguous input, its bits buffer: the ``reuse`` packet's when it fits)."""
+    x = flat_input(tensor)
+    return x, wire_buffer(reuse, "bits", packed_nbytes(x.numel(), 1))
+
+
+def _decode_fused(packet: Packet, table: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``table[bit]`` for every entry, written into ``out`` (see ``Compressor.decompress``)."""
+    target = decode_target(out, packet.shape, packet.dtype)
+    ek.decode1(kernels.array(packet.wire["bits"].contiguous()), kernels.array(table),
+               kernels.array(target.view(-1)))
+    return target if target is out else deliver(target, out)
+
+
+def _residual_fused(tensor: torch.Tensor, table: torch.Tensor, bits: torch.Tensor, x: torch.Tensor,
+                    out: torch.Tensor) -> None:
+    """bits of ``x >= 0`` into ``bits`` and ``x − table[bit]`` into ``out``, one pass."""
+    target = decode_target(out, tensor.shape, tensor.dtype)
+    ek.sign_encode_residual(kernels.array(x), kernels.array(table), kernels.array(bits),
+                            kernels.array(target.view(-1)))
+    if target is not out:
+        out.copy_(target)
+
+
+def _counts_of(packets: Sequence[Packet]) -> torch.Tensor | None:
+    """Σ_j sign_j (int32) over the packets by the fused kernel, or None (torch path)."""
+    first = packets[0]
+    if not fused(*(p.wire["bits"] for p in packets)):
+        return None
+    total = torch.zeros(first.numel, dtype=torch.int32)
+    table = kernels.array(value_table(_PM1, torch.int32))
+    for p in packets:
+        ek.accumulate1(kernels.array(p.wire["bits"].contiguous()), table, kernels.array(total))
+    return total
 
 
 def sign_bits(tensor: torch.Tensor, abs_sum: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,9 +88,23 @@ class Sign(Compressor):
     name = "sign"
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        if fused(tensor) and tensor.dtype in FUSED_DTYPES:
+            x, bits = _fused_bits(tensor, reuse)
+            ek.sign_encode(kernels.array(x), kernels.array(bits))
+            return Packet({"bits": bits}, tensor.shape, tensor.dtype)
         return Packet({"bits": sign_bits(tensor)}, tensor.shape, tensor.dtype)
 
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        if fused(tensor) and tensor.dtype in FUSED_DTYPES:
+            x, bits = _fused_bits(tensor, reuse)
+            _residual_fused(tensor, value_table(_PM1, tensor.dtype), bits, x, out)
+            return Packet({"bits": bits}, tensor.shape, tensor.dtype)
+        return super().compress_residual(tensor, seed, out, reuse)
+
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        if fused(packet.wire["bits"]) and packet.dtype.is_floating_point:
+            return _decode_fused(packet, value_table(_PM1, packet.dtype), out)
         return deliver(decode_lut(packet.wire["bits"], 1, _PM1, packet.numel, packet.dtype).view(packet.shape), out)
 
     def summand_numel(self, packet: Packet, world_size: int) -> int:
@@ -51,6 +113,20 @@ class Sign(Compressor):
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """Majority vote: ``sign(Σ_j sign_j)``, 0 on a tie."""
         first = packets[0]
+        if fused(*(p.wire["bits"] for p in packets)) and first.dtype == torch.float32:
+            # the votes counted in the float32 output itself (exact: |count| <= n < 2**24),
+            # then replaced by their sign in place: the bits of from_sum(int total)
+            out = torch.empty(first.shape, dtype=torch.float32)
+            flat = kernels.array(out.view(-1))
+            table = kernels.array(value_table(_PM1, torch.float32))
+            ek.decode1(kernels.array(first.wire["bits"].contiguous()), table, flat)
+            for p in packets[1:]:
+                ek.accumulate1(kernels.array(p.wire["bits"].contiguous()), table, flat)
+            ek.sign_of_counts(flat, kernels.array(value_table(_SIGN3, torch.float32)), flat)
+            return out
+        total = _counts_of(packets)
+        if total is not None:
+            return self.from_sum(total, first, len(packets))
         total = torch.zeros(first.numel, dtype=torch.int32, device=first.wire["bits"].device)
         for p in packets:
             total += self.summand(p, len(packets))
@@ -60,9 +136,20 @@ class Sign(Compressor):
         return torch.int8 if world_size <= 127 else None
 
     def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
+        if fused(packet.wire["bits"]):
+            out = torch.empty(packet.numel, dtype=torch.int8)
+            ek.decode1(kernels.array(packet.wire["bits"].contiguous()), kernels.array(value_table(_PM1, torch.int8)),
+                       kernels.array(out))
+            return out
         return decode_lut(packet.wire["bits"], 1, _PM1, packet.numel, torch.int8)
 
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
+        if (fused(total) and packet.dtype.is_floating_point
+                and total.dtype in (torch.int8, torch.int32)):
+            out = torch.empty(packet.shape, dtype=packet.dtype)
+            ek.sign_of_counts(kernels.array(total.contiguous().view(-1)), kernels.array(value_table(_SIGN3, packet.dtype)),
+                              kernels.array(out.view(-1)))
+            return out
         return torch.sign(total).to(packet.dtype).view(packet.shape)
 
 
@@ -72,6 +159,10 @@ class ScaledSign(Compressor):
     name = "scaled_sign"
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        if fused(tensor) and tensor.dtype in FUSED_DTYPES:
+            x, bits, scale = self._fused_scale(tensor, reuse)
+            ek.sign_encode(kernels.array(x), kernels.array(bits))
+            return Packet({"bits": bits, "scale": scale}, tensor.shape, tensor.dtype)
         v = tensor.detach().reshape(-1)
         l1 = torch.zeros((), dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
         bits = sign_bits(v, abs_sum=l1)
@@ -80,5 +171,26 @@ class ScaledSign(Compressor):
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         scale = packet.wire["scale"].to(packet.dtype)
+        # 32/64-bit only: torch's bf16 ±1·NaN has another NaN sign in its vector loop than in
+        # its scalar tail, so a 2-entry table cannot reproduce it
+        if fused(packet.wire["bits"]) and packet.dtype in FUSED_DTYPES:
+            return _decode_fused(packet, value_table(_PM1, packet.dtype).mul_(scale), out)
         dense = decode_lut(packet.wire["bits"], 1, _PM1, packet.numel, packet.dtype)
         return deliver(dense.mul_(scale).view(packet.shape), out)
+
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        if fused(tensor) and tensor.dtype in FUSED_DTYPES:
+            x, bits, scale = self._fused_scale(tensor, reuse)
+            table = value_table(_PM1, tensor.dtype).mul_(scale.to(tensor.dtype))  # decompress's values
+            _residual_fused(tensor, table, bits, x, out)
+            return Packet({"bits": bits, "scale": scale}, tensor.shape, tensor.dtype)
+        return super().compress_residual(tensor, seed, out, reuse)
+
+    @staticmethod
+    def _fused_scale(tensor: torch.Tensor, reuse: Packet | None):
+        """(flat input, bits buffer, scale wire ``‖v‖₁/d`` as the reference computes it)."""
+        x, bits = _fused_bits(tensor, reuse)
+        scale = wire_buffer(reuse, "scale", 1, torch.float32)
+        scale.copy_((_abs_sum(x) / max(x.numel(), 1)).to(torch.float32).reshape(1))
+        return x, bits, scale

@@ -15,6 +15,12 @@ sum exactly through an allreduce for n ≤ 127 workers.
 Default threshold 0.01 **[choice]**: MXNet's 0.5 applies to batch-summed gradients,
 gradzip quantizes mean gradients (docs/algorithms.md §codec: 2bit); the sweep that
 chose it is in docs/benchmarks.md, "BIT-SGD threshold on mean gradients".
+
+On the CPU the fused kernels of :mod:`gradzip.kernels.elementwise` encode (float32 and
+float64 inputs; codes and residual ``p − Q(p)`` in one pass, into the ``reuse`` packet's
+buffer), decode (any float dtype, into ``out``), sum (``summand``, ``aggregate``) and
+scale (``from_sum`` to float32); the torch code beside them is the reference they are
+tested bit-identical to (``gradzip.kernels.use("torch")`` runs it).
 """
 from __future__ import annotations
 
@@ -24,9 +30,12 @@ from typing import Sequence
 
 import torch
 
+from .. import kernels
+from ..kernels import elementwise as ek
 from ..validation import is_real, require
-from ._util import decode_lut, encode_chunks
+from ._util import FUSED_DTYPES, decode_lut, decode_target, encode_chunks, flat_input, fused, value_table, wire_buffer
 from .base import Compressor, Packet, deliver
+from .bitpack import packed_nbytes
 from .registry import register
 
 PLUS = 3  # MXNet codes: 11 = +t, 10 = -t (negative << 1), 00 = 0 (01 unused, decodes to 0)
@@ -54,14 +63,47 @@ class TwoBit(Compressor):
         )
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        if fused(tensor) and tensor.dtype in FUSED_DTYPES:
+            x, codes, t = self._fused_input(tensor, reuse)
+            ek.twobit_encode(kernels.array(x), t, kernels.array(codes))
+            return Packet({"codes": codes}, tensor.shape, tensor.dtype)
         t = self.threshold
         packed = encode_chunks(tensor.detach().reshape(-1), 2, lambda p: ternary_codes(p >= t, p <= -t))
         return Packet({"codes": packed}, tensor.shape, tensor.dtype)
 
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        if fused(tensor) and tensor.dtype in FUSED_DTYPES:
+            x, codes, t = self._fused_input(tensor, reuse)
+            target = decode_target(out, tensor.shape, tensor.dtype)
+            ek.twobit_encode_residual(kernels.array(x), t, kernels.array(value_table(self._values, tensor.dtype)),
+                                      kernels.array(codes), kernels.array(target.view(-1)))
+            if target is not out:
+                out.copy_(target)
+            return Packet({"codes": codes}, tensor.shape, tensor.dtype)
+        return super().compress_residual(tensor, seed, out, reuse)
+
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        if fused(packet.wire["codes"]) and packet.dtype.is_floating_point:
+            target = decode_target(out, packet.shape, packet.dtype)
+            ek.decode2(kernels.array(packet.wire["codes"].contiguous()),
+                       kernels.array(value_table(self._values, packet.dtype)), kernels.array(target.view(-1)))
+            return target if target is out else deliver(target, out)
+        return deliver(decode_lut(packet.wire["codes"], 2, self._values, packet.numel, packet.dtype).view(packet.shape), out)
+
+    @property
+    def _values(self) -> tuple:
+        """The decoded value of each code (00, 01, 10, 11)."""
         t = self.threshold
-        values = (0.0, 0.0, -t, t)
-        return deliver(decode_lut(packet.wire["codes"], 2, values, packet.numel, packet.dtype).view(packet.shape), out)
+        return (0.0, 0.0, -t, t)
+
+    def _fused_input(self, tensor: torch.Tensor, reuse: Packet | None):
+        """(flat contiguous input, codes buffer, the threshold rounded to the input's dtype as
+        torch rounds it in ``p >= t``)."""
+        x = flat_input(tensor)
+        codes = wire_buffer(reuse, "codes", packed_nbytes(x.numel(), 2))
+        t = kernels.array(torch.tensor([self.threshold], dtype=x.dtype))[0]
+        return x, codes, t
 
     def summand_numel(self, packet: Packet, world_size: int) -> int:
         return packet.numel  # one int8 per entry
@@ -71,14 +113,43 @@ class TwoBit(Compressor):
         return torch.int8 if world_size <= 127 else None
 
     def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
+        if fused(packet.wire["codes"]):
+            out = torch.empty(packet.numel, dtype=torch.int8)
+            ek.decode2(kernels.array(packet.wire["codes"].contiguous()), kernels.array(value_table(_SIGNS, torch.int8)),
+                       kernels.array(out))
+            return out
         return decode_lut(packet.wire["codes"], 2, _SIGNS, packet.numel, torch.int8)
 
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
+        if fused(total) and packet.dtype == torch.float32 and total.dtype in (torch.int8, torch.int32):
+            out = torch.empty(packet.shape, dtype=torch.float32)
+            scale = kernels.array(torch.tensor([self.threshold / world_size], dtype=torch.float32))[0]
+            ek.scale_counts(kernels.array(total.contiguous().view(-1)), scale, kernels.array(out.view(-1)))
+            return out
         out = total.to(torch.float32) * (self.threshold / world_size)
         return out.to(packet.dtype).view(packet.shape)
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """Sum the int codes exactly (int32), then scale once: equals the allreduce path."""
+        first = packets[0]
+        if fused(*(p.wire["codes"] for p in packets)) and first.dtype == torch.float32:
+            # the counts summed in the float32 output itself (exact: |count| <= n < 2**24),
+            # then scaled in place: the bits of from_sum(int total), one buffer fewer
+            out = torch.empty(first.shape, dtype=torch.float32)
+            flat = kernels.array(out.view(-1))
+            table = kernels.array(value_table(_SIGNS, torch.float32))
+            ek.decode2(kernels.array(first.wire["codes"].contiguous()), table, flat)
+            for p in packets[1:]:
+                ek.accumulate2(kernels.array(p.wire["codes"].contiguous()), table, flat)
+            scale = kernels.array(torch.tensor([self.threshold / len(packets)], dtype=torch.float32))[0]
+            ek.scale_counts(flat, scale, flat)
+            return out
+        if fused(*(p.wire["codes"] for p in packets)):
+            total = torch.zeros(packets[0].numel, dtype=torch.int32)
+            table = kernels.array(value_table(_SIGNS, torch.int32))
+            for p in packets:
+                ek.accumulate2(kernels.array(p.wire["codes"].contiguous()), table, kernels.array(total))
+            return self.from_sum(total, packets[0], len(packets))
         total = torch.zeros(packets[0].numel, dtype=torch.int32, device=packets[0].wire["codes"].device)
         for p in packets:
             total += self.summand(p, len(packets))

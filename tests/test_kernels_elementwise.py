@@ -1,0 +1,190 @@
+"""The fused elementwise codecs (gradzip.kernels.elementwise behind sign, scaled_sign, 2bit;
+buffer reuse of fp16 / bf16) are bit-identical to their torch reference path
+(``kernels.use("torch")``): wire bytes, decoded values, residuals, summands, sums and
+aggregates, on odd, empty, 1-element, 0-d, multi-dimensional and non-contiguous tensors,
+16-bit and 64-bit floats, and the special values (±0, ±inf, NaN, subnormals, ±threshold)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("numba")
+
+from gradzip import kernels  # noqa: E402
+from gradzip.compressors import _util, build  # noqa: E402
+from gradzip.kernels import elementwise as ek  # noqa: E402
+
+FUSED = ["sign", "scaled_sign", "2bit", "2bit:threshold=0.5", "2bit:threshold=1e-40"]
+CASTS = ["fp16", "bf16"]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-45, 1e-40, 0.01, -0.01,
+           0.5, -0.5, 0.009999999776482582, -0.009999999776482582, 1e-8, 70000.0, -3e38]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``t`` (NaN payloads and -0.0 compare exactly)."""
+    t = t.detach().contiguous().reshape(-1)
+    if t.is_floating_point():
+        return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+    return t
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def same_packet(a, b) -> bool:
+    return (a.wire.keys() == b.wire.keys() and a.shape == b.shape and a.dtype == b.dtype
+            and all(same(a.wire[k], b.wire[k]) for k in a.wire))
+
+
+def make(shape, dtype, seed, special=True, layout="contiguous") -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.02
+    flat = x.view(-1)
+    if special and flat.numel():
+        picks = torch.randint(len(SPECIAL), (flat.numel(),), generator=gen)
+        where = torch.rand(flat.numel(), generator=gen) < 0.3
+        flat[where] = torch.tensor(SPECIAL, dtype=torch.float64)[picks[where]]
+    x = x.to(dtype)
+    if layout == "transposed" and x.dim() >= 2:
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+    if layout == "strided" and x.dim() >= 1:
+        return torch.stack([x, x], dim=-1)[..., 0]
+    return x
+
+
+def run_all(spec, x, n=3):
+    """Every codec operation on ``x`` in the current kernel mode (fresh buffers)."""
+    codec = build(spec)
+    got = {}
+    packet = codec.compress(x, seed=5)
+    got["packet"] = packet
+    got["decoded"] = codec.decompress(packet)
+    out = torch.full(x.shape, float("nan"), dtype=x.dtype)
+    got["decoded_out"] = codec.decompress(packet, out=out)
+    assert got["decoded_out"] is out
+    residual = torch.full(x.shape, float("nan"), dtype=x.dtype)
+    got["packet_r"] = codec.compress_residual(x, 5, residual)
+    got["residual"] = residual
+    packets = [codec.compress(x * k if k else x, seed=k) for k in range(n)]
+    got["aggregate"] = codec.aggregate(packets)
+    got["aggregate_of_one"] = codec.aggregate(packets[:1])
+    if codec.sum_dtype(n, x.dtype) is not None:
+        summands = [codec.summand(p, n) for p in packets]
+        got["summand"] = summands[0]
+        wide = summands[0].to(torch.int32) if not summands[0].is_floating_point() else summands[0].clone()
+        for s in summands[1:]:
+            wide += s
+        got["from_sum_wide"] = codec.from_sum(wide, packets[0], n)
+        if not summands[0].is_floating_point():
+            got["from_sum_int8"] = codec.from_sum(wide.to(summands[0].dtype), packets[0], n)
+    return got
+
+
+def check_identical(spec, x):
+    with kernels.use("torch"):
+        ref = run_all(spec, x)
+    with kernels.use("numba"):
+        fused = run_all(spec, x)
+    assert ref.keys() == fused.keys()
+    for key in ref:
+        if key.startswith("packet"):
+            assert same_packet(ref[key], fused[key]), key
+        else:
+            assert same(ref[key], fused[key]), (key, ref[key], fused[key])
+
+
+@pytest.mark.parametrize("spec", FUSED + CASTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (7,), (13,), (1001,), (3, 5, 7), (0, 4),
+                                   (1024,), (2053,), (33, 65)])  # whole encoder blocks + a tail
+def test_fused_path_is_bit_identical_to_the_torch_reference(spec, dtype, shape):
+    check_identical(spec, make(shape, dtype, seed=sum(shape) + len(shape)))
+
+
+@pytest.mark.parametrize("spec", FUSED)
+@pytest.mark.parametrize("layout", ["transposed", "strided"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_non_contiguous_inputs_are_bit_identical(spec, layout, dtype):
+    x = make((41, 53), dtype, seed=2, layout=layout)
+    assert not x.is_contiguous()
+    check_identical(spec, x)
+
+
+@settings(max_examples=40, deadline=None)
+@given(spec=st.sampled_from(FUSED), dtype=st.sampled_from([torch.float32, torch.float64]),
+       values=st.lists(st.one_of(st.floats(width=32), st.sampled_from(SPECIAL)), max_size=70))
+def test_hypothesis_values_are_bit_identical(spec, dtype, values):
+    check_identical(spec, torch.tensor(values, dtype=torch.float64).to(dtype))
+
+
+@pytest.mark.parametrize("spec", ["sign", "scaled_sign", "2bit"])
+def test_piecewise_reference_matches_the_fused_path(spec, monkeypatch):
+    """With the reference encoding piece by piece (one torch thread, large tensors),
+    ``scaled_sign``'s ‖v‖₁ is a sum of per-piece sums: the fused path sums the same pieces."""
+    monkeypatch.setattr(_util, "CHUNK", 64)
+    monkeypatch.setattr(_util, "PIECEWISE", True)
+    check_identical(spec, make((3003,), torch.float32, seed=9, special=False))
+
+
+@pytest.mark.parametrize("spec", FUSED + CASTS)
+def test_compress_writes_into_the_reused_packets_buffers(spec):
+    """``compress(x, reuse=old)`` fills ``old``'s wire tensors (no allocation) with the same
+    bytes a fresh compress gives; a packet of another size is not reused."""
+    codec = build(spec)
+    x, y = make((2501,), torch.float32, seed=1), make((2501,), torch.float32, seed=2)
+    with kernels.use("numba"):
+        old = codec.compress(x, seed=1)
+        ptrs = {k: w.data_ptr() for k, w in old.wire.items()}
+        again = codec.compress(y, seed=2, reuse=old)
+        assert {k: w.data_ptr() for k, w in again.wire.items()} == ptrs
+        assert same_packet(again, codec.compress(y, seed=2))
+        residual = torch.empty_like(y)
+        third = codec.compress_residual(x, 1, residual, reuse=again)
+        assert {k: w.data_ptr() for k, w in third.wire.items()} == ptrs
+        assert same_packet(third, codec.compress(x, seed=1))
+        small = codec.compress(make((7,), torch.float32, seed=3), seed=1, reuse=third)
+        assert all(w.data_ptr() != ptrs[k] for k, w in small.wire.items() if w.numel() != third.wire[k].numel())
+    with kernels.use("torch"):
+        assert same_packet(third, codec.compress(x, seed=1))
+
+
+@pytest.mark.parametrize("spec,kernel", [("sign", "sign_encode"), ("scaled_sign", "sign_encode"),
+                                         ("2bit", "twobit_encode")])
+def test_cpu_float32_takes_the_fused_kernel(spec, kernel, monkeypatch):
+    """On the CPU in mode auto, float32 compress runs the fused kernel (and mode torch does not)."""
+    calls = []
+    original = getattr(ek, kernel)
+    monkeypatch.setattr(ek, kernel, lambda *a: calls.append(1) or original(*a))
+    codec = build(spec)
+    x = make((100,), torch.float32, seed=0)
+    with kernels.use("auto"):
+        codec.compress(x)
+    assert calls == [1]
+    with kernels.use("torch"):
+        codec.compress(x)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("spec", FUSED)
+def test_decompress_into_a_non_contiguous_out(spec):
+    codec = build(spec)
+    x = make((6, 5), torch.float32, seed=4)
+    with kernels.use("numba"):
+        packet = codec.compress(x)
+        out = torch.full((5, 6), float("nan")).t()
+        assert codec.decompress(packet, out=out) is out
+        assert same(out.contiguous(), codec.decompress(packet))
+        residual = torch.full((5, 6), float("nan")).t()
+        codec.compress_residual(x, 0, residual)
+        assert same(residual.contiguous(), x - codec.decompress(packet))
+
+
+@settings(max_examples=25, deadline=None)
+@given(spec=st.sampled_from(FUSED), dtype=st.sampled_from([torch.float32, torch.float64]),
+       n=st.integers(0, 5000), seed=st.integers(0, 2**16))
+def test_hypothesis_sizes_across_blocks_are_bit_identical(spec, dtype, n, seed):
+    check_identical(spec, make((n,), dtype, seed=seed))
