@@ -7,6 +7,8 @@ cross-entropy, backward, ``step()``. Variants:
 
 * ``ddp``: ``DistributedDataParallel`` + ``torch.optim.SGD`` (the peer; the ratio's base);
 * ``ddp-fp16``: the same with torch's ``fp16_compress_hook`` (the peer's codec);
+* ``ssgd-unguarded``: SSGD with ``nonfinite="off"`` (no NaN/Inf check of the gradients
+  and of the aggregate: what the guards cost, which DDP does not pay);
 * ``ssgd``, ``efsgd-topk1%``, ``bitsgd``, ``cdsgd``: ``gradzip.optim`` SSGD,
   EFSGD(compressor ``topk:ratio=0.01``), BitSGD, CDSGD (default 2-bit codec, k 5), each
   on the bare model (no DDP). CD-SGD's ``step()`` returns before its exchange ends; its
@@ -66,7 +68,7 @@ from gradzip.train import models
 HEADING = "Step time against PyTorch DDP"
 ROOT = Path(__file__).resolve().parents[1]
 #: The variants (:func:`build`), in the default order; the first given is the ratios' base.
-VARIANTS = ("ddp", "ddp-fp16", "ssgd", "efsgd-topk1%", "bitsgd", "cdsgd")
+VARIANTS = ("ddp", "ddp-fp16", "ssgd", "ssgd-unguarded", "efsgd-topk1%", "bitsgd", "cdsgd")
 SHAPE = (3, 32, 32)
 CLASSES = 10
 LR = 0.01
@@ -84,6 +86,8 @@ def build(variant: str, comm, model_name: str):
     params = model.parameters()
     if variant == "ssgd":
         opt = SSGD(params, LR, comm=comm)
+    elif variant == "ssgd-unguarded":   # what the NaN/Inf guards cost (two read passes a step)
+        opt = SSGD(params, LR, comm=comm, nonfinite="off")
     elif variant == "efsgd-topk1%":
         opt = EFSGD(params, LR, comm=comm, compressor="topk:ratio=0.01")
     elif variant == "bitsgd":

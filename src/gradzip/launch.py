@@ -16,6 +16,7 @@ outlive the death of any worker, rank 0 included.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import os
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import allocator
 from .comm import init_from_env
 from .comm.base import DEFAULT_TIMEOUT_S, PeerFailure, check_timeout, check_world_size
 from .comm.liveness import announce_failure
@@ -133,8 +135,9 @@ def run_processes(world_size: int, fn: Callable[..., Any], *args: Any,
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, store is not None, timeout_s, results,
                                                fn, args, os.getpid()),
                          name=f"gradzip-rank{r}", daemon=False) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with _environment(allocator.worker_env()):   # read by the spawned interpreters
+        for p in procs:
+            p.start()
     outputs: dict[int, Any] = {}
     reports: dict[int, tuple[BaseException | None, str]] = {}  # rank -> (exception, traceback)
     deaths: dict[int, int] = {}  # rank -> exit code, for workers gone without reporting
@@ -175,6 +178,19 @@ def run_processes(world_size: int, fn: Callable[..., Any], *args: Any,
                 p.kill()
                 p.join(timeout=2)
         del store  # after the workers: they must not see it go
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """This process's environment replaced by ``env`` for the block (children inherit it)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _settled(world_size: int, outputs: dict, reports: dict, deaths: dict, running: set[int],

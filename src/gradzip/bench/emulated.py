@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .. import allocator
 from ..comm import allreduce_wire_bytes, init_from_env
 from ..errors import GradzipError
 from ..train.config import method_label
@@ -177,7 +178,7 @@ def run_ranks(topo: "netns.Topology", code: str, log_dir: Path, timeout_s: float
     procs = []
     try:
         for rank in range(topo.n):
-            rank_env = dict(os.environ, **(env or {}), RANK=str(rank), WORLD_SIZE=str(topo.n), LOCAL_RANK="0",
+            rank_env = dict(allocator.worker_env(), **(env or {}), RANK=str(rank), WORLD_SIZE=str(topo.n), LOCAL_RANK="0",
                             LOCAL_WORLD_SIZE="1", MASTER_ADDR=netns.address(0), MASTER_PORT=str(MASTER_PORT),
                             GLOO_SOCKET_IFNAME=netns.IFNAME, TP_SOCKET_IFNAME=netns.IFNAME,
                             OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="")

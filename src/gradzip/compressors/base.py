@@ -142,7 +142,8 @@ class Compressor:
         return None
 
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
-        """The aggregate (same as :meth:`aggregate`) from the allreduced ``summand`` sum."""
+        """The aggregate (same as :meth:`aggregate`) from the allreduced ``summand`` sum;
+        ``total`` is the caller's to consume: the aggregate may be computed in its memory."""
         raise NotImplementedError(f"{self.name} packets do not sum")
 
     # -- description -----------------------------------------------------------------

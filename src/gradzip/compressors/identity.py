@@ -44,7 +44,7 @@ class NoCompression(Compressor):
         return packet.wire["x"].reshape(-1).clone()
 
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
-        return (total / world_size).to(packet.dtype).view(packet.shape)
+        return total.div_(world_size).view(packet.shape)  # total: PSync's own buffer, of the packet's dtype
 
 
 @dataclass(frozen=True)
