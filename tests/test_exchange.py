@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 import torch
 
@@ -139,3 +141,15 @@ def test_route_builds_the_summand_only_when_allreduce_wins(spec, n, builds):
     assert kind == ("allreduce" if builds else "allgather")
     if builds:
         assert flat[0].dtype == codec.sum_dtype(n, torch.float32)
+
+
+def test_count_wait_counts_blocked_time_as_communication_on_the_owner_thread_only():
+    """A method's own collective behind its buckets (the overlap's control allgather) is
+    time blocked on the network: communicate_s and, on the training thread, wait_s."""
+    psync = PSync(gradzip.comm.default(), "none")   # a world of one
+    psync.count_wait(1.0, 1.25)
+    assert (psync.timings.communicate_s, psync.timings.wait_s) == (0.25, 0.25)
+    worker = threading.Thread(target=psync.count_wait, args=(2.0, 2.5))
+    worker.start()
+    worker.join()
+    assert (psync.timings.communicate_s, psync.timings.wait_s) == (0.75, 0.25)

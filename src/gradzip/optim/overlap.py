@@ -51,6 +51,7 @@ backward and ``step()``, ``opt.state`` already holds the step's momentum buffers
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from typing import Iterator
 
@@ -312,7 +313,9 @@ class GradientExchange(DistributedOptimizer):
         self._feed_rest(run)                     # every bucket launched before the agreement
         flags = torch.tensor([[first_bad, int(stale)]])
         if self.comm.world_size > 1:             # the one control collective of the step
+            began = time.perf_counter()          # behind the buckets: it waits for their traffic
             flags = self.comm.allgather_control(flags).reshape(-1, 2)
+            self._exchanges[0].count_wait(began, time.perf_counter())
         if int(flags[:, 0].max()) >= 0:          # "skip": every worker skips this step
             self._discard(run, uncount=True)
             self.skipped_steps += 1
