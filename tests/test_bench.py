@@ -369,3 +369,14 @@ def test_remove_stale_deletes_namespaces_of_zombie_owners(monkeypatch):
         assert deleted == [["ip", "netns", "delete", zombie]]
     finally:
         child.wait()
+
+
+@pytest.mark.parametrize("algo", ["cdsgd", "odsgd", "ssgd"])
+def test_profile_above_the_timing_cap_sizes_the_collectives_by_a_dry_run(algo):
+    """Above ``time_at_most`` the collectives come from a dry run at the real worker count:
+    a method with a background exchange (CD-SGD, OD-SGD) stops its thread there although
+    its pending dry exchange fails (it raised out of ``close()``: the projection to 256
+    workers crashed)."""
+    shapes = [(16, 8), (8,)]
+    capped = profiling.profile_method(algo, {}, shapes, 16, steps=2, time_at_most=4)
+    assert capped.workers == 16 and capped.wire_bytes_per_step > 0
