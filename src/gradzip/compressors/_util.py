@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 
 from .. import kernels
-from .base import Packet
+from .base import Compressor, Packet
 from .bitpack import _LITTLE, pack_bits, packed_nbytes, unpack_bits
 
 #: Elements per piece when a CPU codec encodes a large tensor piece by piece (a multiple
@@ -215,3 +215,22 @@ def above_threshold(flat: torch.Tensor, threshold) -> torch.Tensor:
     idx = [torch.nonzero(torch.abs(flat[lo:lo + piece]) >= threshold).view(-1) + lo
            for lo in range(0, numel, piece)]
     return torch.cat(idx) if len(idx) > 1 else idx[0]
+
+
+class OnePassResidual(Compressor):
+    """For a codec whose ``_encode(tensor, seed, reuse, residual)`` writes the error-feedback
+    residual in the same fused pass as the packet (float32, CPU kernels): ``compress`` and
+    ``compress_residual`` both go through it; anything else takes the base class's two calls."""
+
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        return self._encode(tensor, seed, reuse, None)
+
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        if tensor.dtype != torch.float32 or not kernels.enabled(tensor, out) or not out.is_contiguous():
+            return super().compress_residual(tensor, seed, out, reuse)
+        return self._encode(tensor, seed, reuse, out)
+
+    def _encode(self, tensor: torch.Tensor, seed: int, reuse: Packet | None,
+                residual: torch.Tensor | None) -> Packet:
+        raise NotImplementedError

@@ -23,15 +23,15 @@ import torch
 from .. import kernels
 from ..kernels import counter_rng, quantize
 from ..validation import is_int, require
-from ._util import as_float32, decode_chunks, encode_chunks
-from .base import Compressor, Packet, deliver
+from ._util import as_float32, decode_chunks, encode_chunks, OnePassResidual
+from .base import Packet, deliver
 from .bitpack import packed_nbytes
 from .registry import register
 
 
 @register
 @dataclass(frozen=True)
-class QSGD(Compressor):
+class QSGD(OnePassResidual):
     name = "qsgd"
     unbiased = True
     levels: int = 16
@@ -46,15 +46,6 @@ class QSGD(Compressor):
     @property
     def bits(self) -> int:
         return (2 * self.levels).bit_length()  # = ceil(log2(2s + 1))
-
-    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
-        return self._encode(tensor, seed, reuse, None)
-
-    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
-                          reuse: Packet | None = None) -> Packet:
-        if tensor.dtype != torch.float32 or not kernels.enabled(tensor, out) or not out.is_contiguous():
-            return super().compress_residual(tensor, seed, out, reuse)
-        return self._encode(tensor, seed, reuse, out)
 
     def _encode(self, tensor: torch.Tensor, seed: int, reuse: Packet | None,
                 residual: torch.Tensor | None) -> Packet:

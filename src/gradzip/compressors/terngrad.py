@@ -18,8 +18,8 @@ import torch
 
 from .. import kernels
 from ..kernels import counter_rng, quantize
-from ._util import as_float32, decode_lut, encode_chunks
-from .base import Compressor, Packet, deliver
+from ._util import as_float32, decode_lut, encode_chunks, OnePassResidual
+from .base import Packet, deliver
 from .bitpack import packed_nbytes
 from .registry import register
 
@@ -28,18 +28,9 @@ _SIGNS = (0.0, 0.0, -1.0, 1.0)
 
 @register
 @dataclass(frozen=True)
-class TernGrad(Compressor):
+class TernGrad(OnePassResidual):
     name = "terngrad"
     unbiased = True
-
-    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
-        return self._encode(tensor, seed, reuse, None)
-
-    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
-                          reuse: Packet | None = None) -> Packet:
-        if tensor.dtype != torch.float32 or not kernels.enabled(tensor, out) or not out.is_contiguous():
-            return super().compress_residual(tensor, seed, out, reuse)
-        return self._encode(tensor, seed, reuse, out)
 
     def _encode(self, tensor: torch.Tensor, seed: int, reuse: Packet | None,
                 residual: torch.Tensor | None) -> Packet:
