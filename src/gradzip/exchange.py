@@ -271,15 +271,15 @@ class PSync:
             self.bytes_sent += bucket.work.nbytes
         return buckets
 
-    def count_wait(self, began: float, ended: float, what: str = "control") -> None:
+    def count_wait(self, began: float, ended: float) -> None:
         """Count ``[began, ended]`` (perf_counter) as time blocked on this exchange's network:
         a method's own small collective issued behind its buckets (gloo runs a group's
         collectives in order, so it waits for them) belongs to communication, not update."""
         self.timings.communicate_s += ended - began
         if threading.get_ident() == self._owner:
             self.timings.wait_s += ended - began
-        if self.tracer is not None:
-            self.tracer.add("communicate", began, ended, kind=what, bytes=0)
+        if self.tracer is not None:   # a "wait" span, as CD-SGD's wait for its exchange
+            self.tracer.add("wait", began, ended)
 
     def _add_compress(self, seconds: float) -> None:
         self.timings.compress_s += seconds
