@@ -217,7 +217,26 @@ def above_threshold(flat: torch.Tensor, threshold) -> torch.Tensor:
     return torch.cat(idx) if len(idx) > 1 else idx[0]
 
 
-class OnePassResidual(Compressor):
+class DecodeAddMean(Compressor):
+    """The mean of the decoded packets, fused for float32 on the CPU: the first packet
+    decoded, each other one decoded and added in the same pass (:meth:`_decode_add`: the same
+    float32 sums in the same order as the reference), then divided by n."""
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        first = packets[0]
+        if first.dtype != torch.float32 or not kernels.enabled(*first.wire.values()):
+            return super().aggregate(packets)
+        total = self.decompress(first)  # a new tensor on this path
+        for p in packets[1:]:
+            self._decode_add(p, total)
+        return total.div_(len(packets))
+
+    def _decode_add(self, packet: Packet, total: torch.Tensor) -> None:
+        """``total += decompress(packet)`` in one fused pass (float32, CPU)."""
+        raise NotImplementedError
+
+
+class OnePassResidual(DecodeAddMean):
     """For a codec whose ``_encode(tensor, seed, reuse, residual)`` writes the error-feedback
     residual in the same fused pass as the packet (float32, CPU kernels): ``compress`` and
     ``compress_residual`` both go through it; anything else takes the base class's two calls."""

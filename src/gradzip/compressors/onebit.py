@@ -15,7 +15,6 @@ more for them, the price of bit-identical means.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -23,14 +22,14 @@ from .. import kernels
 from ..kernels import quantize
 from . import _util
 from ._util import _lut, decode_lut, encode_chunks, matrix_shape
-from .base import Compressor, Packet, deliver
+from .base import Packet, deliver
 from .bitpack import packed_nbytes
 from .registry import register
 
 
 @register
 @dataclass(frozen=True)
-class OneBit(Compressor):
+class OneBit(_util.DecodeAddMean):
     name = "1bit"
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
@@ -96,18 +95,10 @@ class OneBit(Compressor):
         bit = decode_lut(bits, 1, (0.0, 1.0), rows * cols, packet.dtype).view(rows, cols)
         return deliver(torch.lerp(neg, pos, bit, out=bit).view(packet.shape), out)  # exactly pos or neg
 
-    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
-        """The mean of the decoded packets; fused (each packet decoded and added in one pass,
-        the same float32 sums in the same order) for float32 on the CPU."""
-        first = packets[0]
-        if first.dtype != torch.float32 or not kernels.enabled(first.wire["bits"]):
-            return super().aggregate(packets)
-        total = self.decompress(first)  # a new tensor on this path
-        _, cols = matrix_shape(first.shape)
-        for p in packets[1:]:
-            pos, neg = p.wire["means"]
-            quantize.onebit_decode(p.wire["bits"], max(cols, 1), pos.contiguous(), neg.contiguous(), total, add=True)
-        return total.div_(len(packets))
+    def _decode_add(self, packet: Packet, total: torch.Tensor) -> None:
+        _, cols = matrix_shape(packet.shape)
+        pos, neg = packet.wire["means"]
+        quantize.onebit_decode(packet.wire["bits"], max(cols, 1), pos.contiguous(), neg.contiguous(), total, add=True)
 
 
 def _piece(cols: int) -> int:

@@ -16,7 +16,6 @@ norm is the same torch reduction on both paths, and ``_encode_reference`` (CUDA,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -90,14 +89,6 @@ class QSGD(OnePassResidual):
         dense = decode_chunks(packet.wire["codes"], self.bits, packet.numel, torch.float32, fill)
         return deliver(dense.to(packet.dtype).view(packet.shape), out)
 
-    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
-        """The mean of the decoded packets; fused (each packet decoded and added in one pass,
-        the same float32 sums in the same order) for float32 on the CPU."""
-        first = packets[0]
-        if first.dtype != torch.float32 or not kernels.enabled(first.wire["codes"]):
-            return super().aggregate(packets)
-        total = self.decompress(first)  # a new tensor on this path
-        for p in packets[1:]:
-            step = (p.wire["norm"] / self.levels).item()
-            quantize.qsgd_decode(p.wire["codes"], self.levels, self.bits, step, total, add=True)
-        return total.div_(len(packets))
+    def _decode_add(self, packet: Packet, total: torch.Tensor) -> None:
+        step = (packet.wire["norm"] / self.levels).item()
+        quantize.qsgd_decode(packet.wire["codes"], self.levels, self.bits, step, total, add=True)

@@ -12,7 +12,6 @@ are one numba pass (:mod:`gradzip.kernels.quantize`), bit-identical to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -68,13 +67,5 @@ class TernGrad(OnePassResidual):
         dense = decode_lut(packet.wire["codes"], 2, _SIGNS, packet.numel, torch.float32)
         return deliver(dense.mul_(packet.wire["scale"]).to(packet.dtype).view(packet.shape), out)
 
-    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
-        """The mean of the decoded packets; fused (each packet decoded and added in one pass,
-        the same float32 sums in the same order) for float32 on the CPU."""
-        first = packets[0]
-        if first.dtype != torch.float32 or not kernels.enabled(first.wire["codes"]):
-            return super().aggregate(packets)
-        total = self.decompress(first)  # a new tensor on this path
-        for p in packets[1:]:
-            quantize.terngrad_decode(p.wire["codes"], p.wire["scale"].item(), total, add=True)
-        return total.div_(len(packets))
+    def _decode_add(self, packet: Packet, total: torch.Tensor) -> None:
+        quantize.terngrad_decode(packet.wire["codes"], packet.wire["scale"].item(), total, add=True)
