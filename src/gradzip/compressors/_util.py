@@ -135,6 +135,20 @@ def value_table(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(tuple(values), dtype=dtype)
 
 
+def fused_counts(packets: Sequence[Packet], wire: str, values: Sequence, decode, accumulate) -> torch.Tensor:
+    """``Σ_j values[code_j]`` per entry over the packets (their ``wire`` codes), as a float32
+    tensor of their shape, counted in that output itself by the fused ``decode`` of the first
+    packet and ``accumulate`` of the others (exact while the counts stay below 2**24): the
+    first half of the sign and 2bit fused aggregates."""
+    out = torch.empty(packets[0].shape, dtype=torch.float32)
+    flat = kernels.array(out.view(-1))
+    table = kernels.array(value_table(values, torch.float32))
+    decode(kernels.array(packets[0].wire[wire].contiguous()), table, flat)
+    for p in packets[1:]:
+        accumulate(kernels.array(p.wire[wire].contiguous()), table, flat)
+    return out
+
+
 def sample_indices(numel: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """A uniformly random k-subset of ``range(numel)``, sorted, int64, on the CPU.
 

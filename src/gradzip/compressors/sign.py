@@ -23,7 +23,7 @@ import torch
 
 from .. import kernels
 from ..kernels import elementwise as ek
-from ._util import (FUSED_DTYPES, decode_lut, decode_target, encode_chunks, flat_input, fused, value_table,
+from ._util import (FUSED_DTYPES, decode_lut, decode_target, encode_chunks, flat_input, fused, fused_counts, value_table,
                     wire_buffer)
 from ._util import abs_sum as _abs_sum
 from .base import Compressor, Packet, deliver
@@ -116,12 +116,8 @@ class Sign(Compressor):
         if fused(*(p.wire["bits"] for p in packets)) and first.dtype == torch.float32:
             # the votes counted in the float32 output itself (exact: |count| <= n < 2**24),
             # then replaced by their sign in place: the bits of from_sum(int total)
-            out = torch.empty(first.shape, dtype=torch.float32)
+            out = fused_counts(packets, "bits", _PM1, ek.decode1, ek.accumulate1)
             flat = kernels.array(out.view(-1))
-            table = kernels.array(value_table(_PM1, torch.float32))
-            ek.decode1(kernels.array(first.wire["bits"].contiguous()), table, flat)
-            for p in packets[1:]:
-                ek.accumulate1(kernels.array(p.wire["bits"].contiguous()), table, flat)
             ek.sign_of_counts(flat, kernels.array(value_table(_SIGN3, torch.float32)), flat)
             return out
         total = _counts_of(packets)

@@ -33,7 +33,8 @@ import torch
 from .. import kernels
 from ..kernels import elementwise as ek
 from ..validation import is_real, require
-from ._util import FUSED_DTYPES, decode_lut, decode_target, encode_chunks, flat_input, fused, value_table, wire_buffer
+from ._util import (FUSED_DTYPES, decode_lut, decode_target, encode_chunks, flat_input, fused, fused_counts, value_table,
+                    wire_buffer)
 from .base import Compressor, Packet, deliver
 from .bitpack import packed_nbytes
 from .registry import register
@@ -135,12 +136,8 @@ class TwoBit(Compressor):
         if fused(*(p.wire["codes"] for p in packets)) and first.dtype == torch.float32:
             # the counts summed in the float32 output itself (exact: |count| <= n < 2**24),
             # then scaled in place: the bits of from_sum(int total), one buffer fewer
-            out = torch.empty(first.shape, dtype=torch.float32)
+            out = fused_counts(packets, "codes", _SIGNS, ek.decode2, ek.accumulate2)
             flat = kernels.array(out.view(-1))
-            table = kernels.array(value_table(_SIGNS, torch.float32))
-            ek.decode2(kernels.array(first.wire["codes"].contiguous()), table, flat)
-            for p in packets[1:]:
-                ek.accumulate2(kernels.array(p.wire["codes"].contiguous()), table, flat)
             scale = kernels.array(torch.tensor([self.threshold / len(packets)], dtype=torch.float32))[0]
             ek.scale_counts(flat, scale, flat)
             return out
