@@ -110,24 +110,9 @@ def flat_input(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def wire_buffer(reuse: Packet | None, name: str, numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """The ``name`` wire tensor of the ``reuse`` packet when it fits (``numel`` contiguous CPU
-    entries of ``dtype``: the codec's ``compress(reuse=)`` contract), else a new one."""
-    if reuse is not None:
-        old = reuse.wire.get(name)
-        if (old is not None and old.dtype == dtype and old.numel() == numel and old.is_contiguous()
-                and old.device.type == "cpu"):
-            return old.reshape(-1)
-    return torch.empty(numel, dtype=dtype)
-
-
-def decode_target(out: torch.Tensor | None, shape, dtype: torch.dtype) -> torch.Tensor:
-    """Where a fused decode writes: ``out`` itself when it is a contiguous CPU tensor of this
-    shape and dtype, else a new tensor (the codec then ends with :func:`base.deliver`, which
-    copies into ``out`` or names its mismatch)."""
-    if (out is not None and out.shape == shape and out.dtype == dtype and out.is_contiguous()
-            and out.device.type == "cpu"):
-        return out
-    return torch.empty(shape, dtype=dtype)
+    """The ``name`` wire tensor of the ``reuse`` packet when it fits (:func:`kernels.reused`),
+    else a new one."""
+    return kernels.reused(None if reuse is None else reuse.wire.get(name), numel, dtype)
 
 
 def value_table(values: Sequence, dtype: torch.dtype) -> torch.Tensor:

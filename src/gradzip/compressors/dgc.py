@@ -46,7 +46,7 @@ from ..validation import is_real, require
 from . import _util
 from ._util import generator, scatter_mean
 from .base import Compressor, Packet, keep_count, deliver
-from .sparsify import fits_out, fused_path, fused_scatter_mean, wire_buffers
+from .sparsify import fits_out, fused_path, fused_scatter_mean
 from .registry import register
 
 #: Refinement rounds of the sampled threshold before falling back to the exact top-k.
@@ -191,7 +191,8 @@ class DGCCompressor(Compressor):
             idx = idx.index_select(0, best)
             values = None if values is None else values.index_select(0, best)
         selected = idx.numel()
-        wire_values, wire_idx = wire_buffers(reuse, ("values", "indices"), (k, k), (flat.dtype, torch.int32))
+        wire_values = _util.wire_buffer(reuse, "values", k, flat.dtype)
+        wire_idx = _util.wire_buffer(reuse, "indices", k, torch.int32)
         if values is None:
             torch.index_select(flat, 0, idx, out=wire_values[:selected])
         else:

@@ -63,10 +63,10 @@ class OneBit(_util.DecodeAddMean):
             for start in range(0, flat.numel(), chunk):
                 _add_sums(flat[start : start + chunk], cols, sums)
         wire = reuse.wire if reuse is not None else {}
-        bits = quantize.reused(wire.get("bits"), packed_nbytes(flat.numel(), 1))
+        bits = kernels.reused(wire.get("bits"), packed_nbytes(flat.numel(), 1))
         pos_n = torch.zeros(cols, dtype=torch.int64)
         quantize.onebit_encode(flat.to(torch.float32).contiguous(), max(cols, 1), bits, pos_n)
-        means = quantize.reused(wire.get("means"), 2 * cols, torch.float32).view(2, cols)
+        means = kernels.reused(wire.get("means"), 2 * cols, torch.float32).view(2, cols)
         return Packet({"bits": bits, "means": means.copy_(_means(sums, pos_n, rows))}, tensor.shape, tensor.dtype)
 
     def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,

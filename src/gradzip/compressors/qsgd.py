@@ -55,8 +55,8 @@ class QSGD(OnePassResidual):
         if not kernels.enabled(v):
             return self._encode_reference(tensor, v, norm, scale, seed)
         wire = reuse.wire if reuse is not None else {}
-        codes = quantize.reused(wire.get("codes"), packed_nbytes(v.numel(), self.bits))
-        norm_ = quantize.reused(wire.get("norm"), 1, torch.float32)
+        codes = kernels.reused(wire.get("codes"), packed_nbytes(v.numel(), self.bits))
+        norm_ = kernels.reused(wire.get("norm"), 1, torch.float32)
         step = (norm / s).item()  # what decompress multiplies by: the residual's C(v)
         quantize.qsgd_encode(v.contiguous(), scale.item(), s, self.bits, seed, codes, residual, step)
         return Packet({"norm": norm_.copy_(norm.reshape(1)), "codes": codes}, tensor.shape, tensor.dtype)

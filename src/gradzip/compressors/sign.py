@@ -23,7 +23,7 @@ import torch
 
 from .. import kernels
 from ..kernels import elementwise as ek
-from ._util import (FUSED_DTYPES, decode_lut, decode_target, encode_chunks, flat_input, fused, fused_counts, value_table,
+from ._util import (FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused, fused_counts, value_table,
                     wire_buffer)
 from ._util import abs_sum as _abs_sum
 from .base import Compressor, Packet, deliver
@@ -42,7 +42,7 @@ def _fused_bits(tensor: torch.Tensor, reuse: Packet | None) -> tuple[torch.Tenso
 
 def _decode_fused(packet: Packet, table: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``table[bit]`` for every entry, written into ``out`` (see ``Compressor.decompress``)."""
-    target = decode_target(out, packet.shape, packet.dtype)
+    target = kernels.decode_target(out, packet.shape, packet.dtype)
     ek.decode1(kernels.array(packet.wire["bits"].contiguous()), kernels.array(table),
                kernels.array(target.view(-1)))
     return target if target is out else deliver(target, out)
@@ -51,7 +51,7 @@ def _decode_fused(packet: Packet, table: torch.Tensor, out: torch.Tensor | None)
 def _residual_fused(tensor: torch.Tensor, table: torch.Tensor, bits: torch.Tensor, x: torch.Tensor,
                     out: torch.Tensor) -> None:
     """bits of ``x >= 0`` into ``bits`` and ``x − table[bit]`` into ``out``, one pass."""
-    target = decode_target(out, tensor.shape, tensor.dtype)
+    target = kernels.decode_target(out, tensor.shape, tensor.dtype)
     ek.sign_encode_residual(kernels.array(x), kernels.array(table), kernels.array(bits),
                             kernels.array(target.view(-1)))
     if target is not out:

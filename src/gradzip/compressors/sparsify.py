@@ -101,17 +101,6 @@ def _topk_select(flat: torch.Tensor, k: int, scan=None) -> tuple[torch.Tensor, t
     return candidates.index_select(0, best), None if found is None else found.index_select(0, best)
 
 
-def wire_buffers(reuse: Packet | None, names: Sequence[str], sizes: Sequence[int], dtypes) -> list[torch.Tensor]:
-    """The wire tensors of a fused compress: ``reuse``'s when it has them (same sizes and
-    dtypes), else new ones."""
-    if reuse is not None:
-        held = [reuse.wire.get(n) for n in names]
-        if all(t is not None and t.numel() == s and t.dtype == d and t.is_contiguous()
-               for t, s, d in zip(held, sizes, dtypes)):
-            return held
-    return [torch.empty(s, dtype=d) for s, d in zip(sizes, dtypes)]
-
-
 def fused_path(tensor: torch.Tensor) -> bool:
     """Whether the fused kernels (kernels/sparse.py) take ``tensor``."""
     return kernels.enabled(tensor) and sparse_kernels.supported(tensor)
@@ -158,7 +147,8 @@ class TopK(Compressor):
             return sparse_kernels.scan(flat, threshold, residual if len(copied) == 1 else None, expect)
 
         idx, values = _topk_select(flat, k, scan)
-        wire_values, wire_idx = wire_buffers(reuse, ("values", "indices"), (k, k), (flat.dtype, torch.int32))
+        wire_values = _util.wire_buffer(reuse, "values", k, flat.dtype)
+        wire_idx = _util.wire_buffer(reuse, "indices", k, torch.int32)
         if values is None:
             torch.index_select(flat, 0, idx, out=wire_values)
         else:
@@ -225,7 +215,7 @@ class RandomK(Compressor):
         flat = tensor.detach().reshape(-1)
         idx = self.indices(flat.numel(), seed, flat.device)
         if fused_path(tensor):   # the gather into reuse's buffer
-            (values,) = wire_buffers(reuse, ("values",), (idx.numel(),), (flat.dtype,))
+            values = _util.wire_buffer(reuse, "values", idx.numel(), flat.dtype)
             torch.index_select(flat, 0, idx, out=values)
         else:
             values = flat.index_select(0, idx)

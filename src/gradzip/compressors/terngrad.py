@@ -39,8 +39,8 @@ class TernGrad(OnePassResidual):
         if not kernels.enabled(v):
             return self._encode_reference(tensor, v, s, seed)
         wire = reuse.wire if reuse is not None else {}
-        codes = quantize.reused(wire.get("codes"), packed_nbytes(v.numel(), 2))
-        scale = quantize.reused(wire.get("scale"), 1, torch.float32).copy_(s.reshape(1))
+        codes = kernels.reused(wire.get("codes"), packed_nbytes(v.numel(), 2))
+        scale = kernels.reused(wire.get("scale"), 1, torch.float32).copy_(s.reshape(1))
         quantize.terngrad_encode(v.contiguous(), s.item(), seed, codes, residual)
         return Packet({"codes": codes, "scale": scale}, tensor.shape, tensor.dtype)
 

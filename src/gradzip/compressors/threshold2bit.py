@@ -33,7 +33,7 @@ import torch
 from .. import kernels
 from ..kernels import elementwise as ek
 from ..validation import is_real, require
-from ._util import (FUSED_DTYPES, decode_lut, decode_target, encode_chunks, flat_input, fused, fused_counts, value_table,
+from ._util import (FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused, fused_counts, value_table,
                     wire_buffer)
 from .base import Compressor, Packet, deliver
 from .bitpack import packed_nbytes
@@ -76,7 +76,7 @@ class TwoBit(Compressor):
                           reuse: Packet | None = None) -> Packet:
         if fused(tensor) and tensor.dtype in FUSED_DTYPES:
             x, codes, t = self._fused_input(tensor, reuse)
-            target = decode_target(out, tensor.shape, tensor.dtype)
+            target = kernels.decode_target(out, tensor.shape, tensor.dtype)
             ek.twobit_encode_residual(kernels.array(x), t, kernels.array(value_table(self._values, tensor.dtype)),
                                       kernels.array(codes), kernels.array(target.view(-1)))
             if target is not out:
@@ -86,7 +86,7 @@ class TwoBit(Compressor):
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         if fused(packet.wire["codes"]) and packet.dtype.is_floating_point:
-            target = decode_target(out, packet.shape, packet.dtype)
+            target = kernels.decode_target(out, packet.shape, packet.dtype)
             ek.decode2(kernels.array(packet.wire["codes"].contiguous()),
                        kernels.array(value_table(self._values, packet.dtype)), kernels.array(target.view(-1)))
             return target if target is out else deliver(target, out)

@@ -106,3 +106,23 @@ def array(tensor: torch.Tensor):
         tensor = tensor.view(torch.int16)
         return tensor.numpy().view("uint16")
     return tensor.numpy()
+
+
+def reused(old: torch.Tensor | None, numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """``old`` (a wire tensor of a packet given as ``compress(reuse=)``), flat, when it is a
+    contiguous CPU tensor of ``numel`` entries of ``dtype``; else a new one: where every fused
+    codec writes its wire."""
+    if (old is not None and old.dtype == dtype and old.numel() == numel and old.is_contiguous()
+            and old.device.type == "cpu"):
+        return old.reshape(-1)
+    return torch.empty(numel, dtype=dtype)
+
+
+def decode_target(out: torch.Tensor | None, shape, dtype: torch.dtype) -> torch.Tensor:
+    """Where a fused decode writes: ``out`` itself when it is a contiguous CPU tensor of this
+    shape and dtype, else a new tensor (the codec then ends with ``base.deliver``, which copies
+    into ``out`` or names its mismatch)."""
+    if (out is not None and out.shape == shape and out.dtype == dtype and out.is_contiguous()
+            and out.device.type == "cpu"):
+        return out
+    return torch.empty(shape, dtype=dtype)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from . import array
+from . import decode_target as _decode_target
 from . import njit as _njit
 from . import counter_rng
 
@@ -417,22 +418,11 @@ def _unpack(packed, at, bits, m, codes):
 
 
 # -- the calls the codecs make (torch tensors in, Python numbers) ----------------------------
-def reused(old: torch.Tensor | None, numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """``old`` (a wire tensor of a packet given as ``reuse=``) when it is a contiguous CPU
-    tensor of ``numel`` entries of ``dtype``, else a new one."""
-    if old is not None and old.numel() == numel and old.dtype == dtype and old.is_contiguous() \
-            and old.device.type == "cpu":
-        return old
-    return torch.empty(numel, dtype=dtype)
-
-
 def decode_target(out: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """Where a fused decode writes: ``out`` itself when it is a contiguous float32 tensor of
-    ``shape`` (and the packet's ``dtype`` is float32), else a float32 scratch to convert."""
-    if out is not None and out.dtype == torch.float32 == dtype and out.is_contiguous() \
-            and out.shape == shape:
-        return out
-    return torch.empty(shape, dtype=torch.float32)
+    """Where a fused decode (always float32) writes: ``out`` when the packet's ``dtype`` is
+    float32 and ``out`` fits (:func:`gradzip.kernels.decode_target`), else a float32 scratch
+    to convert."""
+    return _decode_target(out if dtype == torch.float32 else None, shape, torch.float32)
 
 
 def _blocks(seed: int, numel: int):
