@@ -45,8 +45,8 @@ from ..kernels import sparse as sparse_kernels
 from ..validation import is_real, require
 from . import _util
 from ._util import generator, scatter_mean
-from .base import Compressor, Packet, keep_count, deliver
-from .sparsify import fits_out, fused_path, fused_scatter_mean
+from .base import Compressor, Packet, keep_count
+from .sparsify import fits_out, fused_path, fused_scatter_mean, scatter_decode
 from .registry import register
 
 #: Refinement rounds of the sampled threshold before falling back to the exact top-k.
@@ -209,14 +209,7 @@ class DGCCompressor(Compressor):
                       meta={"selected": selected})
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        values, indices = packet.wire["values"], packet.wire["indices"]
-        if (out is not None and fused_path(out) and out.dtype == packet.dtype == values.dtype
-                and out.shape == packet.shape and out.is_contiguous() and indices.dtype == torch.int32
-                and indices.is_contiguous() and values.is_contiguous()
-                and sparse_kernels.place(out.view(-1), indices, values, added=True)):
-            return out
-        dense = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
-        return deliver(dense.index_add_(0, indices.long(), values.to(packet.dtype)).view(packet.shape), out)
+        return scatter_decode(packet, out, added=True)   # padding repeats an index with value 0
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """One dense buffer, every packet's values index-added, divided by n."""

@@ -101,6 +101,21 @@ def _topk_select(flat: torch.Tensor, k: int, scan=None) -> tuple[torch.Tensor, t
     return candidates.index_select(0, best), None if found is None else found.index_select(0, best)
 
 
+def scatter_decode(packet: Packet, out: torch.Tensor | None, added: bool) -> torch.Tensor:
+    """The dense tensor of a (values, indices) packet: zeros with the values placed at their
+    indices, each written once (``added=False``: top-k) or summed where indices repeat
+    (``added=True``: DGC's padding); straight into ``out`` by the fused kernel where it can."""
+    values, indices = packet.wire["values"], packet.wire["indices"]
+    if (out is not None and fused_path(out) and out.dtype == packet.dtype == values.dtype
+            and out.shape == packet.shape and out.is_contiguous() and indices.dtype == torch.int32
+            and indices.is_contiguous() and values.is_contiguous()
+            and sparse_kernels.place(out.view(-1), indices, values, added=added)):
+        return out
+    dense = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
+    scatter = dense.index_add_ if added else dense.index_copy_
+    return deliver(scatter(0, indices.long(), values.to(packet.dtype)).view(packet.shape), out)
+
+
 def fused_path(tensor: torch.Tensor) -> bool:
     """Whether the fused kernels (kernels/sparse.py) take ``tensor``."""
     return kernels.enabled(tensor) and sparse_kernels.supported(tensor)
@@ -161,14 +176,7 @@ class TopK(Compressor):
         return Packet({"values": wire_values, "indices": wire_idx}, tensor.shape, tensor.dtype)
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        values, indices = packet.wire["values"], packet.wire["indices"]
-        if (out is not None and fused_path(out) and out.dtype == packet.dtype == values.dtype
-                and out.shape == packet.shape and out.is_contiguous() and indices.dtype == torch.int32
-                and indices.is_contiguous() and values.is_contiguous()
-                and sparse_kernels.place(out.view(-1), indices, values, added=False)):
-            return out
-        dense = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
-        return deliver(dense.index_copy_(0, indices.long(), values.to(packet.dtype)).view(packet.shape), out)
+        return scatter_decode(packet, out, added=False)
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """One dense buffer, every packet's values index-added, divided by n."""
