@@ -178,7 +178,7 @@ class PSync:
         else:
             packets = [codec.compress(t.detach(), self._seed(step, key), reuse=old)
                        for t, key, old in zip(tensors, keys, spares)]
-        recyclable = [not _shares_memory(p.wire.values(), [t]) for p, t in zip(packets, tensors)]
+        recyclable = [_storages(p.wire.values()).isdisjoint(_storages([t])) for p, t in zip(packets, tensors)]
         buckets = self._launch(packets)
         payload = sum(p.nbytes for p in packets)
         self.payload_bytes += payload
@@ -199,14 +199,14 @@ class PSync:
     def _release(self, pending: Pending, out: list[torch.Tensor]) -> None:
         """After ``wait()``: keep its packets and bucket buffers for the next ``start()``,
         except what a returned aggregate shares memory with (module docstring: memory)."""
-        pinned = {t.untyped_storage().data_ptr() for t in out if t is not None}
+        pinned = _storages(t for t in out if t is not None)
         with self._lock:
             for key, packet, ok in zip(pending.keys, pending.packets, pending.recyclable):
-                if ok and not any(w.untyped_storage().data_ptr() in pinned for w in packet.wire.values()):
+                if ok and _storages(packet.wire.values()).isdisjoint(pinned):
                     self._spare_packets[key] = packet
             for bucket in pending.buckets:
                 buf = bucket.buffer
-                if buf is not None and buf.untyped_storage().data_ptr() not in pinned:
+                if buf is not None and _storages([buf]).isdisjoint(pinned):
                     spare = self._spare_buffers.setdefault((bucket.kind, buf.dtype, buf.device, buf.numel()), [])
                     if len(spare) < 2:
                         spare.append(buf)
@@ -341,10 +341,9 @@ def _unpack_wire(template: Packet, raw: torch.Tensor) -> dict[str, torch.Tensor]
     return wire
 
 
-def _shares_memory(tensors, others) -> bool:
-    """Whether any of ``tensors`` lives in the storage of one of ``others``."""
-    storages = {o.untyped_storage().data_ptr() for o in others}
-    return any(t.untyped_storage().data_ptr() in storages for t in tensors)
+def _storages(tensors) -> set[int]:
+    """The storages ``tensors`` live in (two tensors share memory iff these sets meet)."""
+    return {t.untyped_storage().data_ptr() for t in tensors}
 
 
 def _itemsize(dtype: torch.dtype) -> int:
