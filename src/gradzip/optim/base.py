@@ -157,9 +157,7 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
                 return loss
         """
         loss = self._evaluate(closure)
-        if not self._verified:
-            refuse_ddp_double_sync(self._all_params(), type(self).__name__)
-            self.verify_consistent()
+        self.verify_once()
         pairs = self.params_with_grad()
         params = [p for _, p in pairs]
         if self.nonfinite != "off" and not self.gradients_finite(params):
@@ -214,11 +212,23 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
                                "(it copies rank 0's parameters and buffers to all).")})
         self._verified = True
 
-    def params_with_grad(self) -> list[tuple[dict, torch.Tensor]]:
+    def verify_once(self) -> None:
+        """The first-step guards, before this optimizer's first collective of data: refuse
+        DDP double communication, compare settings across workers (:meth:`verify_consistent`);
+        nothing once verified."""
+        if not self._verified:
+            refuse_ddp_double_sync(self._all_params(), type(self).__name__)
+            self.verify_consistent()
+
+    def participating(self) -> list[tuple[dict, torch.Tensor]]:
         """``(group, param)`` for every parameter that requires a gradient, in a fixed order,
-        the same on every worker; a missing ``.grad`` is set to zeros first (module
+        the same on every worker."""
+        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def params_with_grad(self) -> list[tuple[dict, torch.Tensor]]:
+        """:meth:`participating`, with a missing ``.grad`` set to zeros first (module
         docstring: DDP's ``find_unused_parameters`` semantics)."""
-        pairs = [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+        pairs = self.participating()
         for _, p in pairs:
             if p.grad is None:
                 p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)

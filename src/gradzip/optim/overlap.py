@@ -57,7 +57,6 @@ from typing import Iterator
 
 import torch
 
-from ..double_sync import refuse_ddp_double_sync
 from ..errors import GradzipError
 from ..exchange import Pending
 from ..nonfinite import NonFiniteAggregate, first_nonfinite
@@ -234,10 +233,8 @@ class GradientExchange(DistributedOptimizer):
 
     def _current_run(self) -> _Run:
         if self._run is None:
-            if not self._verified:  # before the first collective of this optimizer
-                refuse_ddp_double_sync(self._all_params(), type(self).__name__)
-                self.verify_consistent()
-            pairs = [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+            self.verify_once()   # before the first collective of this optimizer
+            pairs = self.participating()
             if self._plan is None or self._plan.key != _plan_key(pairs, self.bucket_bytes):
                 self._plan = _Plan(pairs, self.bucket_bytes)
             self._run = self._new_run()
