@@ -124,11 +124,14 @@ class TwoBit(Compressor):
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
         if fused(total) and packet.dtype == torch.float32 and total.dtype in (torch.int8, torch.int32):
             out = torch.empty(packet.shape, dtype=torch.float32)
-            scale = kernels.array(torch.tensor([self.threshold / world_size], dtype=torch.float32))[0]
-            ek.scale_counts(kernels.array(total.contiguous().view(-1)), scale, kernels.array(out.view(-1)))
+            ek.scale_counts(kernels.array(total.contiguous().view(-1)), self._step(world_size), kernels.array(out.view(-1)))
             return out
         out = total.to(torch.float32) * (self.threshold / world_size)
         return out.to(packet.dtype).view(packet.shape)
+
+    def _step(self, world_size: int):
+        """``t / n`` as the float32 scalar the reference multiplies by (for the fused kernels)."""
+        return kernels.array(torch.tensor([self.threshold / world_size], dtype=torch.float32))[0]
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """Sum the int codes exactly (int32), then scale once: equals the allreduce path."""
@@ -138,8 +141,7 @@ class TwoBit(Compressor):
             # then scaled in place: the bits of from_sum(int total), one buffer fewer
             out = fused_counts(packets, "codes", _SIGNS, ek.decode2, ek.accumulate2)
             flat = kernels.array(out.view(-1))
-            scale = kernels.array(torch.tensor([self.threshold / len(packets)], dtype=torch.float32))[0]
-            ek.scale_counts(flat, scale, flat)
+            ek.scale_counts(flat, self._step(len(packets)), flat)
             return out
         if fused(*(p.wire["codes"] for p in packets)):
             total = torch.zeros(packets[0].numel, dtype=torch.int32)
