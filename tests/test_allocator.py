@@ -6,6 +6,7 @@ import os
 import pytest
 
 from gradzip import allocator
+from gradzip.errors import GradzipError
 from gradzip.launch import run_processes
 
 
@@ -19,6 +20,13 @@ def test_worker_env_adds_the_settings_and_keeps_the_rest():
                                    {"GRADZIP_MALLOC": "system"}, {"GRADZIP_MALLOC": "SYSTEM"}])
 def test_a_users_own_setting_or_the_opt_out_leaves_the_environment_as_it_is(given):
     assert allocator.worker_env(given) == given
+
+
+def test_gradzip_malloc_gradzip_is_the_default_and_a_typo_is_refused_naming_the_choices():
+    assert allocator.worker_env({"GRADZIP_MALLOC": "gradzip"})["MALLOC_MMAP_THRESHOLD_"] == \
+        allocator.MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]
+    with pytest.raises(GradzipError, match=r"GRADZIP_MALLOC='sytem' is not a choice; set it to system"):
+        allocator.worker_env({"GRADZIP_MALLOC": "sytem"})
 
 
 def test_worker_env_does_not_touch_this_process():
