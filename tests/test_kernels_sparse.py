@@ -22,25 +22,18 @@ from gradzip.compressors.dgc import _select
 from gradzip.compressors.sparsify import _topk_select
 from gradzip.kernels import sparse
 
+from cases import same_bits
+
 pytestmark = pytest.mark.skipif(not kernels.numba_available(), reason="numba is not installed")
 
 SPECS = ["topk:ratio=0.01", "topk:ratio=0.3", "dgc:ratio=0.01", "dgc:ratio=0.001,sample_ratio=0.05",
          "dgc:ratio=0.3", "randomk:ratio=0.01", "randomk:ratio=0.3,unbiased=true"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-       torch.int32: torch.int32}
 
 
 def assert_same(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
-    """Same dtype, shape and bits (any NaN matches any NaN)."""
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    if not got.dtype.is_floating_point:
-        assert torch.equal(got, want), what
-        return
-    nan = torch.isnan(want)
-    assert torch.equal(torch.isnan(got), nan), what
-    g, w = got.contiguous().view(INT[got.dtype]), want.contiguous().view(INT[want.dtype])
-    assert torch.equal(g[~nan], w[~nan]), what
+    """Same dtype, shape and bits (any NaN matches any NaN: cases.same_bits)."""
+    assert same_bits(got, want), what
 
 
 def make(kind: str, shape, dtype, seed: int) -> torch.Tensor:
