@@ -11,5 +11,6 @@ from .errors import GradzipError
 from .nonfinite import NonFiniteGradient
 from .exchange import PSync
 from .replicas import broadcast_parameters
+from .landscape import sharpness
 
-__all__ = ["comm", "compressors", "exchange", "optim", "simulate", "PSync", "GradzipError", "NonFiniteGradient", "broadcast_parameters", "__version__"]
+__all__ = ["comm", "compressors", "exchange", "optim", "simulate", "PSync", "GradzipError", "NonFiniteGradient", "broadcast_parameters", "sharpness", "__version__"]

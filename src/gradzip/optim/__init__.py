@@ -11,13 +11,21 @@ from .localsgd import LocalSGD
 from .powersgd import PowerSGD
 from .qsparse import QSparseLocalSGD
 from .ssgd import SSGD
+from .lars import LARS
+from .lamb import LAMB
+from .compressed import AdamWMethod, Compressed, LAMBMethod, LARSMethod
+from .sam import SAM
+from .schedule import LinearScalingWarmup, lr_at, scaled_lr
 
 #: CLI name -> method class (``gradzip train --algo NAME``).
 METHODS = {"ssgd": SSGD, "efsgd": EFSGD, "bitsgd": BitSGD,
            "localsgd": LocalSGD, "qsparse": QSparseLocalSGD, "csea": CSEA, "cser": CSER, "cserpl": CSERPL,
            "dgc": DGC, "powersgd": PowerSGD,
-           "odsgd": ODSGD, "cdsgd": CDSGD, "cpsgd": CPSGD}
+           "odsgd": ODSGD, "cdsgd": CDSGD, "cpsgd": CPSGD,
+           "lars": LARSMethod, "lamb": LAMBMethod, "adamw": AdamWMethod}
 
 __all__ = ["DistributedOptimizer", "method_options", "COMMON_OPTIONS", "SSGD", "EFSGD", "BitSGD",
            "LocalSGD", "QSparseLocalSGD", "CSEA", "CSER", "CSERPL", "DGC", "PowerSGD",
-           "ODSGD", "CDSGD", "CPSGD", "METHODS"]
+           "ODSGD", "CDSGD", "CPSGD", "METHODS",
+           "Compressed", "LARS", "LAMB", "SAM", "LARSMethod", "LAMBMethod", "AdamWMethod",
+           "LinearScalingWarmup", "lr_at", "scaled_lr"]

@@ -307,6 +307,11 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
                           "exchanges": [x.counters() for x in self._exchanges]}
         return out
 
+    def check_saved_group(self, group: dict, where: str) -> None:
+        """``load_state_dict``'s check of a saved param group (the constructor's checks);
+        a method whose groups hold other hyper-parameters overrides it."""
+        check_group(type(self).__name__, group, where)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """``torch.optim``'s, refusing (naming the field) a state this optimizer cannot
         continue from: not a gradzip state, another method, another world size, param
@@ -332,7 +337,7 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
                 "resume with as many workers as saved it"
             )
         for i, group in enumerate(state_dict.get("param_groups", [])):
-            check_group(name, group, f"param_groups[{i}].")
+            self.check_saved_group(group, f"param_groups[{i}].")
         super().load_state_dict(state_dict)   # torch's own checks (group sizes) first
         self.steps = int(extra["steps"])
         self.skipped_steps = int(extra.get("skipped_steps", 0))
