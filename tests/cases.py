@@ -237,7 +237,10 @@ RESUME_RUNS = {
     "qsparse": {"H": 5}, "csea": {}, "cser": {"H": 6}, "cserpl": {"H": 6},
     "dgc": {"warmup_steps": 10, "ratio": 0.01}, "powersgd": {"start_iter": 10, "rank": 2},
     "odsgd": {"warmup_steps": 5}, "cdsgd": {"warmup_steps": 5, "k": 3}, "cpsgd": {"k": 4},
+    "lars": {"compressor": "topk:ratio=0.1"}, "lamb": {}, "adamw": {"compressor": "topk:ratio=0.1"},
 }
+#: Common options of a method in RESUME_RUNS that differ from resume_runs' (Adam-type: no momentum).
+RESUME_COMMON = {"lamb": {"momentum": 0.0}, "adamw": {"momentum": 0.0}}
 INTERRUPT_AFTER = 27
 
 
@@ -261,8 +264,9 @@ def resume_runs(comm, root: str, methods=tuple(RESUME_RUNS), epochs: int = 2):
 
     out = {}
     for name in methods:
-        base = RunConfig(algo=name, options=RESUME_RUNS[name], epochs=epochs, momentum=0.5,
-                         weight_decay=1e-4, lr=0.05, progress=False, checkpoint_every=8)
+        common = {"momentum": 0.5, "weight_decay": 1e-4, "lr": 0.05, **RESUME_COMMON.get(name, {})}
+        base = RunConfig(algo=name, options=RESUME_RUNS[name], epochs=epochs, progress=False, checkpoint_every=8,
+                         **common)
         whole = run_worker(comm, RunConfig(**{**vars(base), "checkpoint_dir": f"{root}/{name}-whole"}))
         cut = RunConfig(**{**vars(base), "checkpoint_dir": f"{root}/{name}-resumed", "resume": True})
         try:

@@ -33,3 +33,44 @@ def test_scheduler_sets_the_rule_before_every_step():
         opt.step()
         sched.step()
     assert seen == pytest.approx([0.2, 0.3, 0.4, 0.4, 0.4])
+
+
+# -- in the training loop and the CLI ------------------------------------------------------
+
+def large_batch_runs(comm, root):
+    """LARS with top-k, linear scaling + warm-up and SAM: a whole run, and one interrupted
+    after step 5 and resumed from its checkpoint at step 4; their results."""
+    from gradzip.train.config import RunConfig
+    from gradzip.train.loop import run_worker
+
+    import cases
+    base = dict(algo="lars", options={"compressor": "topk:ratio=0.1"}, epochs=1, batch_size=64, lr=0.05,
+                momentum=0.9, lr_scaling="linear", warmup_epochs=0.5, sam_rho=0.05, progress=False,
+                checkpoint_every=4)
+    whole = run_worker(comm, RunConfig(**base, checkpoint_dir=f"{root}/whole"))
+    cut = RunConfig(**base, checkpoint_dir=f"{root}/cut", resume=True)
+    with pytest.raises(cases.Interrupted):
+        run_worker(comm, cut, after_step=cases.interrupt_after(5))
+    return whole, run_worker(comm, cut)
+
+
+def test_large_batch_options_in_the_loop_resume_exactly(tmp_path):
+    import gradzip
+    import cases
+    whole, resumed = gradzip.simulate(2, lambda c: large_batch_runs(c, str(tmp_path)))[0]
+    assert resumed["summary"]["resumed_from_step"] == 4
+    cases.assert_bitwise_equal(whole["history"], resumed["history"], "history")
+    assert whole["summary"]["lr_peak"] == pytest.approx(0.1) and whole["summary"]["global_batch"] == 128
+    assert whole["history"][-1]["lr"] == pytest.approx(0.1)   # past the warm-up: the scaled rate
+
+
+def test_cli_large_batch_flags(tmp_path):
+    import json
+    from gradzip.cli import main
+    assert main(["train", "--algo", "lamb", "--compressor", "topk:ratio=0.05", "--lr", "0.01", "--workers", "2",
+                 "--backend", "threads", "--epochs", "1", "--lr-scaling", "sqrt", "--base-batch", "32",
+                 "--warmup-epochs", "0.5", "--sam-rho", "0.05", "--quiet", "--no-plot", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["lr_peak"] == pytest.approx(0.01 * 2 ** 0.5) and summary["sam_rho"] == 0.05
+    assert summary["final_test_accuracy"] > 0.5
+    assert main(["train", "--warmup-epochs", "1", "--quiet"]) == 2   # a warm-up needs a scaling

@@ -79,6 +79,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nesterov", action="store_true")
     g.add_argument("--weight-decay", type=non_negative, default=0.0)
     g.add_argument("--seed", type=seed_int, default=0)
+    b = p.add_argument_group("large batch (docs/large_batch.md)")
+    b.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
+                   help="scale --lr with the global batch (--batch-size x workers) over --base-batch (default: %(default)s)")
+    b.add_argument("--base-batch", type=positive_int, default=None,
+                   help="the global batch --lr is tuned for (default: --batch-size)")
+    b.add_argument("--warmup-epochs", type=non_negative, default=0.0,
+                   help="ramp linearly from --lr to the scaled rate over these epochs (Goyal et al.)")
+    b.add_argument("--sam-rho", type=non_negative, default=0.0,
+                   help="> 0: SAM around the method (two passes per step, no extra communication)")
     w = p.add_argument_group("workers")
     w.add_argument("--workers", type=positive_int, default=None,
                    help="worker count (default: 1 for train, 4 for compare; under torchrun: its world)")
@@ -163,6 +172,8 @@ def _configs(args) -> list:
                   batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
                   weight_decay=args.weight_decay, seed=args.seed, eval_on=args.eval_on,
                   nonfinite=args.nonfinite, trace=bool(args.trace), progress=not args.quiet,
+                  lr_scaling=args.lr_scaling, base_batch=args.base_batch or 0, warmup_epochs=args.warmup_epochs,
+                  sam_rho=args.sam_rho,
                   **_checkpointing(args))
     given = _given_options(args)
     if args.command == "train":

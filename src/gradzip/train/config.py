@@ -14,6 +14,7 @@ from typing import Any
 from .. import optim
 from ..comm import Group
 from ..errors import GradzipError
+from ..validation import is_int, is_real
 
 #: A comma starts a new method only when a bare word (a method name) follows it, so codec
 #: specs may hold commas: ``efsgd@topk:ratio=0.01,unbiased=true,bitsgd``.
@@ -73,6 +74,10 @@ class RunConfig:
     trace: bool = False           # record a timeline (gradzip.trace) of every step
     eval_on: str = "auto"         # "local" model, the workers' "average", or "auto" (average where they differ)
     nonfinite: str = "raise"      # a NaN/Inf gradient: "raise", "skip" the step on every worker, or "off"
+    lr_scaling: str = "none"      # large batch: "linear" / "sqrt" scaling of lr with the global batch
+    base_batch: int = 0           # the global batch lr is tuned for (0: batch_size, one worker's)
+    warmup_epochs: float = 0.0    # gradual warm-up from lr to the scaled lr (Goyal et al.)
+    sam_rho: float = 0.0          # > 0: SAM around the method, radius rho
     checkpoint_dir: str | None = None   # write checkpoints here (per rank, atomically)
     checkpoint_every: int = 0     # steps between checkpoints; 0: at the end of every epoch
     resume: bool = False          # continue from the newest checkpoint in checkpoint_dir, if any
@@ -94,8 +99,34 @@ def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOpti
             f"method {cfg.algo!r} takes no option {', '.join(unknown)}; its options: "
             f"{', '.join(sorted(accepted)) or 'none'}"
         )
+    check_large_batch(cfg)
     return cls(params, lr=cfg.lr, comm=comm, momentum=cfg.momentum, nesterov=cfg.nesterov,
                weight_decay=cfg.weight_decay, seed=cfg.seed, nonfinite=cfg.nonfinite, **cfg.options)
+
+
+def check_large_batch(cfg: RunConfig) -> None:
+    """The large-batch options (``--lr-scaling``, ``--base-batch``, ``--warmup-epochs``, ``--sam-rho``)."""
+    if cfg.lr_scaling not in optim.schedule.SCALINGS:
+        raise GradzipError(f"--lr-scaling must be one of {', '.join(optim.schedule.SCALINGS)}, got {cfg.lr_scaling!r}")
+    if not is_int(cfg.base_batch) or cfg.base_batch < 0:
+        raise GradzipError(f"--base-batch must be an integer >= 1 (0: --batch-size), got {cfg.base_batch!r}")
+    if not is_real(cfg.warmup_epochs) or not 0 <= cfg.warmup_epochs < float("inf"):
+        raise GradzipError(f"--warmup-epochs must be a finite number >= 0, got {cfg.warmup_epochs!r}")
+    if cfg.warmup_epochs > 0 and cfg.lr_scaling == "none":
+        raise GradzipError("--warmup-epochs ramps from --lr to the scaled learning rate: add --lr-scaling linear "
+                           "(or sqrt), or leave the warm-up out")
+    if not is_real(cfg.sam_rho) or not 0 <= cfg.sam_rho < float("inf"):
+        raise GradzipError(f"--sam-rho must be a finite number >= 0, got {cfg.sam_rho!r}")
+
+
+def lr_rule(cfg: RunConfig, world_size: int, steps_per_epoch: int) -> tuple[float, float, int] | None:
+    """``(η_base, η*, T_w)`` of the large-batch rule (:mod:`gradzip.optim.schedule`), or None
+    without ``--lr-scaling``: ``η*`` for the global batch ``batch_size · world_size``, ``T_w``
+    the warm-up epochs in steps."""
+    if cfg.lr_scaling == "none":
+        return None
+    target = optim.scaled_lr(cfg.lr, cfg.batch_size * world_size, cfg.base_batch or cfg.batch_size, cfg.lr_scaling)
+    return cfg.lr, target, round(cfg.warmup_epochs * steps_per_epoch)
 
 
 #: RunConfig fields that do not change a run's numbers: they may differ between workers and

@@ -30,7 +30,8 @@ from ..errors import GradzipError
 from ..trace import Tracer, maybe_span
 from ..validation import is_int
 from . import checkpoint, datasets, models
-from .config import FREE_FIELDS, SEED_LIMIT, RunConfig, collective_fields, make_optimizer, trajectory_fields
+from .config import (FREE_FIELDS, SEED_LIMIT, RunConfig, collective_fields, lr_rule, make_optimizer,
+                     trajectory_fields)
 from .evaluation import evaluate_shared, evaluation_model
 
 
@@ -91,6 +92,8 @@ class _Job:
     state: LoopState
     settings: dict[str, str]       # the optimizer's resolved settings (describe()), saved with a checkpoint
     after_step: Callable[[int], None] | None = None
+    lr_rule: tuple[float, float, int] | None = None   # (η_base, η*, T_w): the large-batch schedule
+    sam: optim.SAM | None = None   # SAM around ``opt`` (--sam-rho)
     tracer: Tracer | None = None
     bar: Any = None
     began: float = 0.0             # perf_counter() at which the run's clock (resumed: its clock) started
@@ -161,7 +164,9 @@ def _prepare(comm: Group, cfg: RunConfig, after_step) -> _Job:
     torch.manual_seed(seeds.worker_seed(cfg.seed, comm.rank))
     random.seed(seeds.worker_seed(cfg.seed, comm.rank))
     settings = {k: str(v) for k, v in opt.describe().items() if k != "gradzip version"}
-    return _Job(comm, cfg, ds, model, opt, steps_per_epoch, LoopState(), settings, after_step)
+    return _Job(comm, cfg, ds, model, opt, steps_per_epoch, LoopState(), settings, after_step,
+                lr_rule=lr_rule(cfg, comm.world_size, steps_per_epoch),
+                sam=optim.SAM(opt, rho=cfg.sam_rho) if cfg.sam_rho > 0 else None)
 
 
 def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
@@ -171,14 +176,21 @@ def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
     order = datasets.shard(len(job.ds.train_x), comm.rank, comm.world_size, epoch, cfg.seed)
     for b in range(first_batch, job.steps_per_epoch):
         idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
+        if job.lr_rule is not None:   # a function of the step: a resumed run needs no scheduler state
+            for group in opt.param_groups:
+                group["lr"] = optim.lr_at(opt.steps + 1, *job.lr_rule)
         t0 = time.perf_counter()
         blocked = _exchange_blocked_s(opt)
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(job.model(job.ds.train_x[idx]), job.ds.train_y[idx])
-        loss.backward()
-        t1 = time.perf_counter()
-        in_backward = _exchange_blocked_s(opt) - blocked   # codec work the gradient hooks did
-        opt.step()
+        if job.sam is None:
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(job.model(job.ds.train_x[idx]), job.ds.train_y[idx])
+            loss.backward()
+            t1 = time.perf_counter()
+            in_backward = _exchange_blocked_s(opt) - blocked   # codec work the gradient hooks did
+            opt.step()
+        else:
+            loss, forward_s = _sam_step(job, idx)
+            t1, in_backward = t0 + forward_s, 0.0   # SAM's passes run with the hooks idle
         t2 = time.perf_counter()
         state.compute_s += t1 - t0 - in_backward
         state.step_s += t2 - t1 + in_backward
@@ -194,6 +206,20 @@ def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
         if cfg.checkpoint_dir and cfg.checkpoint_every and state.done % cfg.checkpoint_every == 0 \
                 and b < job.steps_per_epoch - 1:  # at an epoch's end: after its record
             _save(job)
+
+
+def _sam_step(job: _Job, idx) -> tuple[torch.Tensor, float]:
+    """One SAM step (two forward/backward passes, then the method's step): the first
+    pass's loss and the seconds spent in the two passes."""
+    x, y, spent = job.ds.train_x[idx], job.ds.train_y[idx], [0.0]
+
+    def closure():
+        began = time.perf_counter()
+        loss = F.cross_entropy(job.model(x), y)
+        loss.backward()
+        spent[0] += time.perf_counter() - began
+        return loss
+    return job.sam.step(closure), spent[0]
 
 
 def _epoch_record(job: _Job, epoch: int) -> dict[str, Any]:
@@ -214,7 +240,7 @@ def _epoch_record(job: _Job, epoch: int) -> dict[str, Any]:
         record = {"algo": job.cfg.name, "epoch": epoch, "step": opt.steps, "train_loss": train_loss,
                   "bytes_sent_per_worker": opt.bytes_sent, "wall_time_s": wall,
                   **{f"time_{k}_s": v for k, v in zip(PHASES, epoch_stats[1:])},
-                  "skipped_steps": opt.skipped_steps, **opt.metrics()}
+                  "skipped_steps": opt.skipped_steps, "lr": opt.param_groups[0]["lr"], **opt.metrics()}
         record["test_accuracy"], record["test_loss"] = evaluate_shared(evaluated, comm, job.ds.test_x, job.ds.test_y)
         if job.bar is not None:
             job.bar.set_postfix(loss=f"{train_loss:.3f}", acc=f"{record['test_accuracy']:.3f}")
@@ -238,6 +264,9 @@ def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[st
         "batch_size_per_worker": cfg.batch_size,
         "lr": cfg.lr,
         "momentum": cfg.momentum,
+        "global_batch": cfg.batch_size * comm.world_size,
+        "lr_peak": job.lr_rule[1] if job.lr_rule is not None else cfg.lr,
+        "sam_rho": cfg.sam_rho,
         "seed": cfg.seed,
         "steps": opt.steps,
         "skipped_steps": opt.skipped_steps,
