@@ -45,8 +45,8 @@ def large_batch_runs(comm, root):
 
     import cases
     base = dict(algo="lars", options={"compressor": "topk:ratio=0.1"}, epochs=1, batch_size=64, lr=0.05,
-                momentum=0.9, lr_scaling="linear", warmup_epochs=0.5, sam_rho=0.05, progress=False,
-                checkpoint_every=4)
+                momentum=0.9, lr_scaling="linear", warmup_epochs=0.5, sam_rho=0.05, sharpness_rho=0.05,
+                progress=False, checkpoint_every=4)
     whole = run_worker(comm, RunConfig(**base, checkpoint_dir=f"{root}/whole"))
     cut = RunConfig(**base, checkpoint_dir=f"{root}/cut", resume=True)
     with pytest.raises(cases.Interrupted):
@@ -62,6 +62,7 @@ def test_large_batch_options_in_the_loop_resume_exactly(tmp_path):
     cases.assert_bitwise_equal(whole["history"], resumed["history"], "history")
     assert whole["summary"]["lr_peak"] == pytest.approx(0.1) and whole["summary"]["global_batch"] == 128
     assert whole["history"][-1]["lr"] == pytest.approx(0.1)   # past the warm-up: the scaled rate
+    assert whole["summary"]["sharpness"] == resumed["summary"]["sharpness"] > 0
 
 
 def test_cli_large_batch_flags(tmp_path):

@@ -78,6 +78,7 @@ class RunConfig:
     base_batch: int = 0           # the global batch lr is tuned for (0: batch_size, one worker's)
     warmup_epochs: float = 0.0    # gradual warm-up from lr to the scaled lr (Goyal et al.)
     sam_rho: float = 0.0          # > 0: SAM around the method, radius rho
+    sharpness_rho: float = 0.0    # > 0: the summary reports the final model's sharpness at this rho
     checkpoint_dir: str | None = None   # write checkpoints here (per rank, atomically)
     checkpoint_every: int = 0     # steps between checkpoints; 0: at the end of every epoch
     resume: bool = False          # continue from the newest checkpoint in checkpoint_dir, if any
@@ -115,8 +116,10 @@ def check_large_batch(cfg: RunConfig) -> None:
     if cfg.warmup_epochs > 0 and cfg.lr_scaling == "none":
         raise GradzipError("--warmup-epochs ramps from --lr to the scaled learning rate: add --lr-scaling linear "
                            "(or sqrt), or leave the warm-up out")
-    if not is_real(cfg.sam_rho) or not 0 <= cfg.sam_rho < float("inf"):
-        raise GradzipError(f"--sam-rho must be a finite number >= 0, got {cfg.sam_rho!r}")
+    for name in ("sam_rho", "sharpness_rho"):
+        value = getattr(cfg, name)
+        if not is_real(value) or not 0 <= value < float("inf"):
+            raise GradzipError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def lr_rule(cfg: RunConfig, world_size: int, steps_per_epoch: int) -> tuple[float, float, int] | None:

@@ -27,6 +27,7 @@ from .. import consistency, optim, seeds
 from ..version import __version__
 from ..comm import Group
 from ..errors import GradzipError
+from ..landscape import sharpness
 from ..trace import Tracer, maybe_span
 from ..validation import is_int
 from . import checkpoint, datasets, models
@@ -267,6 +268,7 @@ def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[st
         "global_batch": cfg.batch_size * comm.world_size,
         "lr_peak": job.lr_rule[1] if job.lr_rule is not None else cfg.lr,
         "sam_rho": cfg.sam_rho,
+        "sharpness": _sharpness(job),
         "seed": cfg.seed,
         "steps": opt.steps,
         "skipped_steps": opt.skipped_steps,
@@ -286,6 +288,23 @@ def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[st
         **{f"time_{k}_s": per_worker[:, i].mean().item() for i, k in enumerate(PHASES)},
         "time_per_worker_s": {k: per_worker[:, i].tolist() for i, k in enumerate(PHASES)},
     }
+
+
+#: Training samples (the first ones) on which the summary's sharpness is measured.
+SHARPNESS_SAMPLES = 512
+
+
+def _sharpness(job: _Job) -> float | None:
+    """The evaluation model's sharpness (:func:`gradzip.sharpness`) at ``cfg.sharpness_rho`` on
+    the first :data:`SHARPNESS_SAMPLES` training samples; None when not asked. Collective
+    where the evaluation model is (every rank computes the same value)."""
+    rho = job.cfg.sharpness_rho
+    if not rho:
+        return None
+    model = evaluation_model(job.model, job.opt, job.comm, job.cfg.eval_on)
+    x, y = job.ds.train_x[:SHARPNESS_SAMPLES], job.ds.train_y[:SHARPNESS_SAMPLES]
+    batches = [(x[i:i + 256], y[i:i + 256]) for i in range(0, len(x), 256)]
+    return sharpness(model, F.cross_entropy, batches, rho, seed=job.cfg.seed)
 
 
 def _rng_state() -> dict[str, Any]:
