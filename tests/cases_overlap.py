@@ -27,6 +27,8 @@ OVERLAPPED = {
     "dgc-dense": ("dgc", {"lr": 0.1, "ratio": 1.0, "momentum": 0.5}),
     "cser": ("cser", {"lr": 0.1, "H": 2, "c1": "topk:ratio=0.3", "c2": "topk:ratio=0.5", "momentum": 0.5}),
     "cser-randblock": ("cser", {"lr": 0.1, "H": 3, "c1": "randblock:ratio=0.3", "c2": "randblock:ratio=0.5"}),
+    "lars-topk": ("lars", {"lr": 1.0, "momentum": 0.9, "weight_decay": 0.01, "compressor": "topk:ratio=0.3"}),
+    "adamw": ("adamw", {"lr": 0.01, "weight_decay": 0.01}),
 }
 
 #: Small buckets, so that the tiny model's four tensors make several (and one larger than a

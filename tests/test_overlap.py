@@ -61,7 +61,7 @@ def test_off_starts_nothing_in_backward():
 
 def test_which_methods_overlap_is_a_class_attribute():
     overlapped = {n for n, cls in gradzip.optim.METHODS.items() if cls.overlaps_backward}
-    assert overlapped == {"ssgd", "efsgd", "bitsgd", "csea", "dgc", "cser"}
+    assert overlapped == {"ssgd", "efsgd", "bitsgd", "csea", "dgc", "cser", "lars", "lamb", "adamw"}
     comm = gradzip.comm.make_group(1)[0]
     for opt in (gradzip.optim.CSER(cases.tiny_model().parameters(), lr=0.1, comm=comm, c2=None),
                 gradzip.optim.CSERPL(cases.tiny_model().parameters(), lr=0.1, comm=comm),
