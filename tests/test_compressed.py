@@ -1,5 +1,5 @@
 """gradzip.optim.Compressed: any torch optimizer with any codec (docs/algorithms.md
-§Compressed adaptive optimizers)."""
+§Large-batch training, "Compressed(inner)")."""
 import pytest
 import torch
 

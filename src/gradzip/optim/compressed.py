@@ -1,4 +1,4 @@
-"""Any torch optimizer with any codec (docs/algorithms.md §Compressed adaptive optimizers,
+"""Any torch optimizer with any codec (docs/algorithms.md §Large-batch training,
 "Compressed(inner)").
 
 :class:`Compressed` wraps a ``torch.optim.Optimizer`` built on the parameters (AdamW,
