@@ -111,3 +111,16 @@ def test_load_refuses_a_state_without_the_inner_optimizer():
     opt = Compressed(ADAMW(cases.tiny_model().parameters()))
     with pytest.raises(GradzipError, match="'inner'"):
         opt.load_state_dict({k: v for k, v in opt.state_dict().items() if k != "inner"})
+
+
+def test_a_group_added_later_joins_the_inner_optimizer_and_the_exchange():
+    def run(comm):
+        extra = torch.nn.Parameter(torch.ones(3))
+        opt = Compressed(torch.optim.SGD(cases.tiny_model().parameters(), lr=0.1), comm=comm)
+        opt.add_param_group({"params": [extra], "lr": 0.5})
+        assert opt.param_groups is opt.inner.param_groups and opt.param_groups[-1]["params"] == [extra]
+        (extra * (comm.rank + 1)).sum().backward()   # gradient 1 on rank 0, 2 on rank 1: mean 1.5
+        opt.step()
+        return extra.detach().clone()
+    for out in gradzip.simulate(2, run):
+        torch.testing.assert_close(out, torch.full((3,), 1 - 0.5 * 1.5))
