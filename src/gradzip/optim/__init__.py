@@ -5,6 +5,7 @@ from .bitsgd import BitSGD
 from .cdsgd import CDSGD, CPSGD, ODSGD
 from .csea import CSEA
 from .dgc import DGC
+from .diloco import DiLoCo, DiLoCoMethod
 from .cser import CSER, CSERPL
 from .efsgd import EFSGD
 from .localsgd import LocalSGD
@@ -15,9 +16,9 @@ from .ssgd import SSGD
 #: CLI name -> method class (``gradzip train --algo NAME``).
 METHODS = {"ssgd": SSGD, "efsgd": EFSGD, "bitsgd": BitSGD,
            "localsgd": LocalSGD, "qsparse": QSparseLocalSGD, "csea": CSEA, "cser": CSER, "cserpl": CSERPL,
-           "dgc": DGC, "powersgd": PowerSGD,
+           "dgc": DGC, "powersgd": PowerSGD, "diloco": DiLoCoMethod,
            "odsgd": ODSGD, "cdsgd": CDSGD, "cpsgd": CPSGD}
 
 __all__ = ["DistributedOptimizer", "method_options", "COMMON_OPTIONS", "SSGD", "EFSGD", "BitSGD",
            "LocalSGD", "QSparseLocalSGD", "CSEA", "CSER", "CSERPL", "DGC", "PowerSGD",
-           "ODSGD", "CDSGD", "CPSGD", "METHODS"]
+           "ODSGD", "CDSGD", "CPSGD", "DiLoCo", "DiLoCoMethod", "METHODS"]
