@@ -1,5 +1,5 @@
 """DiLoCo and streaming DiLoCo (gradzip.optim.diloco) against the spec's boxes
-(docs/algorithms.md §DiLoCo, §Streaming DiLoCo): the S-SGD limit, a hand-written
+(docs/diloco.md, §Streaming DiLoCo): the S-SGD limit, a hand-written
 reference of the box (with a codec, with fragments, delay and mixing), the streaming
 properties the spec lists, exact resume with an exchange in flight, option errors, the CLI."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stragglers (gradzip.stragglers; docs/algorithms.md §Stragglers): the E[max] formulas,
+"""Stragglers (gradzip.stragglers; docs/stragglers.md): the E[max] formulas,
 the seeded delays against them, the training loop's injection and record, the timeline
 model's projection, and the errors of a bad --straggler."""
 from __future__ import annotations

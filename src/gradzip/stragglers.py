@@ -1,4 +1,4 @@
-"""Stragglers (docs/algorithms.md §Stragglers, the lecture's brainteaser): per-worker
+"""Stragglers (docs/stragglers.md; spec §Stragglers, the lecture's brainteaser): per-worker
 per-step delays injected into training, and the expected synchronous wait they cause.
 
 A step of synchronous training waits for the slowest of K workers: step time = compute +

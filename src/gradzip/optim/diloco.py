@@ -1,7 +1,7 @@
 """DiLoCo and streaming DiLoCo: an inner optimizer for H local steps, then an outer
 optimizer on the synchronised model, fed the mean pseudo-gradient.
 
-docs/algorithms.md §DiLoCo and §Streaming DiLoCo (Douillard et al. 2023, 2025; torchft
+docs/diloco.md; spec §DiLoCo and §Streaming DiLoCo (Douillard et al. 2023, 2025; torchft
 ``DiLoCo``). Every worker keeps the global model ``θ̂`` (``state[p]["global"]``, the same
 on every worker: each applies the same outer step to the same aggregate) beside its local
 model ``x_i`` (the user's module). The parameters are split into P fragments; fragment p
