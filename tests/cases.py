@@ -294,6 +294,7 @@ SHORT_RUNS = {
     "cserpl": {"H": 2, "c1": "topk:ratio=0.3"}, "dgc": {"warmup_steps": 2, "ratio": 0.3, "momentum": 0.9},
     "powersgd": {"start_iter": 2, "momentum": 0.9}, "odsgd": {"warmup_steps": 1},
     "cdsgd": {"warmup_steps": 1, "k": 2, "compressor": "2bit:threshold=0.05"}, "cpsgd": {"k": 3},
+    "diloco": {"H": 4, "fragments": 2, "delay": 1, "alpha": 0.5, "inner": "sgd", "compressor": "topk:ratio=0.3"},
 }
 
 
