@@ -15,7 +15,7 @@ from gradzip import cli
 from gradzip.compressors import build
 from gradzip.errors import GradzipError
 from gradzip.seeds import exchange_seed, mix
-from gradzip.optim import SSGD, DiLoCo, DiLoCoMethod
+from gradzip.optim import SSGD, DiLoCo, DiLoCoMethod, LocalSGD
 
 
 def loss_of(model, t, rank, n):
@@ -110,6 +110,22 @@ def test_h1_outer_sgd_lr1_no_momentum_inner_sgd_is_ssgd():
 
     for diloco, ssgd in gradzip.simulate(3, both):
         assert_close(diloco, ssgd, "DiLoCo(H=1, outer SGD(1, 0)) vs S-SGD")
+
+
+def test_outer_sgd_lr1_no_momentum_is_local_sgd_for_any_h():
+    def both(comm):
+        diloco = run_diloco(comm, 9, lambda ps: torch.optim.SGD(ps, lr=0.05), H=4, outer_lr=1.0,
+                            outer_momentum=0.0, outer_nesterov=False)
+        model = cases.tiny_model()
+        opt = LocalSGD(model.parameters(), lr=0.05, comm=comm, H=4)
+        for t in range(1, 10):
+            opt.zero_grad()
+            loss_of(model, t, comm.rank, comm.world_size).backward()
+            opt.step()
+        return diloco, [p.detach().clone() for p in model.parameters()]
+
+    for diloco, local in gradzip.simulate(2, both):
+        assert_close(diloco, local, "DiLoCo(H=4, outer SGD(1, 0)) vs local SGD")
 
 
 BOXES = {
