@@ -11,6 +11,7 @@ import pytest
 import gradzip
 from gradzip import cli, stragglers
 from gradzip.bench import profiling, tables, timeline
+from gradzip.bench.cli import net_bench
 from gradzip.errors import GradzipError
 from gradzip.train.config import RunConfig
 from gradzip.train.loop import run_worker
@@ -102,3 +103,11 @@ def test_cli_refuses_a_bad_straggler_in_one_line(args, message, capsys):
     assert cli.main(["train", "--backend", "threads", "--epochs", "1", "--quiet", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_bench_net_passes_the_straggler_to_every_run_and_bench_model_checks_it(capsys):
+    args = cli.build_parser().parse_args(["bench", "net", "--workers", "2", "--straggler", "exp:mean=0.01"])
+    bench = net_bench(args)
+    assert [c["straggler"] for c in bench.configs(2)] == ["exp:mean=0.01"] * len(bench.algos)
+    assert cli.main(["bench", "model", "--straggler", "exp:mean", "--no-projection", "--out", "/nonexistent/x"]) == 2
+    assert "mean needs a value" in capsys.readouterr().err

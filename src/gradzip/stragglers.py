@@ -137,7 +137,9 @@ def parse(spec: "str | Straggler | None") -> Straggler | None:
         raise GradzipError(f"unknown --straggler kind {kind!r} in {spec!r}; expected {_USAGE}")
     values: dict[str, float] = {}
     for opt in options:
-        if not opt.has_value or opt.key not in KINDS[kind]:
+        if not opt.has_value and opt.key in KINDS[kind]:
+            raise GradzipError(f"--straggler {spec!r}: {opt.key} needs a value ({opt.key}=...); expected {_USAGE}")
+        if opt.key not in KINDS[kind]:
             raise GradzipError(f"--straggler {spec!r}: {kind} takes {', '.join(k + '=' for k in KINDS[kind])}, "
                                f"not {opt.item!r}; expected {_USAGE}")
         try:

@@ -196,6 +196,7 @@ def _check_model_args(args) -> None:
         raise GradzipError(f"--host-gbit must be > 0, got {args.host_gbit}")
     if args.threads < 1:
         raise GradzipError(f"--threads must be >= 1, got {args.threads}")
+    stragglers.parse(args.straggler)
 
 
 def run_model(args, command: str) -> dict[str, Any]:
