@@ -133,7 +133,7 @@ BOXES = {
     "diloco-topk-error-feedback": (sgd_momentum, dict(H=3, compressor="topk:ratio=0.3")),
     "diloco-randomk-unbiased": (adamw, dict(H=2, compressor="randomk:ratio=0.5,unbiased=true", outer_momentum=0.5,
                                             outer_nesterov=False)),
-    "streaming-P2-delay1-alpha": (adamw, dict(H=4, fragments=2, delay=1, alpha=0.5, compressor="topk:ratio=0.3")),
+    "streaming-P2-delay1-alpha": (adamw, dict(H=4, fragments=2, delay=1, alpha=0.25, compressor="topk:ratio=0.3")),
     "streaming-P3-delay0": (sgd_momentum, dict(H=6, fragments=3, outer_lr=0.5)),
     "streaming-P4-delay0-lr1": (adamw, dict(H=4, fragments=4, outer_lr=1.0, outer_momentum=0.0,
                                             outer_nesterov=False)),
