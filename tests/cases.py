@@ -238,6 +238,7 @@ RESUME_RUNS = {
     "dgc": {"warmup_steps": 10, "ratio": 0.01}, "powersgd": {"start_iter": 10, "rank": 2},
     "odsgd": {"warmup_steps": 5}, "cdsgd": {"warmup_steps": 5, "k": 3}, "cpsgd": {"k": 4},
     "lars": {"compressor": "topk:ratio=0.1"}, "lamb": {}, "adamw": {"compressor": "topk:ratio=0.1"},
+    "diloco": {"inner": "sgd", "H": 6, "fragments": 2, "delay": 1, "alpha": 0.5, "compressor": "topk:ratio=0.3"},
 }
 #: Common options of a method in RESUME_RUNS that differ from resume_runs' (Adam-type: no momentum).
 RESUME_COMMON = {"lamb": {"momentum": 0.0}, "adamw": {"momentum": 0.0}}
@@ -299,6 +300,7 @@ SHORT_RUNS = {
     "cdsgd": {"warmup_steps": 1, "k": 2, "compressor": "2bit:threshold=0.05"}, "cpsgd": {"k": 3},
     "lars": {"momentum": 0.9, "compressor": "topk:ratio=0.3"}, "lamb": {"compressor": "topk:ratio=0.3"},
     "adamw": {"weight_decay": 0.01},
+    "diloco": {"H": 4, "fragments": 2, "delay": 1, "alpha": 0.5, "inner": "sgd", "compressor": "topk:ratio=0.3"},
 }
 
 

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from . import compressors, optim, specs, trace
+from . import compressors, optim, specs, stragglers, trace
 from .bench.cli import add_parser as add_bench
 from .bench.cli import run as run_bench
 from .comm import PeerFailure, init_from_env, simulate
@@ -93,6 +93,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="worker count (default: 1 for train, 4 for compare; under torchrun: its world)")
     w.add_argument("--backend", choices=["gloo", "threads"], default="gloo",
                    help="gloo: real processes on 127.0.0.1; threads: in this process (default: %(default)s)")
+    w.add_argument("--straggler", metavar="SPEC", default=None,
+                   help="inject per-worker per-step delays after the backward pass, seeded by (seed, rank, "
+                        "step) and counted as compute: exp:mean=S | normal:mean=S,std=S | slow:rank=R,factor=F "
+                        "(docs/stragglers.md)")
     g.add_argument("--eval-on", choices=["auto", "average", "local"], default="auto",
                    help="evaluate rank 0's model (local), the workers' average, or auto: the average "
                         "for methods whose replicas differ (default: %(default)s)")
@@ -174,7 +178,7 @@ def _configs(args) -> list:
                   nonfinite=args.nonfinite, trace=bool(args.trace), progress=not args.quiet,
                   lr_scaling=args.lr_scaling, base_batch=args.base_batch or 0, warmup_epochs=args.warmup_epochs,
                   sam_rho=args.sam_rho,
-                  **_checkpointing(args))
+                  straggler=_straggler(args.straggler), **_checkpointing(args))
     given = _given_options(args)
     if args.command == "train":
         label = method_label(args.algo, given.get("compressor"))
@@ -197,6 +201,12 @@ def _configs(args) -> list:
     for cfg in cfgs:
         checkpoint.check_directory(cfg.checkpoint_dir)
     return cfgs
+
+
+def _straggler(raw: str | None) -> str | None:
+    """``--straggler`` checked, as its canonical spec (None for none)."""
+    parsed = stragglers.parse(raw)
+    return parsed.spec if parsed is not None else None
 
 
 def _file_safe(label: str) -> str:
@@ -243,6 +253,7 @@ def _validate(cfgs, workers: int) -> None:
     model = models.build(cfgs[0].model, ds.input_shape, ds.num_classes)
     for cfg in cfgs:
         make_optimizer(cfg, model.parameters(), None)
+        stragglers.check_rank(stragglers.parse(cfg.straggler), workers)
     if len(ds.train_x) // workers < cfgs[0].batch_size:
         raise GradzipError(
             f"{cfgs[0].dataset} has {len(ds.train_x)} training samples: fewer than one batch of "

@@ -42,3 +42,9 @@ def worker_seed(seed: int, rank: int) -> int:
     """The seed of a worker's global RNGs (torch, ``random``) in the training loop: dropout
     and augmentation differ across workers, and are repeatable."""
     return seed * 1_000_003 + rank
+
+
+def straggler_seed(seed: int, rank: int, step: int) -> int:
+    """The seed of the delay a straggler emulation (:mod:`gradzip.stragglers`) injects on
+    ``rank`` at ``step``: the same for every method compared in one run."""
+    return mix(seed, rank, step, 0x57A66)

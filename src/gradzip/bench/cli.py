@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .. import stragglers
 from ..errors import GradzipError
 from ..train.config import parse_algos
 from . import emulated, tables, timeline
@@ -81,6 +82,9 @@ def add_net_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="steps before them, not measured (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker (default: %(default)s)")
     p.add_argument("--check-mb", type=float, default=100.0, help="largest shaping-check allreduce (default: %(default)s)")
+    p.add_argument("--straggler", metavar="SPEC", default=None,
+                   help="inject per-worker per-step delays in the runs: exp:mean=S | normal:mean=S,std=S | "
+                        "slow:rank=R,factor=F (seeded by seed, rank, step; counted as compute)")
     p.add_argument("--out", default="runs/bench-net", help="results.json and logs (default: %(default)s)")
     p.add_argument("--from", dest="from_results", metavar="RESULTS",
                    help="run nothing: print the tables of an earlier results.json")
@@ -98,7 +102,12 @@ def net_bench(args) -> emulated.NetBench:
     return emulated.NetBench(workers=parse_ints(args.workers, "--workers", 1), bandwidths=parse_rates(args.bandwidth),
                              latencies=latencies, algos=parse_algos(args.algos), model=args.model, shape=args.shape,
                              batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, threads=args.threads,
-                             check_mb=args.check_mb, out=args.out)
+                             check_mb=args.check_mb, out=args.out, straggler=_straggler(args.straggler))
+
+
+def _straggler(raw: str | None) -> str | None:
+    parsed = stragglers.parse(raw)
+    return parsed.spec if parsed is not None else None
 
 
 def _read_net_results(path: Path, flag: str) -> dict[str, Any]:
@@ -159,6 +168,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "with --shape (default: %(default)s)")
     p.add_argument("--shape", default="3x224x224", help="input shape for a harness --model (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads while profiling codecs (default: %(default)s)")
+    p.add_argument("--straggler", metavar="SPEC", default=None,
+                   help="project with per-worker delays: each synchronous iteration waits E[max of K delays] "
+                        "more (exp: mean·H_K; normal: mean + std·e_K; slow: (F-1)·compute)")
     p.add_argument("--no-projection", action="store_true", help="only the validation")
     p.add_argument("--out", default="runs/bench-model.json", help="predictions as JSON (default: %(default)s)")
 
@@ -184,6 +196,7 @@ def _check_model_args(args) -> None:
         raise GradzipError(f"--host-gbit must be > 0, got {args.host_gbit}")
     if args.threads < 1:
         raise GradzipError(f"--threads must be >= 1, got {args.threads}")
+    stragglers.parse(args.straggler)
 
 
 def run_model(args, command: str) -> dict[str, Any]:
@@ -213,13 +226,15 @@ def run_model(args, command: str) -> dict[str, Any]:
             args.model, [int(s) for s in args.shape.split("x")])
         alpha = (10.0 if args.alpha_us is None else args.alpha_us) * 1e-6
         rows = timeline.project(algos, workers, bws, args.compute_ms / 1e3, alpha, args.codec_scale, shapes,
-                                log=_log, time_at_most=args.profile_max_workers, steps=args.profile_steps)
+                                log=_log, time_at_most=args.profile_max_workers, steps=args.profile_steps,
+                                straggler=stragglers.parse(args.straggler))
         result["projection"] = rows
         result["projection_settings"] = {"model": args.model, "parameters": sum(math.prod(s) for s in shapes),
                                          "compute_s": args.compute_ms / 1e3, "alpha_s": alpha,
                                          "codec_scale": args.codec_scale, "threads": args.threads,
                                          "profile_max_workers": args.profile_max_workers,
-                                         "profile_steps": args.profile_steps}
+                                         "profile_steps": args.profile_steps,
+                                         "straggler": _straggler(args.straggler)}
         print("### Projection\n")
         print(tables.codec_table(rows) + "\n")
         print(tables.projection_table(rows) + "\n")

@@ -230,6 +230,7 @@ class NetBench:
     out: str = "runs/bench-net"
     timeout_s: float = 900.0
     seed: int = 0
+    straggler: str | None = None   # gradzip.stragglers spec: delays injected in every run
 
     def configs(self, n: int) -> list[dict[str, Any]]:
         total = self.warmup + self.steps
@@ -239,7 +240,8 @@ class NetBench:
             options = {"compressor": codec} if codec else {}
             cfg = RunConfig(algo=algo, options=options, label=method_label(algo, codec),
                             dataset=dataset, model=self.model, epochs=1, batch_size=self.batch_size,
-                            lr=0.01, seed=self.seed, trace=True, eval_on="local", progress=False)
+                            lr=0.01, seed=self.seed, trace=True, eval_on="local", progress=False,
+                            straggler=self.straggler)
             cfgs.append(dataclasses.asdict(cfg))
         return cfgs
 

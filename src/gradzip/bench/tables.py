@@ -74,10 +74,15 @@ def projection_table(rows: list[dict]) -> str:
     """Predicted iteration time (speedup over the first method) per worker count and link."""
     algos = list(dict.fromkeys(r["algo"] for r in rows))
     head = " | ".join(f"`{a}` ms (speedup)" for a in algos)
-    lines = [f"| workers | link | {head} |", "|---:|---|" + "---:|" * len(algos)]
+    waits = any(r.get("straggler_wait_s") for r in rows)   # E[max of K delays], in every iteration
+    lines = [f"| workers | link |{' E[max δ] ms |' if waits else ''} {head} |",
+             "|---:|---|" + ("---:|" if waits else "") + "---:|" * len(algos)]
     keys = list(dict.fromkeys((r["workers"], r["bandwidth_bps"]) for r in rows))
     for n, bw in keys:
         cells = []
+        if waits:
+            first = next(x for x in rows if x["workers"] == n and x["bandwidth_bps"] == bw)
+            cells.append(f"{first['straggler_wait_s'] * 1e3:.1f}")
         for a in algos:
             r = next(x for x in rows if x["workers"] == n and x["bandwidth_bps"] == bw and x["algo"] == a)
             cells.append(f"{r['iteration_s'] * 1e3:.0f} ({r['speedup']:.2f}×)")

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ..stragglers import Straggler
 from ..train.config import method_label
 from .profiling import MethodProfile, profile_method
 from .shapes import model_shapes, resnet50_shapes
@@ -66,14 +67,17 @@ def timeline(compute: float, compress: float, communicate: float, update: float,
 
 
 def predict(profile: MethodProfile, compute: float, bandwidth_Bps: float, alpha_s: float,
-            codec_scale: float = 1.0) -> dict[str, float]:
+            codec_scale: float = 1.0, straggler_wait: float = 0.0) -> dict[str, float]:
     """Predicted phases and iteration time of ``profile`` at ``bandwidth_Bps``; the times
-    measured on this machine (codec, update) are multiplied by ``codec_scale``."""
+    measured on this machine (codec, update) are multiplied by ``codec_scale``.
+    ``straggler_wait``: the expected synchronous wait ``E[max of K delays]``
+    (:meth:`gradzip.stragglers.Straggler.expected_wait`), added to the compute: every
+    worker's exchange starts when the slowest worker's does."""
     comm = profile.comm_time(bandwidth_Bps, alpha_s)
     compress, update = profile.compress_s * codec_scale, profile.update_s * codec_scale
-    tl = timeline(compute, compress, comm, update, profile.overlaps)
-    return {"iteration": tl.period, "compute": compute, "compress": compress, "communicate": comm,
-            "update": update}
+    tl = timeline(compute + straggler_wait, compress, comm, update, profile.overlaps)
+    return {"iteration": tl.period, "compute": compute, "straggler_wait": straggler_wait, "compress": compress,
+            "communicate": comm, "update": update}
 
 
 def host_ceilings(measured: dict[str, Any]) -> dict[int, float]:
@@ -132,8 +136,10 @@ def validate(measured: dict[str, Any], alpha_s: float, host_Bps: float | None = 
 
 def project(algos: Sequence[tuple[str, str | None]], workers: Sequence[int], bandwidths_bps: Sequence[float],
             compute_s: float, alpha_s: float, codec_scale: float = 1.0, shapes=None, steps: int = 5,
-            log: Callable[[str], None] | None = None, time_at_most: int | None = 8) -> list[dict[str, Any]]:
-    """Predicted iteration time of each method for every (workers, bandwidth)."""
+            log: Callable[[str], None] | None = None, time_at_most: int | None = 8,
+            straggler: Straggler | None = None) -> list[dict[str, Any]]:
+    """Predicted iteration time of each method for every (workers, bandwidth); with a
+    ``straggler``, each iteration waits ``E[max of K delays]`` more (K = workers)."""
     shapes = shapes or resnet50_shapes()
     rows = []
     for n in workers:
@@ -144,8 +150,9 @@ def project(algos: Sequence[tuple[str, str | None]], workers: Sequence[int], ban
                 log(f"[bench model] profiling {label} for {n} workers ...")
             prof = profile_method(algo, options, shapes, n, steps=steps, warmup=0, label=label,
                                   time_at_most=time_at_most)
+            wait = straggler.expected_wait(n, compute_s) if straggler is not None else 0.0
             for bw in bandwidths_bps:
-                p = predict(prof, compute_s, bw / 8, alpha_s, codec_scale)
+                p = predict(prof, compute_s, bw / 8, alpha_s, codec_scale, wait)
                 rows.append({"workers": n, "bandwidth_bps": bw, "algo": label, "overlaps": prof.overlaps,
                              "timed_at": prof.timed_at, "decode_s": prof.decode_s * codec_scale,
                              "wire_bytes_per_step": prof.wire_bytes_per_step, **{f"{k}_s": v for k, v in p.items()}})

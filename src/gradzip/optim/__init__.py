@@ -5,6 +5,7 @@ from .bitsgd import BitSGD
 from .cdsgd import CDSGD, CPSGD, ODSGD
 from .csea import CSEA
 from .dgc import DGC
+from .diloco import DiLoCo, DiLoCoMethod
 from .cser import CSER, CSERPL
 from .efsgd import EFSGD
 from .localsgd import LocalSGD
@@ -22,10 +23,11 @@ METHODS = {"ssgd": SSGD, "efsgd": EFSGD, "bitsgd": BitSGD,
            "localsgd": LocalSGD, "qsparse": QSparseLocalSGD, "csea": CSEA, "cser": CSER, "cserpl": CSERPL,
            "dgc": DGC, "powersgd": PowerSGD,
            "odsgd": ODSGD, "cdsgd": CDSGD, "cpsgd": CPSGD,
+           "diloco": DiLoCoMethod,
            "lars": LARSMethod, "lamb": LAMBMethod, "adamw": AdamWMethod}
 
 __all__ = ["DistributedOptimizer", "method_options", "COMMON_OPTIONS", "SSGD", "EFSGD", "BitSGD",
            "LocalSGD", "QSparseLocalSGD", "CSEA", "CSER", "CSERPL", "DGC", "PowerSGD",
            "ODSGD", "CDSGD", "CPSGD", "METHODS",
            "Compressed", "LARS", "LAMB", "SAM", "LARSMethod", "LAMBMethod", "AdamWMethod",
-           "LinearScalingWarmup", "lr_at", "scaled_lr"]
+           "LinearScalingWarmup", "lr_at", "scaled_lr", "DiLoCo", "DiLoCoMethod"]

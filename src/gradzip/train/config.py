@@ -83,6 +83,7 @@ class RunConfig:
     checkpoint_every: int = 0     # steps between checkpoints; 0: at the end of every epoch
     resume: bool = False          # continue from the newest checkpoint in checkpoint_dir, if any
     progress: bool = True
+    straggler: str | None = None  # injected delays (gradzip.stragglers): "exp:mean=S", "normal:...", "slow:..."
 
     @property
     def name(self) -> str:
@@ -134,7 +135,8 @@ def lr_rule(cfg: RunConfig, world_size: int, steps_per_epoch: int) -> tuple[floa
 
 #: RunConfig fields that do not change a run's numbers: they may differ between workers and
 #: between a run and its resumption (a resumed run may also train for more epochs).
-FREE_FIELDS = ("label", "data_dir", "download", "trace", "progress", "checkpoint_dir", "checkpoint_every", "resume")
+FREE_FIELDS = ("label", "data_dir", "download", "trace", "progress", "checkpoint_dir", "checkpoint_every", "resume",
+               "straggler")
 
 
 def trajectory_fields(cfg: RunConfig) -> dict[str, Any]:

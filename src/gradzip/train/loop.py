@@ -5,7 +5,9 @@ threads, :func:`gradzip.launch.run_processes`, or ``torchrun``). It returns, on 
 rank, the evaluation history and a summary; rank 0's are the run's record.
 
 Time per step is split into *compute* (forward + backward, less the exchange work that
-gradient hooks run during backward), *compress* (codec work:
+gradient hooks run during backward, plus an injected straggler delay: ``cfg.straggler``,
+:mod:`gradzip.stragglers`, slept after the backward pass and before ``optimizer.step()``;
+the seconds injected are also recorded as ``straggler_delay_s``), *compress* (codec work:
 compress, decode, packing — measured inside PSync), *communicate* (time blocked waiting
 for collectives) and *update* (the rest of ``optimizer.step()``). Bytes are what this
 worker's exchanges put on the wire (``gradzip.comm.base`` explains the count).
@@ -23,7 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .. import consistency, optim, seeds
+from .. import consistency, optim, seeds, stragglers
 from ..version import __version__
 from ..comm import Group
 from ..errors import GradzipError
@@ -66,6 +68,7 @@ class LoopState:
     previous: list[float] = field(default_factory=lambda: [0.0] * len(PHASES))  # phase times at the last epoch's end
     diverged: bool = False
     wall_time_s: float = 0.0       # training time before this process's start (a resumed run)
+    straggler_s: float = 0.0       # injected straggler delays slept so far (counted in compute_s too)
 
     def as_dict(self) -> dict[str, Any]:
         """The fields by name, not copied (a checkpoint's ``"loop"``)."""
@@ -98,6 +101,7 @@ class _Job:
     tracer: Tracer | None = None
     bar: Any = None
     began: float = 0.0             # perf_counter() at which the run's clock (resumed: its clock) started
+    straggler: stragglers.Straggler | None = None
 
     @property
     def total(self) -> int:
@@ -165,9 +169,11 @@ def _prepare(comm: Group, cfg: RunConfig, after_step) -> _Job:
     torch.manual_seed(seeds.worker_seed(cfg.seed, comm.rank))
     random.seed(seeds.worker_seed(cfg.seed, comm.rank))
     settings = {k: str(v) for k, v in opt.describe().items() if k != "gradzip version"}
+    straggler = stragglers.parse(cfg.straggler)
+    stragglers.check_rank(straggler, comm.world_size)
     return _Job(comm, cfg, ds, model, opt, steps_per_epoch, LoopState(), settings, after_step,
                 lr_rule=lr_rule(cfg, comm.world_size, steps_per_epoch),
-                sam=optim.SAM(opt, rho=cfg.sam_rho) if cfg.sam_rho > 0 else None)
+                sam=optim.SAM(opt, rho=cfg.sam_rho) if cfg.sam_rho > 0 else None, straggler=straggler)
 
 
 def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
@@ -186,11 +192,15 @@ def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(job.model(job.ds.train_x[idx]), job.ds.train_y[idx])
             loss.backward()
-            t1 = time.perf_counter()
             in_backward = _exchange_blocked_s(opt) - blocked   # codec work the gradient hooks did
+            if job.straggler is not None:   # seeded by (seed, rank, step); counted as compute
+                _straggle(job, state.done + 1, time.perf_counter() - t0 - in_backward)
+            t1 = time.perf_counter()
             opt.step()
         else:
             loss, forward_s = _sam_step(job, idx)
+            if job.straggler is not None:
+                forward_s += _straggle(job, state.done + 1, forward_s)
             t1, in_backward = t0 + forward_s, 0.0   # SAM's passes run with the hooks idle
         t2 = time.perf_counter()
         state.compute_s += t1 - t0 - in_backward
@@ -223,6 +233,17 @@ def _sam_step(job: _Job, idx) -> tuple[torch.Tensor, float]:
     return job.sam.step(closure), spent[0]
 
 
+def _straggle(job: _Job, step: int, compute_s: float) -> float:
+    """Sleep this worker's straggler delay for ``step`` (1-based, over the whole run),
+    record it and return it."""
+    delay = job.straggler.delay(job.cfg.seed, job.comm.rank, step, compute_s)
+    if delay > 0:
+        with maybe_span(job.tracer, "straggler", cat="harness", step=step):
+            time.sleep(delay)
+    job.state.straggler_s += delay
+    return delay
+
+
 def _epoch_record(job: _Job, epoch: int) -> dict[str, Any]:
     """The epoch's record, the same on every worker: train loss and phase times averaged
     over the workers (one small allreduce), test accuracy and loss of the evaluation model
@@ -251,8 +272,9 @@ def _epoch_record(job: _Job, epoch: int) -> dict[str, Any]:
 def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[str, Any]:
     """The run's summary; collective (one allgather of every worker's phase times)."""
     comm, cfg, state, opt, history = job.comm, job.cfg, job.state, job.opt, job.state.history
-    mine = torch.tensor(_phase_times(state.compute_s, state.step_s, opt.timings), dtype=torch.float64)
-    per_worker = comm.allgather(mine)  # one row of phase times per worker
+    mine = torch.tensor([*_phase_times(state.compute_s, state.step_s, opt.timings), state.straggler_s],
+                        dtype=torch.float64)
+    per_worker = comm.allgather(mine)  # one row of phase times (and injected delay) per worker
     wall = time.perf_counter() - job.began
     return {
         "algo": cfg.name,
@@ -287,6 +309,8 @@ def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[st
         # phase times: mean over workers, and every worker's own row
         **{f"time_{k}_s": per_worker[:, i].mean().item() for i, k in enumerate(PHASES)},
         "time_per_worker_s": {k: per_worker[:, i].tolist() for i, k in enumerate(PHASES)},
+        "straggler": job.straggler.spec if job.straggler is not None else None,
+        "straggler_delay_s": per_worker[:, len(PHASES)].tolist(),   # injected, per worker (in time_compute_s)
     }
 
 
