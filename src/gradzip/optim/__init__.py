@@ -1,6 +1,7 @@
 """The methods, one module each; each ``step()`` is its algorithm box (docs/algorithms.md, "Methods")."""
 from .base import DistributedOptimizer
 from .options import COMMON_OPTIONS, method_options
+from .asgd import ASGD
 from .bitsgd import BitSGD
 from .cdsgd import CDSGD, CPSGD, ODSGD
 from .csea import CSEA
@@ -16,8 +17,8 @@ from .ssgd import SSGD
 METHODS = {"ssgd": SSGD, "efsgd": EFSGD, "bitsgd": BitSGD,
            "localsgd": LocalSGD, "qsparse": QSparseLocalSGD, "csea": CSEA, "cser": CSER, "cserpl": CSERPL,
            "dgc": DGC, "powersgd": PowerSGD,
-           "odsgd": ODSGD, "cdsgd": CDSGD, "cpsgd": CPSGD}
+           "odsgd": ODSGD, "cdsgd": CDSGD, "cpsgd": CPSGD, "asgd": ASGD}
 
 __all__ = ["DistributedOptimizer", "method_options", "COMMON_OPTIONS", "SSGD", "EFSGD", "BitSGD",
            "LocalSGD", "QSparseLocalSGD", "CSEA", "CSER", "CSERPL", "DGC", "PowerSGD",
-           "ODSGD", "CDSGD", "CPSGD", "METHODS"]
+           "ODSGD", "CDSGD", "CPSGD", "ASGD", "METHODS"]
