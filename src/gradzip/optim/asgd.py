@@ -36,6 +36,12 @@ pull after push number c (the start of its computation for clock c) is answered 
 every worker's clock is at least c − S (S = 0: lock-step, each gradient still applied on
 its own). ``staleness=None``: no bound. A worker that closed no longer holds others back.
 
+**Order** (``order``): ``"arrival"`` (the algorithm: each push applied when it arrives) or
+``"round_robin"``: pushes applied in the order rank 0, 1, …, n−1, 0, … whatever the
+timing (an early push waits on the server, not on the network), and each pull answered
+with x as it was right after the puller's own push. A deterministic schedule (staleness
+n − 1 from the second round on): runs repeat bit for bit, for tests and studies.
+
 **Evaluation and checkpoints** use the server's model: ``evaluation_parameters()``
 (collective: rank 0 broadcasts the server's x) and ``state_dict()`` / ``load_state_dict()``
 are taken at a *quiescent point*: both start with a barrier, so every worker has returned
@@ -68,6 +74,11 @@ from ..nonfinite import first_nonfinite
 from ..validation import is_int, require
 from .base import DistributedOptimizer
 
+#: The server's order of applying pushes: as they arrive (the algorithm), or "round_robin":
+#: rank 0, 1, ..., n-1, 0, ... whatever the timing, each pull answered with x right after
+#: the puller's push (deterministic: for tests and reproducible studies).
+ORDERS = ("arrival", "round_robin")
+
 #: Codecs A-SGD cannot send to a server (module docstring).
 _REFUSED = {"dgc": "its packets carry the selected count outside the wire",
             "powersgd": "its Q is state shared by a synchronous exchange"}
@@ -95,13 +106,14 @@ class ParameterServer:
     (one lock); :meth:`push` applies one worker's message, :meth:`pull` answers a pull."""
 
     def __init__(self, params: list[torch.Tensor], groups: list[int], hyper: list[dict], world_size: int,
-                 staleness: int | None, codec: Compressor, seed: int):
+                 staleness: int | None, codec: Compressor, seed: int, order: str = "arrival"):
         self.x = [p.detach().clone() for p in params]
         self.groups = groups          # param group of each tensor
         self.hyper = hyper            # per group: momentum, nesterov, weight_decay (the creator's)
         self.momentum: list[torch.Tensor | None] = [None] * len(params)
         self.world_size = world_size
         self.staleness = staleness
+        self.order = order
         self.codec = codec
         self.seed = seed
         self.version = 0
@@ -113,6 +125,10 @@ class ParameterServer:
         self.failure: BaseException | None = None
         self.cond = threading.Condition()
         self._templates: dict[int, Packet] = {}
+        self.order = order
+        self.turn = 0                                   # round_robin: the rank whose push is next
+        self._queued: list[list] = [[] for _ in range(world_size)]   # round_robin: pushes before their turn
+        self._snapshots: list[torch.Tensor | None] = [None] * world_size  # round_robin: x after each one's push
 
     # -- a push ---------------------------------------------------------------------------
     def push(self, message: torch.Tensor) -> int:
@@ -123,16 +139,40 @@ class ParameterServer:
         lrs = message[8 * _PUSH_WORDS:head].view(torch.float64).tolist()
         decoded = self._decode(message[head:], rank, step)
         with self.cond:
-            s = self.version - tau_i
-            for k, d in enumerate(decoded):
-                self._apply(k, d, lrs[self.groups[k]])
-            self.version += 1
-            self.clocks[rank] += 1
-            self.stale_sum[rank] += s
-            self.stale_max[rank] = max(self.stale_max[rank], s)
-            self.last_staleness[rank] = s
+            if self.order == "arrival":
+                self._apply_push(rank, tau_i, lrs, decoded)
+            else:
+                self._queued[rank].append((tau_i, lrs, decoded))
+                self._apply_due()
             self.cond.notify_all()
         return rank
+
+    def _apply_push(self, rank: int, tau_i: int, lrs: list[float], decoded: list[torch.Tensor]) -> None:
+        """The server's part of the box for one push (lock held)."""
+        s = self.version - tau_i
+        for k, d in enumerate(decoded):
+            self._apply(k, d, lrs[self.groups[k]])
+        self.version += 1
+        self.clocks[rank] += 1
+        self.stale_sum[rank] += s
+        self.stale_max[rank] = max(self.stale_max[rank], s)
+        self.last_staleness[rank] = s
+
+    def _apply_due(self) -> None:
+        """round_robin: apply the queued pushes whose turn it is (ranks in cyclic order,
+        skipping closed workers); each worker's pull then gets x as it was right after its
+        push. Lock held."""
+        while self._queued[self.turn]:
+            rank = self.turn
+            self._apply_push(rank, *self._queued[rank].pop(0))
+            self._snapshots[rank] = self._reply_now(rank)
+            self._advance()
+
+    def _advance(self) -> None:
+        for _ in range(self.world_size):
+            self.turn = (self.turn + 1) % self.world_size
+            if self.turn not in self.left:
+                return
 
     def _decode(self, payload: torch.Tensor, rank: int, step: int) -> list[torch.Tensor]:
         out, offset = [], 0
@@ -184,22 +224,32 @@ class ParameterServer:
         live = [c for j, c in enumerate(self.clocks) if j not in self.left]
         return not live or min(live) >= self.clocks[rank] - self.staleness
 
+    def applied(self, rank: int, clock: int) -> bool:
+        """Whether ``rank``'s push number ``clock`` was applied and its pull may be answered."""
+        return self.clocks[rank] >= clock and self.may_pull(rank)
+
     def reply(self, rank: int) -> torch.Tensor:
-        """The answer to ``rank``'s pull: τ, the staleness its last push was applied with,
-        x's bytes. Called with the lock held."""
+        """The answer to ``rank``'s pull (lock held): τ, the staleness its last push was
+        applied with, x's bytes; under round_robin, as they were right after that push."""
+        if self.order != "arrival":
+            return self._snapshots[rank]
+        return self._reply_now(rank)
+
+    def _reply_now(self, rank: int) -> torch.Tensor:
         head = torch.tensor([self.version, self.last_staleness[rank]], dtype=torch.int64)
         return torch.cat([head.view(torch.uint8), _raw(self.x)])
 
-    def pull(self, rank: int, timeout_s: float) -> torch.Tensor:
-        """Wait until ``rank`` may pull (SSP), then its reply."""
+    def pull(self, rank: int, clock: int, timeout_s: float) -> torch.Tensor:
+        """Wait until ``rank``'s push number ``clock`` is applied and SSP lets it pull, then
+        its reply."""
         with self.cond:
-            if not self.cond.wait_for(lambda: self.failure is not None or self.may_pull(rank), timeout_s):
-                behind = [j for j, c in enumerate(self.clocks)
-                          if j not in self.left and c < self.clocks[rank] - self.staleness]
+            if not self.cond.wait_for(lambda: self.failure is not None or self.applied(rank, clock), timeout_s):
+                behind = [j for j, c in enumerate(self.clocks) if j != rank and j not in self.left
+                          and c < max(clock - (self.staleness or 0), clock if self.order != "arrival" else 0)]
                 raise comm_lib.PeerFailure(
-                    f"rank {rank}: ASGD staleness={self.staleness}: waited {timeout_s:g} s for "
-                    f"rank(s) {', '.join(map(str, behind))} to push (clock {self.clocks[rank] - self.staleness}); "
-                    "a peer is stuck or lost; change it with --timeout or timeout_s=", rank=rank, lost=tuple(behind))
+                    f"rank {rank}: ASGD (staleness={self.staleness}, order={self.order}): waited {timeout_s:g} s "
+                    f"for rank(s) {', '.join(map(str, behind)) or '?'} to push; a peer is stuck or lost; "
+                    "change it with --timeout or timeout_s=", rank=rank, lost=tuple(behind))
             self._check_failure(rank)
             return self.reply(rank)
 
@@ -207,6 +257,9 @@ class ParameterServer:
         """Worker ``rank`` pushes no more: it holds no one back."""
         with self.cond:
             self.left.add(rank)
+            if self.order != "arrival" and self.turn == rank and len(self.left) < self.world_size:
+                self._advance()
+                self._apply_due()
             self.cond.notify_all()
 
     def fail(self, exc: BaseException) -> None:
@@ -235,7 +288,8 @@ class ParameterServer:
             return {"x": [t.clone() for t in self.x],
                     "momentum": [None if b is None else b.clone() for b in self.momentum],
                     "version": self.version, "clocks": list(self.clocks), "stale_sum": list(self.stale_sum),
-                    "stale_max": list(self.stale_max), "last_staleness": list(self.last_staleness)}
+                    "stale_max": list(self.stale_max), "last_staleness": list(self.last_staleness),
+                    "turn": self.turn, "snapshots": [None if t is None else t.clone() for t in self._snapshots]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["x"]) != len(self.x) or any(a.shape != b.shape for a, b in zip(state["x"], self.x)):
@@ -253,6 +307,9 @@ class ParameterServer:
             self.stale_sum = list(state["stale_sum"])
             self.stale_max = list(state["stale_max"])
             self.last_staleness = list(state["last_staleness"])
+            self.turn = int(state["turn"])
+            self._snapshots = [None if t is None else t.clone() for t in state["snapshots"]]
+            self._queued = [[] for _ in range(self.world_size)]
             self.left.clear()
 
 
@@ -263,21 +320,23 @@ class _LocalLink:
     def __init__(self, server: ParameterServer, timeout_s: float, star: TorchStar | None = None):
         self.server, self.timeout_s, self.star = server, timeout_s, star
         self.sent = 0                  # bytes of replies rank 0 put on the network
-        self._owed: set[int] = set()   # remote workers whose pull waits for SSP (rank 0 of a process group)
+        self._owed: dict[int, int] = {}   # remote rank -> the push count its pull waits for (rank 0 of a process group)
         if star is not None:
             star.serve(self._remote_push)
 
-    def exchange(self, rank: int, message: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Push ``message``, then pull: (reply, bytes put on a network: none)."""
+    def exchange(self, rank: int, clock: int, message: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Push ``message`` (this worker's push number ``clock``), then pull: (reply, bytes
+        put on a network: none)."""
         self.server.push(message)
         self._flush()
-        return self.server.pull(rank, self.timeout_s), 0
+        return self.server.pull(rank, clock, self.timeout_s), 0
 
     def _remote_push(self, rank: int, message: torch.Tensor) -> None:
         try:
+            with self.server.cond:   # its earlier pushes are all applied or queued: this is the next
+                server = self.server
+                self._owed[rank] = server.clocks[rank] + len(server._queued[rank]) + 1
             self.server.push(message)
-            with self.server.cond:
-                self._owed.add(rank)
             self._flush()
         except BaseException as exc:  # noqa: BLE001 - the server stops; rank 0's next step says why
             self.server.fail(exc)
@@ -288,9 +347,10 @@ class _LocalLink:
         if self.star is None:
             return
         with self.server.cond:
-            ready = sorted(r for r in self._owed if self.server.may_pull(r))
+            ready = sorted(r for r, clock in self._owed.items() if self.server.applied(r, clock))
             replies = [(r, self.server.reply(r)) for r in ready]
-            self._owed -= set(ready)
+            for r in ready:
+                del self._owed[r]
         for r, reply in replies:
             self.star.reply(r, reply)
             self.sent += reply.numel()
@@ -318,7 +378,7 @@ class _RemoteLink:
     def __init__(self, star: TorchStar):
         self.star = star
 
-    def exchange(self, rank: int, message: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def exchange(self, rank: int, clock: int, message: torch.Tensor) -> tuple[torch.Tensor, int]:
         self.star.send(message)
         return self.star.recv(), message.numel()
 
@@ -333,22 +393,26 @@ class ASGD(DistributedOptimizer):
     """A-SGD with a parameter server (module docstring; docs/algorithms.md §A-SGD).
 
     ``staleness``: the SSP bound S (an integer >= 0), or None for none. ``compressor``: the
-    codec of the pushes (error feedback when it is biased). ``momentum``, ``nesterov``,
+    codec of the pushes (error feedback when it is biased). ``order``: ``"arrival"`` or the
+    deterministic ``"round_robin"`` (module docstring). ``momentum``, ``nesterov``,
     ``weight_decay`` are applied on the server. ``step()`` pushes and pulls (it blocks
     while SSP holds this worker back); ``close()`` (or ``with``) tells the server this
     worker is done: call it on every worker after its last step (the training loop does).
     """
 
-    def __init__(self, params, lr, *, staleness: int | None = None, compressor: str = "none", **kwargs):
+    def __init__(self, params, lr, *, staleness: int | None = None, compressor: str = "none",
+                 order: str = "arrival", **kwargs):
         name = type(self).__name__
         require(staleness is None or (is_int(staleness) and staleness >= 0), name,
                 f"staleness must be None (no bound) or an integer >= 0, got {staleness!r}")
+        require(order in ORDERS, name, f"order must be one of {', '.join(ORDERS)}, got {order!r}")
         codec = build(compressor)
         if codec.name in _REFUSED:
             raise GradzipError(f"{name}: compressor {codec.spec!r} cannot be pushed to a parameter server "
                                f"({_REFUSED[codec.name]}); use another codec, e.g. topk:ratio=0.01")
         super().__init__(params, lr, **kwargs)
         self.staleness = staleness
+        self.order = order
         self.codec = codec
         self.compressor = codec.spec
         self.error_feedback = not (codec.name == "none" or codec.unbiased)
@@ -382,7 +446,7 @@ class ASGD(DistributedOptimizer):
         index = {id(g): i for i, g in enumerate(self.param_groups)}
         hyper = [{k: g[k] for k in ("momentum", "nesterov", "weight_decay")} for g in self.param_groups]
         return ParameterServer([p for _, p in pairs], [index[id(g)] for g, _ in pairs], hyper,
-                               self.comm.world_size, self.staleness, self.codec, self._codec_seed)
+                               self.comm.world_size, self.staleness, self.codec, self._codec_seed, self.order)
 
     @property
     def server(self) -> ParameterServer | None:
@@ -427,7 +491,7 @@ class ASGD(DistributedOptimizer):
         self._add(compress=sent - began)
         if self._tracer is not None:
             self._tracer.add("compress", began, sent, bytes=sum(pk.nbytes for pk in packets))
-        reply, wire = self._link.exchange(self.comm.rank, message)
+        reply, wire = self._link.exchange(self.comm.rank, self.clock + 1, message)
         pulled = time.perf_counter()
         self._add(communicate=pulled - sent)
         if self._tracer is not None:
