@@ -417,16 +417,37 @@ class ASGD(DistributedOptimizer):
         self.compressor = codec.spec
         self.error_feedback = not (codec.name == "none" or codec.unbiased)
         self._codec_seed = seeds.exchange_seed(self.seed, 0)
-        self.clock = 0          # this worker's pushes
-        self.pulled_version = 0  # τ_i: the server's version of the parameters the model holds
+        self._clock = 0          # this worker's pushes
+        self._pulled_version = 0  # τ_i: the server's version of the parameters the model holds
         self._own = [0, 0, 0]   # this worker's pushes, staleness sum, max (from the replies)
-        self.push_bytes = 0     # this worker's push messages (header + packets)
-        self.payload_bytes = 0  # their packets (sum of packet.nbytes)
-        self.pull_bytes = 0
+        self._push_bytes = 0     # this worker's push messages (header + packets)
+        self._payload_bytes = 0  # their packets (sum of packet.nbytes)
+        self._pull_bytes = 0
         self._wire_sent = 0     # this worker's pushes that crossed a network
         self._timings = Timings()
         self._closed = False
         self._link = self._connect()
+
+    # -- counters (read-only; per worker, so not settings: describe() leaves them out) -------
+    @property
+    def clock(self) -> int:
+        """This worker's pushes (its SSP clock)."""
+        return self._clock
+
+    @property
+    def pulled_version(self) -> int:
+        """τ_i: the server's version of the parameters the model holds (the last pull)."""
+        return self._pulled_version
+
+    @property
+    def push_bytes(self) -> int:
+        """Bytes of this worker's push messages (header + packets), wherever the server is."""
+        return self._push_bytes
+
+    @property
+    def pull_bytes(self) -> int:
+        """Bytes of the server's replies to this worker."""
+        return self._pull_bytes
 
     # -- set-up ---------------------------------------------------------------------------
     def _connect(self):
@@ -482,7 +503,7 @@ class ASGD(DistributedOptimizer):
                 self.state[p]["error"] = residual                     # e_i = p − dec(c)
             else:
                 packets.append(self.codec.compress(p.grad, seed))
-        head = torch.tensor([self.comm.rank, self.steps, self.pulled_version, len(self.param_groups)],
+        head = torch.tensor([self.comm.rank, self.steps, self._pulled_version, len(self.param_groups)],
                             dtype=torch.int64)
         lrs = torch.tensor([g["lr"] for g in self.param_groups], dtype=torch.float64)
         message = torch.cat([head.view(torch.uint8), lrs.view(torch.uint8),
@@ -491,22 +512,22 @@ class ASGD(DistributedOptimizer):
         self._add(compress=sent - began)
         if self._tracer is not None:
             self._tracer.add("compress", began, sent, bytes=sum(pk.nbytes for pk in packets))
-        reply, wire = self._link.exchange(self.comm.rank, self.clock + 1, message)
+        reply, wire = self._link.exchange(self.comm.rank, self._clock + 1, message)
         pulled = time.perf_counter()
         self._add(communicate=pulled - sent)
         if self._tracer is not None:
             self._tracer.add("communicate", sent, pulled, kind="push+pull", bytes=wire)
-        self.clock += 1
-        self.push_bytes += message.numel()
-        self.payload_bytes += sum(pk.nbytes for pk in packets)
-        self.pull_bytes += reply.numel()
+        self._clock += 1
+        self._push_bytes += message.numel()
+        self._payload_bytes += sum(pk.nbytes for pk in packets)
+        self._pull_bytes += reply.numel()
         self._wire_sent += wire
         self._load_reply(reply, params)
         return loss
 
     def _load_reply(self, reply: torch.Tensor, params: list[torch.Tensor]) -> None:
         version, staleness = reply[:16].view(torch.int64).tolist()
-        self.pulled_version = version
+        self._pulled_version = version
         self._own[0] += 1
         self._own[1] += staleness
         self._own[2] = max(self._own[2], staleness)
@@ -560,8 +581,8 @@ class ASGD(DistributedOptimizer):
         worker's error memory, clock and pulled version; rank 0's holds the server too."""
         self.quiesce()
         out = super().state_dict()
-        own = {"clock": self.clock, "pulled_version": self.pulled_version, "own": list(self._own),
-               "push_bytes": self.push_bytes, "payload_bytes": self.payload_bytes, "pull_bytes": self.pull_bytes,
+        own = {"clock": self._clock, "pulled_version": self._pulled_version, "own": list(self._own),
+               "push_bytes": self._push_bytes, "payload_bytes": self._payload_bytes, "pull_bytes": self._pull_bytes,
                "wire_sent": self._wire_sent + self._link.sent,
                "timings": [self._timings.compress_s, self._timings.communicate_s]}
         if self.comm.rank == 0 and self.server is not None:
@@ -583,9 +604,9 @@ class ASGD(DistributedOptimizer):
                 raise GradzipError("ASGD.load_state_dict: rank 0 needs the state rank 0 saved (it holds the "
                                    "parameter server); load each rank's own state")
             self.server.load_state_dict(own["server"])
-        self.clock, self.pulled_version = int(own["clock"]), int(own["pulled_version"])
+        self._clock, self._pulled_version = int(own["clock"]), int(own["pulled_version"])
         self._own = list(own["own"])
-        self.push_bytes, self.payload_bytes, self.pull_bytes = own["push_bytes"], own["payload_bytes"], own["pull_bytes"]
+        self._push_bytes, self._payload_bytes, self._pull_bytes = own["push_bytes"], own["payload_bytes"], own["pull_bytes"]
         self._wire_sent = own["wire_sent"]
         self._link.sent = 0
         self._timings = Timings(compress_s=own["timings"][0], communicate_s=own["timings"][1],
@@ -613,18 +634,18 @@ class ASGD(DistributedOptimizer):
         process): its replies to the other workers (its own pushes stay in the process).
         On the in-process group every push counts, as if each worker had a link."""
         if isinstance(self.comm, comm_lib.ThreadGroup):
-            return self.push_bytes
+            return self._push_bytes
         return self._wire_sent + self._link.sent
 
     @property
     def compression_ratio(self) -> float:
-        dense = self.clock * sum(p.numel() * p.element_size() for _, p in self.participating())
-        return dense / self.payload_bytes if self.payload_bytes else float("inf")
+        dense = self._clock * sum(p.numel() * p.element_size() for _, p in self.participating())
+        return dense / self._payload_bytes if self._payload_bytes else float("inf")
 
     def metrics(self) -> dict[str, Any]:
         """Staleness: the server's per-worker statistics where this process holds the server,
         else this worker's own (from the server's replies); push and pull bytes."""
-        out = {"push_bytes": self.push_bytes, "pull_bytes": self.pull_bytes}
+        out = {"push_bytes": self._push_bytes, "pull_bytes": self._pull_bytes}
         if self.server is not None:
             out.update(self.server.statistics())
         else:
