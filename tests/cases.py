@@ -237,6 +237,7 @@ RESUME_RUNS = {
     "qsparse": {"H": 5}, "csea": {}, "cser": {"H": 6}, "cserpl": {"H": 6},
     "dgc": {"warmup_steps": 10, "ratio": 0.01}, "powersgd": {"start_iter": 10, "rank": 2},
     "odsgd": {"warmup_steps": 5}, "cdsgd": {"warmup_steps": 5, "k": 3}, "cpsgd": {"k": 4},
+    "asgd": {"order": "round_robin", "compressor": "topk:ratio=0.1"},  # the deterministic schedule
 }
 INTERRUPT_AFTER = 27
 

@@ -349,11 +349,11 @@ class _LocalLink:
         with self.server.cond:
             ready = sorted(r for r, clock in self._owed.items() if self.server.applied(r, clock))
             replies = [(r, self.server.reply(r)) for r in ready]
-            for r in ready:
+            for r, reply in replies:
                 del self._owed[r]
+                self.sent += reply.numel()   # counted before it goes: a quiescent point may follow its arrival
         for r, reply in replies:
             self.star.reply(r, reply)
-            self.sent += reply.numel()
 
     def leave(self, rank: int) -> None:
         self.server.leave(rank)
