@@ -35,6 +35,8 @@ SGD, bit for bit.
 pull after push number c (the start of its computation for clock c) is answered only when
 every worker's clock is at least c − S (S = 0: lock-step, each gradient still applied on
 its own). ``staleness=None``: no bound. A worker that closed no longer holds others back.
+A push's staleness is then at most (n − 1)(2S + 1): while a worker computes for clock c,
+another can push its numbers c − S + 1 to c + S + 1.
 
 **Order** (``order``): ``"arrival"`` (the algorithm: each push applied when it arrives) or
 ``"round_robin"``: pushes applied in the order rank 0, 1, …, n−1, 0, … whatever the
@@ -363,10 +365,11 @@ class _LocalLink:
             if self.star.failure is not None:
                 self.server.fail(self.star.failure)
 
-    def check(self) -> None:
+    def check(self, rank: int) -> None:
+        """Raise if the server stopped (its receiver thread failed)."""
         if self.star is not None and self.star.failure is not None:
             self.server.fail(self.star.failure)
-        self.server._check_failure(0)
+        self.server._check_failure(rank)
 
 
 class _RemoteLink:
@@ -385,7 +388,7 @@ class _RemoteLink:
     def leave(self, rank: int) -> None:
         self.star.close()
 
-    def check(self) -> None:
+    def check(self, rank: int) -> None:
         pass
 
 
@@ -487,7 +490,7 @@ class ASGD(DistributedOptimizer):
         server's parameters into the model (waiting for SSP if needed)."""
         if self._closed:
             raise GradzipError("ASGD.step() after close(): this worker told the server it was done")
-        self._link.check()
+        self._link.check(self.comm.rank)
         loss, pairs, params, skipped = self.begin_step(closure)
         if skipped:
             return loss
@@ -556,7 +559,7 @@ class ASGD(DistributedOptimizer):
         Collective (every worker calls it between two steps)."""
         if self.comm.world_size > 1:
             self.comm.barrier()
-        self._link.check()
+        self._link.check(self.comm.rank)
 
     def evaluation_parameters(self) -> list[torch.Tensor]:
         """The server's model, on every worker (evaluation uses it). Collective: a barrier,
