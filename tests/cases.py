@@ -294,6 +294,7 @@ SHORT_RUNS = {
     "cserpl": {"H": 2, "c1": "topk:ratio=0.3"}, "dgc": {"warmup_steps": 2, "ratio": 0.3, "momentum": 0.9},
     "powersgd": {"start_iter": 2, "momentum": 0.9}, "odsgd": {"warmup_steps": 1},
     "cdsgd": {"warmup_steps": 1, "k": 2, "compressor": "2bit:threshold=0.05"}, "cpsgd": {"k": 3},
+    "asgd": {"order": "round_robin", "compressor": "topk:ratio=0.3", "momentum": 0.9},  # deterministic order
 }
 
 

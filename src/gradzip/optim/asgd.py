@@ -54,6 +54,12 @@ means here: with one worker (or a fixed arrival order), the resumed run continue
 bit; with several, the arrival order after the resume depends on timing as in any run, so
 what is exact is the state at the checkpoint and the conservation law after it.
 
+**Non-finite gradients** (``nonfinite``): ``"raise"`` stops this worker before it pushes
+(no collective); ``"skip"`` keeps its contract for every method, the same steps skipped on
+every worker, so the workers agree at every step (one 8-byte control allgather: a
+synchronisation point each step; with ``order="round_robin"`` the skipping run equals the
+run without that step, bit for bit).
+
 **Codecs** whose receiver needs more than the wire and the shared seed are refused:
 ``dgc`` (the selected count) and ``powersgd`` (its Q is shared state of a synchronous
 exchange).
@@ -72,7 +78,6 @@ from ..comm.p2p import TorchStar, shared_object
 from ..compressors import Compressor, Packet, build
 from ..errors import GradzipError
 from ..exchange import Timings
-from ..nonfinite import first_nonfinite
 from ..validation import is_int, require
 from .base import DistributedOptimizer
 
@@ -478,12 +483,6 @@ class ASGD(DistributedOptimizer):
         return self._link.server
 
     # -- the worker loop ------------------------------------------------------------------------
-    def gradients_finite(self, params) -> bool:
-        """``"skip"``: this worker skips its own push (no agreement: nobody waits for it)."""
-        if self.nonfinite == "skip":
-            return first_nonfinite([p.grad for p in params]) < 0
-        return super().gradients_finite(params)
-
     @torch.no_grad()
     def step(self, closure=None):
         """Push this worker's gradient (compressed, with error feedback), then pull the
