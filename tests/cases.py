@@ -239,6 +239,7 @@ RESUME_RUNS = {
     "odsgd": {"warmup_steps": 5}, "cdsgd": {"warmup_steps": 5, "k": 3}, "cpsgd": {"k": 4},
     "lars": {"compressor": "topk:ratio=0.1"}, "lamb": {}, "adamw": {"compressor": "topk:ratio=0.1"},
     "diloco": {"inner": "sgd", "H": 6, "fragments": 2, "delay": 1, "alpha": 0.5, "compressor": "topk:ratio=0.3"},
+    "asgd": {"order": "round_robin", "compressor": "topk:ratio=0.1"},  # the deterministic schedule
 }
 #: Common options of a method in RESUME_RUNS that differ from resume_runs' (Adam-type: no momentum).
 RESUME_COMMON = {"lamb": {"momentum": 0.0}, "adamw": {"momentum": 0.0}}
@@ -301,6 +302,7 @@ SHORT_RUNS = {
     "lars": {"momentum": 0.9, "compressor": "topk:ratio=0.3"}, "lamb": {"compressor": "topk:ratio=0.3"},
     "adamw": {"weight_decay": 0.01},
     "diloco": {"H": 4, "fragments": 2, "delay": 1, "alpha": 0.5, "inner": "sgd", "compressor": "topk:ratio=0.3"},
+    "asgd": {"order": "round_robin", "compressor": "topk:ratio=0.3", "momentum": 0.9},  # deterministic order
 }
 
 

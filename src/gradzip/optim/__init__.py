@@ -1,6 +1,7 @@
 """The methods, one module each; each ``step()`` is its algorithm box (docs/algorithms.md, "Methods")."""
 from .base import DistributedOptimizer
 from .options import COMMON_OPTIONS, method_options
+from .asgd import ASGD
 from .bitsgd import BitSGD
 from .cdsgd import CDSGD, CPSGD, ODSGD
 from .csea import CSEA
@@ -22,7 +23,7 @@ from .schedule import LinearScalingWarmup, lr_at, scaled_lr
 METHODS = {"ssgd": SSGD, "efsgd": EFSGD, "bitsgd": BitSGD,
            "localsgd": LocalSGD, "qsparse": QSparseLocalSGD, "csea": CSEA, "cser": CSER, "cserpl": CSERPL,
            "dgc": DGC, "powersgd": PowerSGD,
-           "odsgd": ODSGD, "cdsgd": CDSGD, "cpsgd": CPSGD,
+           "odsgd": ODSGD, "cdsgd": CDSGD, "cpsgd": CPSGD, "asgd": ASGD,
            "diloco": DiLoCoMethod,
            "lars": LARSMethod, "lamb": LAMBMethod, "adamw": AdamWMethod}
 
@@ -30,4 +31,4 @@ __all__ = ["DistributedOptimizer", "method_options", "COMMON_OPTIONS", "SSGD", "
            "LocalSGD", "QSparseLocalSGD", "CSEA", "CSER", "CSERPL", "DGC", "PowerSGD",
            "ODSGD", "CDSGD", "CPSGD", "METHODS",
            "Compressed", "LARS", "LAMB", "SAM", "LARSMethod", "LAMBMethod", "AdamWMethod",
-           "LinearScalingWarmup", "lr_at", "scaled_lr", "DiLoCo", "DiLoCoMethod"]
+           "LinearScalingWarmup", "lr_at", "scaled_lr", "DiLoCo", "DiLoCoMethod", "ASGD"]

@@ -138,7 +138,10 @@ def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | 
             _save(job)
     if job.bar is not None:
         job.bar.close()
-    return {"summary": _summary(job, resumed_from, setup_began), "history": job.state.history,
+    summary = _summary(job, resumed_from, setup_began)
+    if hasattr(job.opt, "close"):  # no step follows: stop its threads (A-SGD: the server's receiver)
+        job.opt.close()
+    return {"summary": summary, "history": job.state.history,
             "config": dataclasses.asdict(cfg), "trace": job.tracer.events if job.tracer is not None else None}
 
 
