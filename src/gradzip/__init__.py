@@ -11,5 +11,7 @@ from .errors import GradzipError
 from .nonfinite import NonFiniteGradient
 from .exchange import PSync
 from .replicas import broadcast_parameters
+from .evaluation import evaluation_model
 
-__all__ = ["comm", "compressors", "exchange", "optim", "simulate", "PSync", "GradzipError", "NonFiniteGradient", "broadcast_parameters", "__version__"]
+__all__ = ["comm", "compressors", "exchange", "optim", "simulate", "PSync", "GradzipError", "NonFiniteGradient", "broadcast_parameters", "evaluation_model",
+           "__version__"]

@@ -41,7 +41,8 @@ left. Parameters with ``requires_grad=False`` (frozen) never take part.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -268,6 +269,14 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
             return None
         with torch.enable_grad():
             return closure()
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients; the last backward of the step
+        runs outside, then ``step()``. Nothing to do for a method that exchanges in ``step()``;
+        methods that start their exchange in backward (``overlaps_backward``) idle their hooks
+        here. Every method has it, so a script's accumulation loop works for any of them."""
+        yield
 
     def evaluation_parameters(self) -> list[torch.Tensor] | None:
         """Tensors to evaluate instead of the ones the model holds (in the optimizer's
