@@ -10,8 +10,9 @@ from .comm import simulate
 from .errors import GradzipError
 from .nonfinite import NonFiniteGradient
 from .exchange import PSync
+from .compressors import PerTensor
 from .replicas import broadcast_parameters
 from .evaluation import evaluation_model
 
-__all__ = ["comm", "compressors", "exchange", "optim", "simulate", "PSync", "GradzipError", "NonFiniteGradient", "broadcast_parameters", "evaluation_model",
+__all__ = ["comm", "compressors", "exchange", "optim", "simulate", "PSync", "PerTensor", "GradzipError", "NonFiniteGradient", "broadcast_parameters", "evaluation_model",
            "__version__"]
