@@ -5,8 +5,13 @@ resumed by a new Trainer for the second; each rank writes what it ended with to 
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import re
+import runpy
 import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -55,6 +60,20 @@ def fit(strategy, optimizer, epochs, ckpt_in=None, ckpt_out=None, accumulate=1):
     return [p.detach().clone() for p in model.parameters()], trainer
 
 
+def doc_script(out: str) -> str:
+    """docs/integrations.md's Lightning script, as written, in this process (``optimizer``)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index("## PyTorch Lightning"):], re.S).group(1)
+    path = Path(out) / f"lit{dist.get_rank()}.py"
+    path.write_text(code)
+    os.chdir(out)
+    sys.argv = [str(path), "optimizer"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        runpy.run_path(str(path), run_name="__main__")
+    return printed.getvalue()
+
+
 def main(out: str) -> None:
     result = {}
     # Lightning's own DDPStrategy with a gradzip hook on CPU: the hook never runs
@@ -86,6 +105,7 @@ def main(out: str) -> None:
     dist.barrier()
     rank0_only, _ = fit(GradzipStrategy(), "efsgd", 2, ckpt_in=os.path.join(out, "rank0-only.ckpt"), accumulate=2)
     result["gradzip"] = (straight, resumed, rank0_only)
+    result["doc"] = doc_script(out)
     torch.save(result, os.path.join(out, f"rank{dist.get_rank()}.pt"))
 
 

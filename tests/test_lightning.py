@@ -5,6 +5,7 @@ state; rank 0's state on every rank (Lightning's default) does not."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +49,10 @@ def test_the_gradzip_strategy_resumes_each_rank_from_its_own_state(results):
         assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
     # rank 1 resumed with rank 0's residuals drifts (the issue's 0.93); rank 0 is unaffected
     assert any(not torch.equal(a, b) for a, b in zip(results[1]["gradzip"][0], results[1]["gradzip"][2]))
+
+
+@pytest.mark.slow
+def test_the_documented_lightning_script_runs_as_written(results):
+    accuracy = [float(a) for a in re.findall(r"^accuracy ([0-9.]+)$", results[0]["doc"], re.M)]
+    assert len(accuracy) == 1 and accuracy[0] > 0.5, results[0]["doc"]
+    assert results[1]["doc"] == ""                           # printed on rank 0 only

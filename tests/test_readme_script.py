@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import gradzip
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -30,6 +32,7 @@ def _torchrun(cwd: Path, epochs: str | None) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_the_readme_training_script_runs_resumes_and_learns(tmp_path):
     (tmp_path / "train.py").write_text(readme_script())
     first = _torchrun(tmp_path, "2")
