@@ -40,6 +40,8 @@ class Net(pl.LightningModule):
     def configure_optimizers(self):
         if self.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        if self.optimizer == "localsgd":   # replicas differ between averagings (every 3 steps)
+            return gradzip.optim.LocalSGD(self.parameters(), lr=0.1, momentum=0.9, H=3)
         return gradzip.optim.EFSGD(self.parameters(), lr=0.1, momentum=0.9, compressor="topk:ratio=0.25")
 
 
@@ -105,6 +107,12 @@ def main(out: str) -> None:
     dist.barrier()
     rank0_only, _ = fit(GradzipStrategy(), "efsgd", 2, ckpt_in=os.path.join(out, "rank0-only.ckpt"), accumulate=2)
     result["gradzip"] = (straight, resumed, rank0_only)
+    # local SGD: the checkpoint (after 4 steps, 1 past an averaging) holds each rank's own replica
+    straight, _ = fit(GradzipStrategy(), "localsgd", 2, accumulate=2)
+    ckpt = os.path.join(out, "localsgd.ckpt")
+    fit(GradzipStrategy(), "localsgd", 1, ckpt_out=ckpt, accumulate=2)
+    resumed, _ = fit(GradzipStrategy(), "localsgd", 2, ckpt_in=ckpt, accumulate=2)
+    result["localsgd"] = (straight, resumed)
     result["doc"] = doc_script(out)
     torch.save(result, os.path.join(out, f"rank{dist.get_rank()}.pt"))
 

@@ -49,6 +49,10 @@ def test_the_gradzip_strategy_resumes_each_rank_from_its_own_state(results):
         assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
     # rank 1 resumed with rank 0's residuals drifts (the issue's 0.93); rank 0 is unaffected
     assert any(not torch.equal(a, b) for a, b in zip(results[1]["gradzip"][0], results[1]["gradzip"][2]))
+    for res in results:   # local SGD: each rank resumes its own replica (they differ after step 4)
+        straight, resumed = res["localsgd"]
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+    assert any(not torch.equal(a, b) for a, b in zip(results[0]["localsgd"][0], results[1]["localsgd"][0]))
 
 
 @pytest.mark.slow

@@ -130,8 +130,12 @@ class GradzipStrategy(_PerRank, DDPStrategy):
     (those about the DDP wrapper have no effect)."""
 
     def configure_ddp(self) -> None:
-        """No DDP wrapper: the optimizer communicates. The replicas start from rank 0's."""
+        """No DDP wrapper: the optimizer communicates. The replicas start from rank 0's,
+        except on a resume whose replicas differ: each rank's own, loaded again after."""
         broadcast_parameters(self.model)
+        module = getattr(self, "_pending_state", {}).get("module")
+        if module is not None:
+            self.lightning_module.load_state_dict(module)
 
     def _register_ddp_hooks(self) -> None:
         pass
