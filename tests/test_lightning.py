@@ -60,3 +60,16 @@ def test_the_documented_lightning_script_runs_as_written(results):
     accuracy = [float(a) for a in re.findall(r"^accuracy ([0-9.]+)$", results[0]["doc"], re.M)]
     assert len(accuracy) == 1 and accuracy[0] > 0.5, results[0]["doc"]
     assert results[1]["doc"] == ""                           # printed on rank 0 only
+
+
+def test_the_gradzip_strategy_refuses_a_torch_optimizer_and_the_hook_strategy_a_foreign_state():
+    from gradzip.lightning import DDPHookStrategy, GradzipStrategy
+
+    strategy = GradzipStrategy()
+    strategy.optimizers = [torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)]
+    with pytest.raises(gradzip.GradzipError, match="not a gradzip optimizer"):
+        strategy._check_optimizers()
+    strategy.optimizers = [gradzip.optim.SSGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)]
+    strategy._check_optimizers()
+    with pytest.raises(gradzip.GradzipError, match="CodecState"):
+        DDPHookStrategy(object())

@@ -133,7 +133,7 @@ class GradzipStrategy(_PerRank, DDPStrategy):
         """No DDP wrapper: the optimizer communicates. The replicas start from rank 0's,
         except on a resume whose replicas differ: each rank's own, loaded again after."""
         broadcast_parameters(self.model)
-        module = getattr(self, "_pending_state", {}).get("module")
+        module = (getattr(self, "_pending_state", None) or {}).get("module")
         if module is not None:
             self.lightning_module.load_state_dict(module)
 
@@ -150,6 +150,11 @@ class GradzipStrategy(_PerRank, DDPStrategy):
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
+        self._check_optimizers()
+
+    def _check_optimizers(self) -> None:
+        """Refuse an optimizer that is not a gradzip method: without DDP nothing would
+        synchronise its parameters."""
         plain = [type(o).__name__ for o in self.optimizers
                  if not isinstance(o._optimizer if isinstance(o, LightningOptimizer) else o, DistributedOptimizer)]
         if plain:
@@ -177,7 +182,7 @@ class GradzipStrategy(_PerRank, DDPStrategy):
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
-        module = getattr(self, "_pending_state", {}).get("module")
+        module = (getattr(self, "_pending_state", None) or {}).get("module")
         if module is not None:               # this rank's replica, not rank 0's
             self.lightning_module.load_state_dict(module, strict=strict)
 
@@ -192,3 +197,4 @@ class GradzipStrategy(_PerRank, DDPStrategy):
                                f"states and configure_optimizers returned {len(opts)}; return the same optimizers")
         for opt, state in zip(opts, mine["optimizers"]):
             opt.load_state_dict(state)
+        self._pending_state = None          # applied (configure_ddp ran before: setup, then restore)

@@ -96,11 +96,6 @@ class PerTensor(Compressor):
     def __repr__(self) -> str:
         return self.spec
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, PerTensor) and other.spec == self.spec
-
-    __hash__ = None
-
     def _refuse(self, *args, **kwargs) -> Packet:
         raise GradzipError(f"{self.spec} picks a codec per tensor and is not one itself: use it as a method's "
                            "compressor or the DDP hook's codec, or call .resolve(name, tensor).compress(...)")
