@@ -42,3 +42,17 @@ def test_the_readme_training_script_runs_resumes_and_learns(tmp_path):
     assert re.findall(r"^epoch (\d)", second, re.M) == ["2", "3"], second
     accuracy = float(re.findall(r"accuracy ([0-9.]+)", second)[-1])
     assert accuracy > 0.8, second
+
+
+def test_every_method_has_accumulate_so_the_readme_loop_works_for_any_of_them():
+    import torch
+
+    for cls, options in [(gradzip.optim.LocalSGD, {"H": 2}), (gradzip.optim.CSER, {"H": 2}),
+                         (gradzip.optim.CDSGD, {"overlap": False}), (gradzip.optim.EFSGD, {})]:
+        model = torch.nn.Linear(4, 2)
+        opt = cls(model.parameters(), lr=0.1, **options)
+        with opt.accumulate():
+            model(torch.ones(1, 4)).sum().backward()
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+        assert opt.steps == 1, cls.__name__
