@@ -10,7 +10,10 @@ from .comm import simulate
 from .errors import GradzipError
 from .nonfinite import NonFiniteGradient
 from .exchange import PSync
+from .compressors import PerTensor
 from .replicas import broadcast_parameters
 from .landscape import sharpness
+from .evaluation import evaluation_model
 
-__all__ = ["comm", "compressors", "exchange", "optim", "simulate", "PSync", "GradzipError", "NonFiniteGradient", "broadcast_parameters", "sharpness", "__version__"]
+__all__ = ["comm", "compressors", "exchange", "optim", "simulate", "PSync", "PerTensor", "GradzipError", "NonFiniteGradient",
+           "broadcast_parameters", "evaluation_model", "sharpness", "__version__"]

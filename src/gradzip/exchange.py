@@ -58,7 +58,7 @@ import torch
 
 from . import seeds
 from .comm import Group, Work, allgather_wire_bytes, allreduce_wire_bytes
-from .compressors import Compressor, Packet, build
+from .compressors import Compressor, Packet, PerTensor, build
 from .nonfinite import NonFiniteAggregate, first_nonfinite
 
 DEFAULT_BUCKET_BYTES = 4 << 20
@@ -119,6 +119,7 @@ class Pending:
     step: int = 0
     keys: Sequence[int] = ()
     recyclable: list[bool] = field(default_factory=list)  # packet i's wire is not its input
+    codecs: list[Compressor] = field(default_factory=list)  # packet i's codec
     _result: Result | None = field(default=None, repr=False)
 
     def wait(self) -> Result:
@@ -134,7 +135,11 @@ class PSync:
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_finite: bool = False):
         self.comm = comm
         self.check_finite = bool(check_finite)  # raise NonFiniteAggregate (module docstring)
-        self.compressor = build(compressor)
+        self.compressor = build(compressor)   # a codec, or a PerTensor policy: see codec_for
+        #: key -> parameter name, for a PerTensor policy's name rules (set by the owner:
+        #: the optimizer from its named parameters, the DDP hook from its model)
+        self.names: dict[int, str] = {}
+        self._codecs: dict = {}                # (key, shape, dtype) -> the policy's codec
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.timings = Timings()
@@ -166,27 +171,40 @@ class PSync:
         """Compress ``tensors`` and launch their collectives; ``keys`` identify each tensor
         across steps (default: its position) for the shared random seeds."""
         keys = range(len(tensors)) if keys is None else keys
-        codec = self.compressor
         began = time.perf_counter()
         keys = list(keys)
+        codecs = [self.codec_for(key, t) for key, t in zip(keys, tensors)]
         residuals = None
         spares = self._take_spares(tensors, keys)
         if residual:  # one fused pass where the codec has one (Compressor.compress_residual)
             residuals = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-            packets = [codec.compress_residual(t.detach(), self._seed(step, key), r, reuse=old)
-                       for t, key, r, old in zip(tensors, keys, residuals, spares)]
+            packets = [codec.compress_residual(t.detach(), self._seed(step, key, codec), r, reuse=old)
+                       for codec, t, key, r, old in zip(codecs, tensors, keys, residuals, spares)]
         else:
-            packets = [codec.compress(t.detach(), self._seed(step, key), reuse=old)
-                       for t, key, old in zip(tensors, keys, spares)]
+            packets = [codec.compress(t.detach(), self._seed(step, key, codec), reuse=old)
+                       for codec, t, key, old in zip(codecs, tensors, keys, spares)]
         recyclable = [_storages(p.wire.values()).isdisjoint(_storages([t])) for p, t in zip(packets, tensors)]
-        buckets = self._launch(packets)
+        buckets = self._launch(packets, codecs)
         payload = sum(p.nbytes for p in packets)
         self.payload_bytes += payload
         ended = time.perf_counter()
         self._add_compress(ended - began)
         if self.tracer is not None:
             self.tracer.add("compress", began, ended, bytes=payload)
-        return Pending(self, packets, buckets, residuals, payload, step, keys, recyclable)
+        return Pending(self, packets, buckets, residuals, payload, step, keys, recyclable, codecs)
+
+    def codec_for(self, key: int, tensor: torch.Tensor) -> Compressor:
+        """The codec of the tensor with ``key``: the PSync's codec, or what its
+        :class:`~gradzip.compressors.PerTensor` policy picks by the key's parameter name
+        (:attr:`names`) and the tensor's shape (once per key, shape and dtype)."""
+        policy = self.compressor
+        if not isinstance(policy, PerTensor):
+            return policy
+        cached = (key, tuple(tensor.shape), tensor.dtype)
+        codec = self._codecs.get(cached)
+        if codec is None:
+            codec = self._codecs[cached] = policy.resolve(self.names.get(key), tensor)
+        return codec
 
     # -- internals ------------------------------------------------------------------------
     def _take_spares(self, tensors: Sequence[torch.Tensor], keys: list) -> list[Packet | None]:
@@ -227,16 +245,17 @@ class PSync:
         bucket.buffer = torch.cat(parts, out=buf)
         return buf
 
-    def _seed(self, step: int, key: int) -> int:
-        if self.compressor.shared_randomness:
+    def _seed(self, step: int, key: int, codec: Compressor) -> int:
+        if codec.shared_randomness:
             return mix_seed(self.seed, step, key)
         return mix_seed(self.seed, step, key, self.comm.rank + 1)
 
-    def route(self, packet: Packet) -> tuple[str, list[torch.Tensor]]:
-        """The collective for one packet and the flat tensors it contributes: the codec's
-        summand for allreduce, the raw bytes of its wire tensors for allgather, whichever
-        puts fewer bytes on the wire for this world size (ties: allreduce)."""
-        codec, n = self.compressor, self.comm.world_size
+    def route(self, packet: Packet, codec: Compressor | None = None) -> tuple[str, list[torch.Tensor]]:
+        """The collective for one packet (made by ``codec``, default: the PSync's) and the
+        flat tensors it contributes: the codec's summand for allreduce, the raw bytes of its
+        wire tensors for allgather, whichever puts fewer bytes on the wire for this world
+        size (ties: allreduce)."""
+        codec, n = codec or self.compressor, self.comm.world_size
         sum_dtype = codec.sum_dtype(n, packet.dtype)
         if sum_dtype is not None:
             # sized without building the summand where the codec can (an int8 per entry for 2bit)
@@ -248,11 +267,11 @@ class PSync:
                 return "allreduce", [summand if summand is not None else codec.summand(packet, n).reshape(-1)]
         return "allgather", [w.reshape(-1).view(torch.uint8) for w in packet.wire.values()]
 
-    def _launch(self, packets: list[Packet]) -> list[_Bucket]:
+    def _launch(self, packets: list[Packet], codecs: list[Compressor]) -> list[_Bucket]:
         open_buckets: dict[tuple, _Bucket] = {}
         buckets: list[_Bucket] = []
-        for i, packet in enumerate(packets):
-            kind, flat = self.route(packet)
+        for i, (packet, codec) in enumerate(zip(packets, codecs)):
+            kind, flat = self.route(packet, codec)
             key = (kind, flat[0].dtype, flat[0].device) if flat else (kind, torch.uint8, _device(packet))
             nbytes = sum(f.numel() * f.element_size() for f in flat)
             bucket = open_buckets.get(key)
@@ -287,7 +306,7 @@ class PSync:
             self.timings.inline_compress_s += seconds
 
     def _finish(self, pending: Pending) -> Result:
-        codec, n = self.compressor, self.comm.world_size
+        n = self.comm.world_size
         out: list[torch.Tensor | None] = [None] * len(pending.packets)
         sent = 0
         for bucket in pending.buckets:
@@ -302,7 +321,7 @@ class PSync:
             sent += bucket.work.nbytes
             offset = 0
             for i, size in zip(bucket.members, bucket.sizes):
-                packet = pending.packets[i]
+                packet, codec = pending.packets[i], pending.codecs[i]
                 if bucket.kind == "allreduce":
                     total = gathered[offset:offset + size]
                     out[i] = codec.from_sum(total, packet, n)
@@ -319,7 +338,7 @@ class PSync:
             if bad >= 0:
                 packet = pending.packets[bad]
                 raise NonFiniteAggregate(
-                    f"the {codec.spec} exchange of tensor #{bad} (shape {tuple(packet.shape)}) decoded a "
+                    f"the {pending.codecs[bad].spec} exchange of tensor #{bad} (shape {tuple(packet.shape)}) decoded a "
                     f"non-finite aggregate (NaN or Inf) from finite inputs: the codec or the sum over "
                     f"{n} workers overflowed; stopped on every worker before it was applied", bad)
         self._release(pending, out)

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..compressors import Compressor, build
+from ..compressors import Compressor, PerTensor, build
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync
 from ..nonfinite import all_finite
@@ -37,12 +37,20 @@ class CodecState(HookState):
     ``qsgd`` with it reaches NaN within 20 steps in tests/test_ddp.py);
     ``True`` with an unbiased codec is refused, as is the single-round ``powersgd`` codec
     unless ``single_round_powersgd=True`` (the two-round PowerSGD is :func:`powersgd_hook`).
+    ``codec`` may be a :class:`gradzip.PerTensor` policy (a codec per parameter; its name
+    rules need ``model=``). ``start_iter``: the first ``start_iter`` steps allreduce the
+    gradients uncompressed, without error feedback (a dense warm-up, as PowerSGD's
+    ``start_iter``); compression starts at step ``start_iter + 1``.
     ``nonfinite``: see :meth:`HookState.settle`."""
 
     def __init__(self, codec: "str | Compressor" = "none", *, error_feedback: bool | None = None,
                  model: torch.nn.Module | None = None, process_group: Any = None, seed: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
-                 single_round_powersgd: bool = False):
+                 single_round_powersgd: bool = False, start_iter: int = 0):
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise GradzipError(f"DDP hook: start_iter must be an integer >= 0 (dense steps before "
+                               f"compression starts), got {start_iter!r}")
+        self.start_iter = start_iter
         self.codec = build(codec)
         if self.codec.name == "powersgd" and single_round_powersgd is not True:
             raise GradzipError(
@@ -62,20 +70,29 @@ class CodecState(HookState):
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.residuals: dict[int, torch.Tensor] = {}
-        self._psync = None
+        self._psync = self._dense = None
         super().__init__(model, process_group, nonfinite)
 
-    _transient = HookState._transient + ("_psync",)
+    _transient = HookState._transient + ("_psync", "_dense")
 
     @property
     def psync(self) -> PSync:
         if self._psync is None:
             self._psync = PSync(self.comm, self.codec, seed=self.seed, bucket_bytes=self.bucket_bytes)
+            self._psync.names = self.names
         return self._psync
 
+    @property
+    def dense(self) -> PSync:
+        """The uncompressed exchange of the warm-up steps (``start_iter``)."""
+        if self._dense is None:
+            self._dense = PSync(self.comm, "none", seed=self.seed, bucket_bytes=self.bucket_bytes)
+        return self._dense
+
     def __setstate__(self, state: dict) -> None:
+        state.setdefault("start_iter", 0)
         super().__setstate__(state)
-        self._psync = None
+        self._psync = self._dense = None
 
     def rescale(self, factor: float) -> None:
         """Multiply every residual by ``factor`` (e.g. after a GradScaler scale change)."""
@@ -86,11 +103,17 @@ class CodecState(HookState):
         """Tensors and plain values only: loads with ``torch.load``'s defaults."""
         self._check_fresh()
         return {"codec": self.codec.spec, "error_feedback": self.error_feedback, "seed": self.seed,
-                "iter": self.iter, "skipped_steps": self.skipped_steps,
+                "iter": self.iter, "skipped_steps": self.skipped_steps, "start_iter": self.start_iter,
                 "residuals": {k: v.clone() for k, v in self.residuals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.codec, self._psync = build(state["codec"]), None
+        if state["codec"] != self.codec.spec:
+            if state["codec"].startswith(PerTensor.name):
+                raise GradzipError(f"DDP hook: this state was saved with the policy {state['codec']}; "
+                                   "construct the hook state with that PerTensor policy, then load it")
+            self.codec = build(state["codec"])
+        self._psync = self._dense = None
+        self.start_iter = int(state.get("start_iter", 0))
         self.error_feedback, self.seed = bool(state["error_feedback"]), int(state["seed"])
         self.iter = int(state["iter"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
@@ -102,7 +125,7 @@ class CodecState(HookState):
         pending, self._pending = self._pending, []
         results = [b.work.wait() for b in pending]
         output_bad = self.nonfinite != "off" and not all(   # the codec overflowed (qsgd's norm, a residual)
-            all_finite(list(r.aggregate)) and (not self.error_feedback or all_finite(list(r.residual)))
+            all_finite(list(r.aggregate)) and (r.residual is None or all_finite(list(r.residual)))
             for r in results)
         try:
             where = self.agree(any(b.bad for b in pending), output_bad)
@@ -114,7 +137,7 @@ class CodecState(HookState):
         for b, result in zip(pending, results):
             if not skipped:
                 for i, (view, agg, key) in enumerate(zip(b.views, result.aggregate, b.keys)):
-                    if self.error_feedback:
+                    if self.error_feedback and result.residual is not None:   # None: a dense warm-up step
                         residual = result.residual[i]
                         if bool(torch.isfinite(residual).all()):   # nonfinite="off": keep the old one
                             self.residuals[key] = residual
@@ -127,7 +150,8 @@ def hook(codec: "str | Compressor" = "none", error_feedback: bool | None = None,
     """A :class:`CodecState` for :func:`codec_hook`:
     ``ddp.register_comm_hook(gradzip.ddp.hook("topk:ratio=0.01", model=ddp), gradzip.ddp.codec_hook)``.
     ``options``: ``model``, ``process_group``, ``seed``, ``bucket_bytes``, ``nonfinite``,
-    ``single_round_powersgd``."""
+    ``single_round_powersgd``, ``start_iter``. ``codec``: a spec, a codec or a
+    :class:`gradzip.PerTensor` policy."""
     return CodecState(codec, error_feedback=error_feedback, **options)
 
 
@@ -138,14 +162,17 @@ def codec_hook(state: CodecState, bucket: dist.GradBucket) -> torch.futures.Futu
     bucket_views = views(bucket)
     keys = [state._key(p) for p in bucket.parameters()]
     step = state.iter + 1
+    compressing = step > state.start_iter          # else a dense warm-up step: no error feedback
+    feedback = state.error_feedback and compressing
     carried = []
     for view, key in zip(bucket_views, keys):
         v = view.to(torch.promote_types(view.dtype, torch.float32))
-        if state.error_feedback and key in state.residuals:
+        if feedback and key in state.residuals:
             v = v + state.residuals[key]
         carried.append(v)
     bad = state.nonfinite != "off" and not all_finite(bucket_views)
-    work = state.psync.start(carried, step, keys=keys, residual=state.error_feedback)
+    psync = state.psync if compressing else state.dense
+    work = psync.start(carried, step, keys=keys, residual=feedback)
     fut = torch.futures.Future()
     state._pending.append(_Bucket(fut, work, bucket_views, keys, bucket.buffer(), bad))
     if bucket.is_last() and state._finish_all():

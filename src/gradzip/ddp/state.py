@@ -34,13 +34,16 @@ class HookState:
         self._ids: dict[int, int] = {}   # id(param) -> key
         self._next_key = 0
         self.keys_from: str | None = None   # "model" (bind) or "first_seen"
+        self.names: dict[int, str] = {}
         if model is not None:
             self.bind(model)
 
     def bind(self, model: torch.nn.Module) -> None:
         """Key every parameter by its position in ``model.parameters()`` (stable)."""
         module = getattr(model, "module", model)
-        self._ids = {id(p): i for i, p in enumerate(module.parameters())}
+        named = list(module.named_parameters())
+        self._ids = {id(p): i for i, (_, p) in enumerate(named)}
+        self.names = {i: n for i, (n, _) in enumerate(named)}   # key -> name (PerTensor rules)
         self._next_key = len(self._ids)
         self.keys_from = "model"
 
@@ -72,6 +75,7 @@ class HookState:
     def __setstate__(self, state: dict) -> None:
         state.setdefault("nonfinite", "raise")
         state.setdefault("skipped_steps", 0)
+        state.setdefault("names", {})
         self.__dict__.update(state)
         self.process_group, self._comm, self._pending, self._ids = None, None, [], {}
         self._next_key = 0   # first-seen keys are re-derived on first use; model keys need bind()

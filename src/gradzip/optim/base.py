@@ -41,7 +41,8 @@ left. Parameters with ``requires_grad=False`` (frozen) never take part.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -99,6 +100,8 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         self._tracer = None
         self._exchanges: list[PSync] = []
         self._keys = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        self._names: dict[int, str] = {}   # key -> parameter name (named params), every PSync's .names
+        self._learn_names()
         self.start_undo_log()  # see NonFiniteGuard.irreversible()
 
     def add_param_group(self, param_group: dict) -> None:
@@ -116,7 +119,15 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         if hasattr(self, "_keys"):  # not while the constructor adds the first groups
             for p in self.param_groups[-1]["params"]:
                 self._keys.setdefault(p, len(self._keys))
+            self._learn_names()
             self._verified = False
+
+    def _learn_names(self) -> None:
+        """Parameter names of named param groups (``Method(model.named_parameters(), ...)``,
+        torch's ``param_names``) by key: what a PerTensor policy's name rules match."""
+        for g in self.param_groups:
+            for p, n in zip(g["params"], g.get("param_names", ())):
+                self._names[self._keys[p]] = n
 
     # -- building blocks for step() -----------------------------------------------------
     def make_psync(self, compressor: "str | Compressor | None", salt: int = 0,
@@ -126,6 +137,7 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         psync = PSync(comm or self.comm, compressor, seed=seeds.exchange_seed(self.seed, salt),
                       bucket_bytes=self.bucket_bytes, check_finite=self.nonfinite != "off")
         psync.tracer = self._tracer
+        psync.names = self._names   # shared: names of groups added later reach it too
         self._exchanges.append(psync)
         return psync
 
@@ -268,6 +280,14 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
             return None
         with torch.enable_grad():
             return closure()
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients; the last backward of the step
+        runs outside, then ``step()``. Nothing to do for a method that exchanges in ``step()``;
+        methods that start their exchange in backward (``overlaps_backward``) idle their hooks
+        here. Every method has it, so a script's accumulation loop works for any of them."""
+        yield
 
     def evaluation_parameters(self) -> list[torch.Tensor] | None:
         """Tensors to evaluate instead of the ones the model holds (in the optimizer's
