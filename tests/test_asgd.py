@@ -154,9 +154,12 @@ def _same(a, b) -> bool:
 def _resume_worker(comm, split: int | None, steps: int, options: dict):
     """``steps`` steps; with ``split``, a checkpoint (model + optimizer, at a quiescent
     point) after ``split`` steps, and the rest run by a new model and optimizer from it."""
-    def build():
-        torch.manual_seed(0)
+    def build():   # the same start on every worker (threads share torch's global generator)
         model = torch.nn.Linear(5, 3)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
         return model, ASGD(model.parameters(), lr=0.05, comm=comm, momentum=0.9, **options)
 
     def run(model, opt, steps_range):
