@@ -27,7 +27,8 @@ from .comm.liveness import announce_failure
 from .errors import GradzipError
 from .launch import WorkerError, run_processes
 from .optim.options import FLOAT32_MAX
-from .train import checkpoint, datasets, models, report
+from .bench.units import parse_ints, parse_rates
+from .train import checkpoint, datasets, models, projection, report
 from .train.config import SEED_LIMIT, RunConfig, make_optimizer, method_label, parse_algos
 from .train.loop import run_many
 
@@ -112,6 +113,14 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="write a Chrome/Perfetto trace (one track per worker, one span per phase); "
                         "compare writes one file per method, FILE with the method's name added")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
+    j = p.add_argument_group("projection (timeline model)")
+    j.add_argument("--bandwidth", default=projection.DEFAULT_BANDWIDTHS, metavar="LIST",
+                   help="link rates to project the run to, e.g. 1gbit,10gbit (bits/s); the table adds the "
+                        "PROJECTED seconds per epoch and the speed-up over S-SGD at each, from this run's "
+                        "measured compute, codec and update times and its bytes; 'none': no projection "
+                        "(default: %(default)s)")
+    j.add_argument("--workers-at", metavar="LIST",
+                   help="worker counts to project to, e.g. 4,16,64 (default: the run's own)")
 
 
 _FLAG_TYPES = {int: int, float: float, str: str,
@@ -320,6 +329,7 @@ def _main(args, argv) -> int:
         traces = _trace_paths(args.trace, [cfg.name for cfg in cfgs]) if args.trace else []
         for path in traces:
             _writable_file(path, "--trace")
+        rates, workers_at = _projection_args(args)
         if args.command == "compare" and args.workers is None and "RANK" not in os.environ:
             args.workers = 4
         per_worker = _run(cfgs, args.workers, args.backend, args.timeout)
@@ -334,6 +344,7 @@ def _main(args, argv) -> int:
         return 130
     try:  # the results first, optional outputs after: a failing trace loses nothing else
         if not (os.environ.get("RANK", "0") != "0" and _under_torchrun(args.workers)):
+            _project(per_worker[0], rates, workers_at)
             _report(args, per_worker[0])
         if traces:
             _write_traces(traces, per_worker)
@@ -342,6 +353,27 @@ def _main(args, argv) -> int:
               "itself completed)", file=sys.stderr)
         return 1
     return 0
+
+
+def _projection_args(args) -> tuple[list[float], list[int] | None]:
+    """``--bandwidth`` (bits/s; empty for 'none') and ``--workers-at``, checked before training."""
+    text = args.bandwidth.strip().lower()
+    rates = [] if text in ("none", "off", "") else parse_rates(args.bandwidth)
+    if any(r is None for r in rates):
+        raise GradzipError(f"--bandwidth {args.bandwidth!r}: the projection needs finite rates such as "
+                           "1gbit,10gbit ('none' turns it off)")
+    workers_at = parse_ints(args.workers_at, "--workers-at", 1) if args.workers_at else None
+    if workers_at and not rates:
+        raise GradzipError("--workers-at needs link rates to project to: drop --bandwidth none")
+    return rates, workers_at
+
+
+def _project(runs: list[dict], rates: list[float], workers_at: list[int] | None) -> None:
+    """Every run's projections (``summary["projections"]``) at those rates and worker counts."""
+    if not rates:
+        return
+    for run, rows in zip(runs, projection.project_runs(runs, rates, workers_at)):
+        run["summary"]["projections"] = rows
 
 
 def _report(args, runs: list[dict]) -> None:

@@ -248,6 +248,8 @@ def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[st
         "bytes_sent_per_worker": opt.bytes_sent,
         "compression_ratio": opt.compression_ratio,
         "parameters": sum(p.numel() for p in job.model.parameters()),
+        "parameter_shapes": [list(p.shape) for p in job.model.parameters()],   # for the projection
+        "training_samples": len(job.ds.train_x),
         "eval_on": cfg.eval_on,
         **opt.metrics(),
         "wall_time_s": wall,
