@@ -28,7 +28,7 @@ from .errors import GradzipError
 from .launch import WorkerError, run_processes
 from .optim.options import FLOAT32_MAX
 from .bench.units import parse_ints, parse_rates
-from .train import checkpoint, datasets, models, projection, report
+from .train import checkpoint, config_file, datasets, models, projection, report
 from .train.config import SEED_LIMIT, RunConfig, make_optimizer, method_label, parse_algos
 from .train.loop import run_many
 
@@ -65,6 +65,10 @@ seconds = _checked(float, lambda v: 0 < v <= 365 * 86400, "seconds > 0 (at most 
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE",
+                   help="a TOML file of settings: KEY = VALUE per flag, KEY the flag without its dashes "
+                        "(batch-size = 64); flags on the command line override it. --out DIR writes the run's "
+                        "own to DIR/config.toml, which repeats the run exactly")
     g = p.add_argument_group("task")
     g.add_argument("--dataset", default="digits",
                    help=f"one of {', '.join(datasets.names())} (digits is embedded; default: %(default)s)")
@@ -164,7 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     _common(compare)
 
     add_bench(sub)  # gradzip bench net|model (src/gradzip/bench)
+    parser.commands = {"train": train, "compare": compare}  # the parsers --config applies to
     return parser
+
+
+def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The command line ``argv``, with the settings of its ``--config FILE`` where the
+    command line gives none (a :class:`GradzipError` for a bad file)."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) is None:
+        return args
+    config_file.apply(parser.commands[args.command], args.config, args.command)
+    return parser.parse_args(argv)
 
 
 def _configs(args) -> list:
@@ -304,8 +320,12 @@ def _write_traces(paths: list[Path], per_worker: list[list[dict]]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    code = _main(args, argv)
+    try:
+        args = parse_args(argv, parser)
+    except GradzipError as exc:
+        print(f"gradzip: error: {exc}", file=sys.stderr)
+        return 2
+    code = _main(args, argv, parser)
     if args.command != "bench" and _under_torchrun(args.workers):
         # Under torchrun, leave without the interpreter's finalisation: torch's C++ threads
         # can abort it ("terminate called without an active exception", seen here in about
@@ -317,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def _main(args, argv) -> int:
+def _main(args, argv, parser) -> int:
     try:
         if args.command == "bench":
             return run_bench(args, argv)
@@ -332,6 +352,9 @@ def _main(args, argv) -> int:
         rates, workers_at = _projection_args(args)
         if args.command == "compare" and args.workers is None and "RANK" not in os.environ:
             args.workers = 4
+        if args.out and os.environ.get("RANK", "0") == "0":  # the settings first: a failed run can be repeated
+            config_file.write(Path(args.out) / config_file.NAME,
+                              config_file.effective(parser.commands[args.command], args))
         per_worker = _run(cfgs, args.workers, args.backend, args.timeout)
     except GradzipError as exc:
         print(f"gradzip: error: {exc}", file=sys.stderr)
@@ -380,7 +403,7 @@ def _report(args, runs: list[dict]) -> None:
     print(report.table([r["summary"] for r in runs]))
     if args.out:
         out = report.write(args.out, runs, plot=not args.no_plot)
-        print(f"wrote {out}/metrics.jsonl, {out}/summary.json" + ("" if args.no_plot else f", {out}/accuracy.png"))
+        print(f"wrote {out}/{config_file.NAME}, {out}/metrics.jsonl, {out}/summary.json" + ("" if args.no_plot else f", {out}/accuracy.png"))
 
 
 if __name__ == "__main__":
