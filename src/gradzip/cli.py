@@ -28,7 +28,7 @@ from .errors import GradzipError
 from .launch import WorkerError, run_processes
 from .optim.options import FLOAT32_MAX
 from .bench.units import parse_ints, parse_rates
-from .train import checkpoint, config_file, datasets, models, projection, report
+from .train import checkpoint, config_file, datasets, device, models, projection, report
 from .train.config import SEED_LIMIT, RunConfig, make_optimizer, method_label, parse_algos
 from .train.loop import run_many
 
@@ -84,6 +84,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nesterov", action="store_true")
     g.add_argument("--weight-decay", type=non_negative, default=0.0)
     g.add_argument("--seed", type=seed_int, default=0)
+    g.add_argument("--device", choices=list(device.DEVICES), default="cpu",
+                   help="cpu, cuda (rank r on cuda:LOCAL_RANK %% device_count) or auto (cuda where available) "
+                        "(default: %(default)s)")
+    g.add_argument("--amp", choices=list(device.AMP), default="none",
+                   help="mixed precision: autocast in bf16, or fp16 with a GradScaler (gradients unscaled "
+                        "before compression; a step with an inf/NaN skipped on every worker) (default: %(default)s)")
     w = p.add_argument_group("workers")
     w.add_argument("--workers", type=positive_int, default=None,
                    help="worker count (default: 1 for train, 4 for compare; under torchrun: its world)")
@@ -187,7 +193,8 @@ def _configs(args) -> list:
     common = dict(dataset=args.dataset, data_dir=args.data_dir, download=args.download, model=args.model, epochs=args.epochs,
                   batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
                   weight_decay=args.weight_decay, seed=args.seed, eval_on=args.eval_on,
-                  nonfinite=args.nonfinite, trace=bool(args.trace), progress=not args.quiet,
+                  nonfinite=args.nonfinite, device=args.device, amp=args.amp, trace=bool(args.trace),
+                  progress=not args.quiet,
                   **_checkpointing(args))
     given = _given_options(args)
     if args.command == "train":
@@ -344,6 +351,7 @@ def _main(args, argv, parser) -> int:
         if args.data_dir:
             _statable(args.data_dir, "--data-dir")
         cfgs = _configs(args)
+        device.resolve_device(args.device)  # --device cuda without CUDA: one line, before anything starts
         if args.out:
             _writable_directory(args.out, "--out")
         traces = _trace_paths(args.trace, [cfg.name for cfg in cfgs]) if args.trace else []

@@ -14,6 +14,7 @@ from typing import Any
 from .. import optim
 from ..comm import Group
 from ..errors import GradzipError
+from . import device
 
 #: A comma starts a new method only when a bare word (a method name) follows it, so codec
 #: specs may hold commas: ``efsgd@topk:ratio=0.01,unbiased=true,bitsgd``.
@@ -73,6 +74,8 @@ class RunConfig:
     trace: bool = False           # record a timeline (gradzip.trace) of every step
     eval_on: str = "auto"         # "local" model, the workers' "average", or "auto" (average where they differ)
     nonfinite: str = "raise"      # a NaN/Inf gradient: "raise", "skip" the step on every worker, or "off"
+    device: str = "cpu"           # "cpu", "cuda" (rank r on cuda:LOCAL_RANK % device_count) or "auto" (train.device)
+    amp: str = "none"             # autocast precision: "none", "bf16", or "fp16" (with GradScaler)
     checkpoint_dir: str | None = None   # write checkpoints here (per rank, atomically)
     checkpoint_every: int = 0     # steps between checkpoints; 0: at the end of every epoch
     resume: bool = False          # continue from the newest checkpoint in checkpoint_dir, if any
@@ -94,8 +97,9 @@ def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOpti
             f"method {cfg.algo!r} takes no option {', '.join(unknown)}; its options: "
             f"{', '.join(sorted(accepted)) or 'none'}"
         )
+    options = device.method_options(cfg.amp, cfg.options, cls)   # fp16: the exchange after unscaling
     return cls(params, lr=cfg.lr, comm=comm, momentum=cfg.momentum, nesterov=cfg.nesterov,
-               weight_decay=cfg.weight_decay, seed=cfg.seed, nonfinite=cfg.nonfinite, **cfg.options)
+               weight_decay=cfg.weight_decay, seed=cfg.seed, nonfinite=cfg.nonfinite, **options)
 
 
 #: RunConfig fields that do not change a run's numbers: they may differ between workers and

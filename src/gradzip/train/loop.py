@@ -30,6 +30,7 @@ from ..errors import GradzipError
 from ..trace import Tracer, maybe_span
 from ..validation import is_int
 from . import checkpoint, datasets, models
+from .device import Precision, resolve_device
 from .config import FREE_FIELDS, SEED_LIMIT, RunConfig, collective_fields, make_optimizer, trajectory_fields
 from .evaluation import evaluate_shared, evaluation_model
 
@@ -64,6 +65,7 @@ class LoopState:
     previous: list[float] = field(default_factory=lambda: [0.0] * len(PHASES))  # phase times at the last epoch's end
     diverged: bool = False
     wall_time_s: float = 0.0       # training time before this process's start (a resumed run)
+    scaler: dict[str, Any] | None = None   # the fp16 GradScaler's state at the last checkpoint (--amp fp16)
 
     def as_dict(self) -> dict[str, Any]:
         """The fields by name, not copied (a checkpoint's ``"loop"``)."""
@@ -90,6 +92,8 @@ class _Job:
     steps_per_epoch: int
     state: LoopState
     settings: dict[str, str]       # the optimizer's resolved settings (describe()), saved with a checkpoint
+    device: torch.device = torch.device("cpu")
+    precision: Precision | None = None   # autocast and, for fp16, the agreed GradScaler step
     after_step: Callable[[int], None] | None = None
     tracer: Tracer | None = None
     bar: Any = None
@@ -141,7 +145,8 @@ def _prepare(comm: Group, cfg: RunConfig, after_step) -> _Job:
     if not is_int(cfg.seed) or not 0 <= cfg.seed < SEED_LIMIT:
         raise GradzipError(f"seed must be an integer in [0, 2**32), got {cfg.seed!r}")
     ds = datasets.load(cfg.dataset, cfg.data_dir, download=cfg.download)
-    model = models.build(cfg.model, ds.input_shape, ds.num_classes, seed=cfg.seed)
+    device = resolve_device(cfg.device, comm.rank)
+    model = models.build(cfg.model, ds.input_shape, ds.num_classes, seed=cfg.seed).to(device)
     consistency.verify(comm, {**trajectory_fields(cfg), **collective_fields(cfg), "gradzip version": __version__,
                               "world size": comm.world_size, "training samples": len(ds.train_x),
                               "parameter shapes": [tuple(p.shape) for p in model.parameters()]},
@@ -161,7 +166,8 @@ def _prepare(comm: Group, cfg: RunConfig, after_step) -> _Job:
     torch.manual_seed(seeds.worker_seed(cfg.seed, comm.rank))
     random.seed(seeds.worker_seed(cfg.seed, comm.rank))
     settings = {k: str(v) for k, v in opt.describe().items() if k != "gradzip version"}
-    return _Job(comm, cfg, ds, model, opt, steps_per_epoch, LoopState(), settings, after_step)
+    return _Job(comm, cfg, ds, model, opt, steps_per_epoch, LoopState(), settings, device,
+                Precision(cfg.amp, device, comm), after_step)
 
 
 def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
@@ -174,18 +180,20 @@ def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
         t0 = time.perf_counter()
         blocked = _exchange_blocked_s(opt)
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(job.model(job.ds.train_x[idx]), job.ds.train_y[idx])
-        loss.backward()
+        x, y = job.ds.train_x[idx].to(job.device), job.ds.train_y[idx].to(job.device)
+        with job.precision.autocast():
+            loss = F.cross_entropy(job.model(x), y)
+        job.precision.backward(loss)
         t1 = time.perf_counter()
         in_backward = _exchange_blocked_s(opt) - blocked   # codec work the gradient hooks did
-        opt.step()
+        job.precision.step(opt)
         t2 = time.perf_counter()
         state.compute_s += t1 - t0 - in_backward
         state.step_s += t2 - t1 + in_backward
         if job.tracer is not None:
             job.tracer.add("compute", t0, t1, step=opt.steps)
             job.tracer.add("step", t1, t2, cat="optimizer", step=opt.steps)
-        state.loss_sum += loss.detach()
+        state.loss_sum += loss.detach().to(state.loss_sum.device, state.loss_sum.dtype)
         state.done += 1
         if job.bar is not None:
             job.bar.update(1)
@@ -215,7 +223,8 @@ def _epoch_record(job: _Job, epoch: int) -> dict[str, Any]:
                   "bytes_sent_per_worker": opt.bytes_sent, "wall_time_s": wall,
                   **{f"time_{k}_s": v for k, v in zip(PHASES, epoch_stats[1:])},
                   "skipped_steps": opt.skipped_steps, **opt.metrics()}
-        record["test_accuracy"], record["test_loss"] = evaluate_shared(evaluated, comm, job.ds.test_x, job.ds.test_y)
+        record["test_accuracy"], record["test_loss"] = evaluate_shared(evaluated, comm, job.ds.test_x.to(job.device),
+                                                                   job.ds.test_y.to(job.device))
         if job.bar is not None:
             job.bar.set_postfix(loss=f"{train_loss:.3f}", acc=f"{record['test_accuracy']:.3f}")
     return record
@@ -284,6 +293,7 @@ def _save(job: _Job) -> None:
     barrier), the earlier ones are deleted."""
     comm, cfg, state = job.comm, job.cfg, job.state
     state.wall_time_s = time.perf_counter() - job.began
+    state.scaler = job.precision.state_dict()
     checkpoint.save(cfg.checkpoint_dir, state.done, comm.rank, comm.world_size, {
         "format": 2, "gradzip_version": __version__, "config": trajectory_fields(cfg), "settings": job.settings,
         "model": job.model.state_dict(), "optimizer": job.opt.state_dict(), "rng": _rng_state(),
@@ -324,6 +334,7 @@ def _resume(job: _Job) -> int | None:
     job.model.load_state_dict(saved["model"])
     job.opt.load_state_dict(saved["optimizer"])
     job.state = LoopState.from_dict(saved["loop"])
+    job.precision.load_state_dict(job.state.scaler)
     _set_rng_state(saved["rng"])
     return step
 
