@@ -110,3 +110,22 @@ def test_bf16_trains_digits_past_90_percent_with_two_workers(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_test_accuracy"] > 0.9
     assert json.loads(json.dumps(summary))["workers"] == 2
+
+
+# -- backend selection (issue 16, item 2) ---------------------------------------------------
+def test_nccl_for_cuda_tensors_only_where_each_local_rank_has_its_own_gpu():
+    from gradzip.comm.torchdist import choose_backend
+
+    assert choose_backend(cuda=False, nccl=False, local_world_size=4, device_count=0) == "gloo"
+    assert choose_backend(cuda=True, nccl=True, local_world_size=2, device_count=2) == "cpu:gloo,cuda:nccl"
+    assert choose_backend(cuda=True, nccl=True, local_world_size=4, device_count=1) == "gloo"   # 4 ranks, 1 GPU
+    assert choose_backend(cuda=True, nccl=False, local_world_size=1, device_count=1) == "gloo"
+
+
+def test_an_error_of_a_missing_operation_names_backend_and_fix_and_others_pass():
+    from gradzip.comm.torchdist import lacks_operation
+
+    err = lacks_operation("allgather", RuntimeError("No backend type associated with device type cpu"), "nccl")
+    assert isinstance(err, GradzipError) and str(err).startswith("nccl cannot run allgather") and "--device cpu" in str(err)
+    assert lacks_operation("allreduce", RuntimeError("Connection closed by peer [127.0.0.1]:1234")) is None
+
