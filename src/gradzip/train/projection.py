@@ -54,17 +54,22 @@ def steady_times(summary: dict[str, Any], history: Sequence[dict[str, Any]]) -> 
     return out
 
 
-def _profile(algo: str, options: dict[str, Any], shapes, n: int, timed_at: int):
-    return profile_method(algo, options, shapes, n, steps=PROFILE_STEPS, warmup=0, time_at_most=timed_at)
+def _profile(algo: str, options: dict[str, Any], shapes, n: int, timed_at: int, cache: dict):
+    """The method's profile at ``n`` workers (codec times measured at ``timed_at``), once per call
+    of :func:`project_runs`."""
+    key = (algo, tuple(sorted((k, str(v)) for k, v in options.items())), tuple(map(tuple, shapes)), n, timed_at)
+    if key not in cache:
+        cache[key] = profile_method(algo, options, shapes, n, steps=PROFILE_STEPS, warmup=0, time_at_most=timed_at)
+    return cache[key]
 
 
 def _period(summary: dict[str, Any], times: dict[str, float], n: int, bandwidth_Bps: float, alpha_s: float,
-            shapes, algo: str, options: dict[str, Any], compress_s: float) -> dict[str, Any]:
+            shapes, algo: str, options: dict[str, Any], compress_s: float, cache: dict) -> dict[str, Any]:
     """One projected iteration of ``algo`` at ``n`` workers with the run's measured
     compute and update ``times`` (per step) and codec seconds ``compress_s``."""
     run_n = summary["workers"]
-    here = _profile(algo, options, shapes, run_n, run_n)
-    there = here if n == run_n else _profile(algo, options, shapes, n, run_n)
+    here = _profile(algo, options, shapes, run_n, run_n, cache)
+    there = here if n == run_n else _profile(algo, options, shapes, n, run_n, cache)
     measured_bytes = summary["bytes_sent_per_worker"] / max(summary["steps"], 1) if algo == summary["method"] else None
     scale = measured_bytes / here.wire_bytes_per_step if measured_bytes and here.wire_bytes_per_step else 1.0
     communicate = there.comm_time(bandwidth_Bps, alpha_s) * scale
@@ -84,6 +89,7 @@ def project_runs(runs: Sequence[dict[str, Any]], bandwidths_bps: Sequence[float]
     if any(not (b and b > 0) for b in bandwidths_bps):
         raise GradzipError("--bandwidth for the projection needs finite rates > 0, e.g. 1gbit,10gbit")
     times = [steady_times(r["summary"], r["history"]) for r in runs]
+    cache: dict = {}
     base = next(((r["summary"], t) for r, t in zip(runs, times) if is_plain_ssgd(r["summary"])), None)
     out = []
     for run, own in zip(runs, times):
@@ -97,12 +103,12 @@ def project_runs(runs: Sequence[dict[str, Any]], bandwidths_bps: Sequence[float]
             steps = s["training_samples"] // n // s["batch_size_per_worker"]
             for bw in bandwidths_bps:
                 p = _period(s, own, n, bw / 8, alpha_s, shapes, s["method"], dict(s.get("options", {})),
-                            own["compress"])
+                            own["compress"], cache)
                 if base is not None:
-                    b = _period(base[0], base[1], n, bw / 8, alpha_s, shapes, "ssgd", {}, base[1]["compress"])
+                    b = _period(base[0], base[1], n, bw / 8, alpha_s, shapes, "ssgd", {}, base[1]["compress"], cache)
                     basis = "the S-SGD run"
                 else:
-                    b = _period(s, own, n, bw / 8, alpha_s, shapes, "ssgd", {}, 0.0)
+                    b = _period(s, own, n, bw / 8, alpha_s, shapes, "ssgd", {}, 0.0, cache)
                     basis = "S-SGD modelled with this run's compute and update times"
                 rows.append({"workers": n, "bandwidth_bps": bw, "alpha_s": alpha_s, "steps_per_epoch": steps,
                              "epoch_s": steps * p["iteration_s"], **p,
