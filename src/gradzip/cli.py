@@ -400,8 +400,9 @@ def _projection_args(args) -> tuple[list[float], list[int] | None]:
 
 
 def _project(runs: list[dict], rates: list[float], workers_at: list[int] | None) -> None:
-    """Every run's projections (``summary["projections"]``) at those rates and worker counts."""
-    if not rates:
+    """Every run's projections (``summary["projections"]``) at those rates and worker counts
+    (none for a one-worker run without ``--workers-at``: it sends nothing)."""
+    if not rates or (workers_at is None and all(r["summary"]["workers"] == 1 for r in runs)):
         return
     for run, rows in zip(runs, projection.project_runs(runs, rates, workers_at)):
         run["summary"]["projections"] = rows
