@@ -108,7 +108,7 @@ def test_bandwidth_none_leaves_the_table_as_it_was(tmp_path, capsys):
 
 
 def test_a_one_worker_run_is_projected_only_to_the_worker_counts_asked_for(tmp_path, capsys):
-    args = ["train", "--epochs", "1", "--quiet", "--no-plot", "--bandwidth", "1gbit"]
+    args = ["train", "--epochs", "1", "--backend", "threads", "--quiet", "--no-plot", "--bandwidth", "1gbit"]
     assert main([*args, "--out", str(tmp_path / "a")]) == 0
     assert "proj." not in capsys.readouterr().out
     assert main([*args, "--workers-at", "8", "--out", str(tmp_path / "b")]) == 0
