@@ -109,7 +109,7 @@ def test_bf16_trains_digits_past_90_percent_with_two_workers(tmp_path):
                  "bf16", "--quiet", "--no-plot", "--bandwidth", "none", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_test_accuracy"] > 0.9
-    assert json.loads(json.dumps(summary))["workers"] == 2
+    assert (summary["workers"], summary["device"], summary["amp"]) == (2, "cpu", "bf16")
 
 
 # -- backend selection (issue 16, item 2) ---------------------------------------------------

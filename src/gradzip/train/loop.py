@@ -260,6 +260,8 @@ def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[st
         "parameter_shapes": [list(p.shape) for p in job.model.parameters()],   # for the projection
         "training_samples": len(job.ds.train_x),
         "eval_on": cfg.eval_on,
+        "device": str(job.device),
+        "amp": cfg.amp,
         **opt.metrics(),
         "wall_time_s": wall,
         "setup_time_s": job.began + state.wall_time_s - setup_began,  # this process's set-up
