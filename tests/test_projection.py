@@ -113,3 +113,27 @@ def test_a_one_worker_run_is_projected_only_to_the_worker_counts_asked_for(tmp_p
     assert "proj." not in capsys.readouterr().out
     assert main([*args, "--workers-at", "8", "--out", str(tmp_path / "b")]) == 0
     assert "proj. s/epoch 1 Gbit/s x8" in capsys.readouterr().out
+
+
+def test_the_emulated_workers_run_this_command_without_workers_projection_or_emulation(tmp_path):
+    from gradzip import cli
+
+    argv = ["compare", "--algos", "ssgd,bitsgd", "--workers", "4", "--epochs", "3", "--emulate",
+            "--bandwidth", "1gbit", "--out", "o"]
+    args = cli.parse_args(argv)
+    table = cli.emulation_settings(cli.build_parser(), args, tmp_path / "e")
+    assert {"workers", "backend", "emulate", "workers-at"}.isdisjoint(table)
+    assert (table["bandwidth"], table["out"], table["algos"], table["epochs"]) == \
+        ("none", str(tmp_path / "e"), "ssgd,bitsgd", 3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--emulate"], "--emulate writes each rate's results into --out DIR"),
+    (["--emulate", "--bandwidth", "none", "--out", "x"], "--emulate runs at the --bandwidth rates"),
+    (["--emulate", "--workers-at", "8", "--out", "x"], "--emulate runs at --workers, not --workers-at"),
+])
+def test_emulate_needs_out_rates_and_no_workers_at(tmp_path, monkeypatch, args, message, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--quiet", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

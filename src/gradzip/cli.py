@@ -10,6 +10,7 @@ process joins torchrun's group instead. Errors are one line on stderr and exit c
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -27,7 +28,8 @@ from .comm.liveness import announce_failure
 from .errors import GradzipError
 from .launch import WorkerError, run_processes
 from .optim.options import FLOAT32_MAX
-from .bench.units import parse_ints, parse_rates
+from .bench import emulated, netns
+from .bench.units import format_rate, parse_ints, parse_rates
 from .train import checkpoint, config_file, datasets, device, models, projection, report
 from .train.config import SEED_LIMIT, RunConfig, make_optimizer, method_label, parse_algos
 from .train.loop import run_many
@@ -131,6 +133,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     j.add_argument("--workers-at", metavar="LIST",
                    help="worker counts to project to, e.g. 4,16,64 (default: the run's own)")
+    j.add_argument("--emulate", action="store_true",
+                   help="instead of projecting, run the command at each --bandwidth on emulated links: "
+                        "one network namespace per worker, each link shaped with tc (needs root, ip, tc; "
+                        "as gradzip bench net); results in --out DIR/emulated-<rate>")
 
 
 _FLAG_TYPES = {int: int, float: float, str: str,
@@ -363,6 +369,8 @@ def _main(args, argv, parser) -> int:
         if args.out and os.environ.get("RANK", "0") == "0":  # the settings first: a failed run can be repeated
             config_file.write(Path(args.out) / config_file.NAME,
                               config_file.effective(parser.commands[args.command], args))
+        if args.emulate:
+            return _run_emulated(parser, args, rates)
         per_worker = _run(cfgs, args.workers, args.backend, args.timeout)
     except GradzipError as exc:
         print(f"gradzip: error: {exc}", file=sys.stderr)
@@ -397,6 +405,45 @@ def _projection_args(args) -> tuple[list[float], list[int] | None]:
     if workers_at and not rates:
         raise GradzipError("--workers-at needs link rates to project to: drop --bandwidth none")
     return rates, workers_at
+
+
+def emulation_settings(parser, args, out: Path) -> dict[str, Any]:
+    """The config table each emulated worker runs (``gradzip <command> --config``): this
+    run's settings without the worker count (the workers join torchrun-style), backend,
+    projection and emulation, writing into ``out``."""
+    table = config_file.effective(parser.commands[args.command], args)
+    for key in ("workers", "backend", "workers-at", "emulate", "trace"):
+        table.pop(key, None)
+    table.update({"bandwidth": "none", "quiet": True, "out": str(out)})
+    return table
+
+
+def _run_emulated(parser, args, rates: list[float]) -> int:
+    """``--emulate``: the command once per link rate, each worker a process in its own
+    network namespace with a tc-shaped link (:mod:`gradzip.bench.netns`); each run's table
+    printed, its outputs in ``--out/emulated-<rate>``."""
+    if not args.out:
+        raise GradzipError("--emulate writes each rate's results into --out DIR: add --out")
+    if not rates:
+        raise GradzipError("--emulate runs at the --bandwidth rates: give some, e.g. --bandwidth 1gbit,10gbit")
+    if args.workers_at:
+        raise GradzipError("--emulate runs at --workers, not --workers-at (which only projects); drop one")
+    n = args.workers or 1
+    for rate in rates:
+        out = Path(args.out) / f"emulated-{_file_safe(format_rate(rate).replace(' ', '').replace('/', 'p'))}"
+        _writable_directory(str(out), "--out")
+        settings = config_file.write(out / "worker-config.toml", emulation_settings(parser, args, out))
+        code = (f"import sys; from gradzip.cli import main; "
+                f"sys.exit(main([{args.command!r}, '--config', {str(settings)!r}]))")
+        print(f"emulated links of {format_rate(rate)}, {n} workers (tc-shaped, one namespace per worker) ...",
+              flush=True)
+        with netns.Topology(n, rate) as topo:
+            emulated.run_ranks(topo, code, out, args.timeout * 10, max(1, (os.cpu_count() or 1) // n),
+                               what="--emulate", cwd=os.getcwd())
+        summaries = json.loads((out / "summary.json").read_text())
+        print(f"MEASURED on emulated {format_rate(rate)} links, {n} workers:")
+        print(report.table(summaries if isinstance(summaries, list) else [summaries]))
+    return 0
 
 
 def _project(runs: list[dict], rates: list[float], workers_at: list[int] | None) -> None:
