@@ -10,6 +10,7 @@ process joins torchrun's group instead. Errors are one line on stderr and exit c
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -27,7 +28,9 @@ from .comm.liveness import announce_failure
 from .errors import GradzipError
 from .launch import WorkerError, run_processes
 from .optim.options import FLOAT32_MAX
-from .train import checkpoint, datasets, models, report
+from .bench import emulated, netns
+from .bench.units import format_rate, parse_ints, parse_rates
+from .train import checkpoint, config_file, datasets, device, models, projection, report
 from .train.config import SEED_LIMIT, RunConfig, make_optimizer, method_label, parse_algos
 from .train.loop import run_many
 
@@ -64,6 +67,10 @@ seconds = _checked(float, lambda v: 0 < v <= 365 * 86400, "seconds > 0 (at most 
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE",
+                   help="a TOML file of settings: KEY = VALUE per flag, KEY the flag without its dashes "
+                        "(batch-size = 64); flags on the command line override it. --out DIR writes the run's "
+                        "own to DIR/config.toml, which repeats the run exactly")
     g = p.add_argument_group("task")
     g.add_argument("--dataset", default="digits",
                    help=f"one of {', '.join(datasets.names())} (digits is embedded; default: %(default)s)")
@@ -79,6 +86,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nesterov", action="store_true")
     g.add_argument("--weight-decay", type=non_negative, default=0.0)
     g.add_argument("--seed", type=seed_int, default=0)
+    g.add_argument("--device", choices=list(device.DEVICES), default="cpu",
+                   help="cpu, cuda (rank r on cuda:LOCAL_RANK %% device_count) or auto (cuda where available) "
+                        "(default: %(default)s)")
+    g.add_argument("--amp", choices=list(device.AMP), default="none",
+                   help="mixed precision: autocast in bf16, or fp16 with a GradScaler (gradients unscaled "
+                        "before compression; a step with an inf/NaN skipped on every worker) (default: %(default)s)")
     b = p.add_argument_group("large batch (docs/large_batch.md)")
     b.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
                    help="scale --lr with the global batch (--batch-size x workers) over --base-batch (default: %(default)s)")
@@ -125,6 +138,18 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="write a Chrome/Perfetto trace (one track per worker, one span per phase); "
                         "compare writes one file per method, FILE with the method's name added")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
+    j = p.add_argument_group("projection (timeline model)")
+    j.add_argument("--bandwidth", default=projection.DEFAULT_BANDWIDTHS, metavar="LIST",
+                   help="link rates to project the run to, e.g. 1gbit,10gbit (bits/s); the table adds the "
+                        "PROJECTED seconds per epoch and the speed-up over S-SGD at each, from this run's "
+                        "measured compute, codec and update times and its bytes; 'none': no projection "
+                        "(default: %(default)s)")
+    j.add_argument("--workers-at", metavar="LIST",
+                   help="worker counts to project to, e.g. 4,16,64 (default: the run's own)")
+    j.add_argument("--emulate", action="store_true",
+                   help="instead of projecting, run the command at each --bandwidth on emulated links: "
+                        "one network namespace per worker, each link shaped with tc (needs root, ip, tc; "
+                        "as gradzip bench net); results in --out DIR/emulated-<rate>")
 
 
 _FLAG_TYPES = {int: int, float: float, str: str,
@@ -168,14 +193,27 @@ def build_parser() -> argparse.ArgumentParser:
     _common(compare)
 
     add_bench(sub)  # gradzip bench net|model (src/gradzip/bench)
+    parser.commands = {"train": train, "compare": compare}  # the parsers --config applies to
     return parser
+
+
+def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The command line ``argv``, with the settings of its ``--config FILE`` where the
+    command line gives none (a :class:`GradzipError` for a bad file)."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) is None:
+        return args
+    config_file.apply(parser.commands[args.command], args.config, args.command)
+    return parser.parse_args(argv)
 
 
 def _configs(args) -> list:
     common = dict(dataset=args.dataset, data_dir=args.data_dir, download=args.download, model=args.model, epochs=args.epochs,
                   batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
                   weight_decay=args.weight_decay, seed=args.seed, eval_on=args.eval_on,
-                  nonfinite=args.nonfinite, trace=bool(args.trace), progress=not args.quiet,
+                  nonfinite=args.nonfinite, device=args.device, amp=args.amp, trace=bool(args.trace),
+                  progress=not args.quiet,
                   lr_scaling=args.lr_scaling, base_batch=args.base_batch or 0, warmup_epochs=args.warmup_epochs,
                   sam_rho=args.sam_rho,
                   straggler=_straggler(args.straggler), **_checkpointing(args))
@@ -317,8 +355,12 @@ def _write_traces(paths: list[Path], per_worker: list[list[dict]]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    code = _main(args, argv)
+    try:
+        args = parse_args(argv, parser)
+    except GradzipError as exc:
+        print(f"gradzip: error: {exc}", file=sys.stderr)
+        return 2
+    code = _main(args, argv, parser)
     if args.command != "bench" and _under_torchrun(args.workers):
         # Under torchrun, leave without the interpreter's finalisation: torch's C++ threads
         # can abort it ("terminate called without an active exception", seen here in about
@@ -330,20 +372,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def _main(args, argv) -> int:
+def _main(args, argv, parser) -> int:
     try:
         if args.command == "bench":
             return run_bench(args, argv)
         if args.data_dir:
             _statable(args.data_dir, "--data-dir")
         cfgs = _configs(args)
+        device.resolve_device(args.device)  # --device cuda without CUDA: one line, before anything starts
         if args.out:
             _writable_directory(args.out, "--out")
         traces = _trace_paths(args.trace, [cfg.name for cfg in cfgs]) if args.trace else []
         for path in traces:
             _writable_file(path, "--trace")
+        rates, workers_at = _projection_args(args)
         if args.command == "compare" and args.workers is None and "RANK" not in os.environ:
             args.workers = 4
+        if args.out and os.environ.get("RANK", "0") == "0":  # the settings first: a failed run can be repeated
+            config_file.write(Path(args.out) / config_file.NAME,
+                              config_file.effective(parser.commands[args.command], args))
+        if args.emulate:
+            return _run_emulated(parser, args, rates)
         per_worker = _run(cfgs, args.workers, args.backend, args.timeout)
     except GradzipError as exc:
         print(f"gradzip: error: {exc}", file=sys.stderr)
@@ -356,6 +405,7 @@ def _main(args, argv) -> int:
         return 130
     try:  # the results first, optional outputs after: a failing trace loses nothing else
         if not (os.environ.get("RANK", "0") != "0" and _under_torchrun(args.workers)):
+            _project(per_worker[0], rates, workers_at)
             _report(args, per_worker[0])
         if traces:
             _write_traces(traces, per_worker)
@@ -366,11 +416,72 @@ def _main(args, argv) -> int:
     return 0
 
 
+def _projection_args(args) -> tuple[list[float], list[int] | None]:
+    """``--bandwidth`` (bits/s; empty for 'none') and ``--workers-at``, checked before training."""
+    text = args.bandwidth.strip().lower()
+    rates = [] if text in ("none", "off", "") else parse_rates(args.bandwidth)
+    if any(r is None for r in rates):
+        raise GradzipError(f"--bandwidth {args.bandwidth!r}: the projection needs finite rates such as "
+                           "1gbit,10gbit ('none' turns it off)")
+    workers_at = parse_ints(args.workers_at, "--workers-at", 1) if args.workers_at else None
+    if workers_at and not rates:
+        raise GradzipError("--workers-at needs link rates to project to: drop --bandwidth none")
+    return rates, workers_at
+
+
+def emulation_settings(parser, args, out: Path) -> dict[str, Any]:
+    """The config table each emulated worker runs (``gradzip <command> --config``): this
+    run's settings without the worker count (the workers join torchrun-style), backend,
+    projection and emulation, writing into ``out``."""
+    table = config_file.effective(parser.commands[args.command], args)
+    for key in ("workers", "backend", "workers-at", "emulate", "trace"):
+        table.pop(key, None)
+    table.update({"bandwidth": "none", "quiet": True, "out": str(out)})
+    return table
+
+
+def _run_emulated(parser, args, rates: list[float]) -> int:
+    """``--emulate``: the command once per link rate, each worker a process in its own
+    network namespace with a tc-shaped link (:mod:`gradzip.bench.netns`); each run's table
+    printed, its outputs in ``--out/emulated-<rate>``."""
+    if not args.out:
+        raise GradzipError("--emulate writes each rate's results into --out DIR: add --out")
+    if not rates:
+        raise GradzipError("--emulate runs at the --bandwidth rates: give some, e.g. --bandwidth 1gbit,10gbit")
+    if args.workers_at:
+        raise GradzipError("--emulate runs at --workers, not --workers-at (which only projects); drop one")
+    n = args.workers or 1
+    for rate in rates:
+        out = Path(args.out) / f"emulated-{_file_safe(format_rate(rate).replace(' ', '').replace('/', 'p'))}"
+        _writable_directory(str(out), "--out")
+        settings = config_file.write(out / "worker-config.toml", emulation_settings(parser, args, out))
+        code = (f"import sys; from gradzip.cli import main; "
+                f"sys.exit(main([{args.command!r}, '--config', {str(settings)!r}]))")
+        print(f"emulated links of {format_rate(rate)}, {n} workers (tc-shaped, one namespace per worker) ...",
+              flush=True)
+        with netns.Topology(n, rate) as topo:
+            emulated.run_ranks(topo, code, out, args.timeout * 10, max(1, (os.cpu_count() or 1) // n),
+                               what="--emulate", cwd=os.getcwd())
+        summaries = json.loads((out / "summary.json").read_text())
+        print(f"MEASURED on emulated {format_rate(rate)} links, {n} workers:")
+        print(report.table(summaries if isinstance(summaries, list) else [summaries]))
+    return 0
+
+
+def _project(runs: list[dict], rates: list[float], workers_at: list[int] | None) -> None:
+    """Every run's projections (``summary["projections"]``) at those rates and worker counts
+    (none for a one-worker run without ``--workers-at``: it sends nothing)."""
+    if not rates or (workers_at is None and all(r["summary"]["workers"] == 1 for r in runs)):
+        return
+    for run, rows in zip(runs, projection.project_runs(runs, rates, workers_at)):
+        run["summary"]["projections"] = rows
+
+
 def _report(args, runs: list[dict]) -> None:
     print(report.table([r["summary"] for r in runs]))
     if args.out:
         out = report.write(args.out, runs, plot=not args.no_plot)
-        print(f"wrote {out}/metrics.jsonl, {out}/summary.json" + ("" if args.no_plot else f", {out}/accuracy.png"))
+        print(f"wrote {out}/{config_file.NAME}, {out}/metrics.jsonl, {out}/summary.json" + ("" if args.no_plot else f", {out}/accuracy.png"))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,31 @@ _COMM_ERROR = re.compile(r"timed? ?out|timeout|connection|closed|reset by peer|b
                          r"unreachable|no route|peer|abort", re.I)
 
 
+# backend errors that mean "this backend has no such operation (for this device or dtype)"
+_LACKS = re.compile(r"no backend type associated with device type|does not support|not supported|"
+                    r"unsupported|not implemented|cannot use reduceop|invalid scalar type", re.I)
+
+
+def choose_backend(cuda: bool, nccl: bool, local_world_size: int, device_count: int) -> str:
+    """The ``init_process_group`` backend: gloo for CPU tensors, plus NCCL for CUDA tensors
+    where CUDA and NCCL are present and every rank on this node has a GPU of its own (NCCL
+    cannot put two ranks on one GPU); otherwise gloo for CUDA tensors as well."""
+    if cuda and nccl and 1 <= local_world_size <= device_count:
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def lacks_operation(kind: str, exc: BaseException, backend: str | None = None) -> GradzipError | None:
+    """A one-line :class:`GradzipError` where ``exc`` says the backend has no ``kind`` for
+    these tensors (None for any other error)."""
+    if not _LACKS.search(str(exc)):
+        return None
+    named, said = _gloo_says(exc)
+    backend = backend or named
+    return GradzipError(f"{backend} cannot run {kind} on these tensors ({said}); train on tensors it supports "
+                        "(--device cpu: gloo; CUDA tensors: NCCL where each rank has its own GPU, else gloo)")
+
+
 class TorchGroup(Group):
     """This process's handle on a ``torch.distributed`` group (the default one if None).
 
@@ -97,7 +122,15 @@ class TorchGroup(Group):
 
     def _raise_translated(self, kind: str, seq: int, exc: RuntimeError) -> None:
         """Raise :meth:`_translate`'s :class:`PeerFailure` from ``exc``; return when there is
-        none (the caller then re-raises ``exc`` as it is)."""
+        none (the caller then re-raises ``exc`` as it is). An operation the backend lacks is
+        a :class:`GradzipError` naming it (:func:`lacks_operation`)."""
+        try:
+            backend = str(dist.get_backend(self.group))
+        except (RuntimeError, ValueError):
+            backend = None
+        lacking = lacks_operation(kind, exc, backend)
+        if lacking is not None:
+            raise lacking from exc
         failure = self._translate(kind, seq, exc)
         if failure is not None:
             raise failure from exc
@@ -155,7 +188,7 @@ _init_timeout_s: float | None = None
 def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> TorchGroup:
     """Initialise the default group from torchrun's environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT): gloo for CPU tensors, plus NCCL for CUDA tensors when CUDA
-    is available. Returns the group's handle; a no-op if already initialised.
+    and NCCL are available and each local rank has a GPU of its own (:func:`choose_backend`). Returns the group's handle; a no-op if already initialised.
 
     ``timeout_s`` bounds every collective (and groups made by ``new_group()``): a peer
     that died or is stuck makes this process raise :class:`PeerFailure` naming it within
@@ -169,9 +202,11 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> TorchGroup:
                 f"cannot join a process group: environment variable(s) {', '.join(missing)} not set; "
                 "launch with torchrun or gradzip train --workers N"
             )
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        cuda = torch.cuda.is_available()
+        count = torch.cuda.device_count() if cuda else 0
+        backend = choose_backend(cuda, dist.is_nccl_available(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), count)
+        if cuda:  # rank r on cuda:LOCAL_RANK % device_count (gradzip.train.device)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % count)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **_attempt_store(timeout_s))
         _init_timeout_s = timeout_s
     return TorchGroup()

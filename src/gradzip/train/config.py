@@ -15,6 +15,7 @@ from .. import optim
 from ..comm import Group
 from ..errors import GradzipError
 from ..validation import is_int, is_real
+from . import device
 
 #: A comma starts a new method only when a bare word (a method name) follows it, so codec
 #: specs may hold commas: ``efsgd@topk:ratio=0.01,unbiased=true,bitsgd``.
@@ -79,6 +80,8 @@ class RunConfig:
     warmup_epochs: float = 0.0    # gradual warm-up from lr to the scaled lr (Goyal et al.)
     sam_rho: float = 0.0          # > 0: SAM around the method, radius rho
     sharpness_rho: float = 0.0    # > 0: the summary reports the final model's sharpness at this rho
+    device: str = "cpu"           # "cpu", "cuda" (rank r on cuda:LOCAL_RANK % device_count) or "auto" (train.device)
+    amp: str = "none"             # autocast precision: "none", "bf16", or "fp16" (with GradScaler)
     checkpoint_dir: str | None = None   # write checkpoints here (per rank, atomically)
     checkpoint_every: int = 0     # steps between checkpoints; 0: at the end of every epoch
     resume: bool = False          # continue from the newest checkpoint in checkpoint_dir, if any
@@ -102,8 +105,9 @@ def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOpti
             f"{', '.join(sorted(accepted)) or 'none'}"
         )
     check_large_batch(cfg)
+    options = device.method_options(cfg.amp, cfg.options, cls)   # fp16: the exchange after unscaling
     return cls(params, lr=cfg.lr, comm=comm, momentum=cfg.momentum, nesterov=cfg.nesterov,
-               weight_decay=cfg.weight_decay, seed=cfg.seed, nonfinite=cfg.nonfinite, **cfg.options)
+               weight_decay=cfg.weight_decay, seed=cfg.seed, nonfinite=cfg.nonfinite, **options)
 
 
 def check_large_batch(cfg: RunConfig) -> None:
@@ -121,6 +125,8 @@ def check_large_batch(cfg: RunConfig) -> None:
         value = getattr(cfg, name)
         if not is_real(value) or not 0 <= value < float("inf"):
             raise GradzipError(f"{name} must be a finite number >= 0, got {value!r}")
+    if cfg.sam_rho > 0 and cfg.amp != "none":
+        raise GradzipError("--sam-rho runs its two passes in full precision: leave out --amp, or --sam-rho")
 
 
 def lr_rule(cfg: RunConfig, world_size: int, steps_per_epoch: int) -> tuple[float, float, int] | None:

@@ -33,6 +33,7 @@ from ..landscape import sharpness
 from ..trace import Tracer, maybe_span
 from ..validation import is_int
 from . import checkpoint, datasets, models
+from .device import Precision, resolve_device
 from .config import (FREE_FIELDS, SEED_LIMIT, RunConfig, collective_fields, lr_rule, make_optimizer,
                      trajectory_fields)
 from .evaluation import evaluate_shared, evaluation_model
@@ -69,6 +70,7 @@ class LoopState:
     diverged: bool = False
     wall_time_s: float = 0.0       # training time before this process's start (a resumed run)
     straggler_s: float = 0.0       # injected straggler delays slept so far (counted in compute_s too)
+    scaler: dict[str, Any] | None = None   # the fp16 GradScaler's state at the last checkpoint (--amp fp16)
 
     def as_dict(self) -> dict[str, Any]:
         """The fields by name, not copied (a checkpoint's ``"loop"``)."""
@@ -95,6 +97,8 @@ class _Job:
     steps_per_epoch: int
     state: LoopState
     settings: dict[str, str]       # the optimizer's resolved settings (describe()), saved with a checkpoint
+    device: torch.device = torch.device("cpu")
+    precision: Precision | None = None   # autocast and, for fp16, the agreed GradScaler step
     after_step: Callable[[int], None] | None = None
     lr_rule: tuple[float, float, int] | None = None   # (η_base, η*, T_w): the large-batch schedule
     sam: optim.SAM | None = None   # SAM around ``opt`` (--sam-rho)
@@ -152,7 +156,8 @@ def _prepare(comm: Group, cfg: RunConfig, after_step) -> _Job:
     if not is_int(cfg.seed) or not 0 <= cfg.seed < SEED_LIMIT:
         raise GradzipError(f"seed must be an integer in [0, 2**32), got {cfg.seed!r}")
     ds = datasets.load(cfg.dataset, cfg.data_dir, download=cfg.download)
-    model = models.build(cfg.model, ds.input_shape, ds.num_classes, seed=cfg.seed)
+    device = resolve_device(cfg.device, comm.rank)
+    model = models.build(cfg.model, ds.input_shape, ds.num_classes, seed=cfg.seed).to(device)
     consistency.verify(comm, {**trajectory_fields(cfg), **collective_fields(cfg), "gradzip version": __version__,
                               "world size": comm.world_size, "training samples": len(ds.train_x),
                               "parameter shapes": [tuple(p.shape) for p in model.parameters()]},
@@ -174,7 +179,8 @@ def _prepare(comm: Group, cfg: RunConfig, after_step) -> _Job:
     settings = {k: str(v) for k, v in opt.describe().items() if k != "gradzip version"}
     straggler = stragglers.parse(cfg.straggler)
     stragglers.check_rank(straggler, comm.world_size)
-    return _Job(comm, cfg, ds, model, opt, steps_per_epoch, LoopState(), settings, after_step,
+    return _Job(comm, cfg, ds, model, opt, steps_per_epoch, LoopState(), settings, device,
+                Precision(cfg.amp, device, comm), after_step,
                 lr_rule=lr_rule(cfg, comm.world_size, steps_per_epoch),
                 sam=optim.SAM(opt, rho=cfg.sam_rho) if cfg.sam_rho > 0 else None, straggler=straggler)
 
@@ -193,13 +199,15 @@ def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
         blocked = _exchange_blocked_s(opt)
         if job.sam is None:
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(job.model(job.ds.train_x[idx]), job.ds.train_y[idx])
-            loss.backward()
+            x, y = job.ds.train_x[idx].to(job.device), job.ds.train_y[idx].to(job.device)
+            with job.precision.autocast():
+                loss = F.cross_entropy(job.model(x), y)
+            job.precision.backward(loss)
             in_backward = _exchange_blocked_s(opt) - blocked   # codec work the gradient hooks did
             if job.straggler is not None:   # seeded by (seed, rank, step); counted as compute
                 _straggle(job, state.done + 1, time.perf_counter() - t0 - in_backward)
             t1 = time.perf_counter()
-            opt.step()
+            job.precision.step(opt)
         else:
             loss, forward_s = _sam_step(job, idx)
             if job.straggler is not None:
@@ -211,7 +219,7 @@ def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
         if job.tracer is not None:
             job.tracer.add("compute", t0, t1, step=opt.steps)
             job.tracer.add("step", t1, t2, cat="optimizer", step=opt.steps)
-        state.loss_sum += loss.detach()
+        state.loss_sum += loss.detach().to(state.loss_sum.device, state.loss_sum.dtype)
         state.done += 1
         if job.bar is not None:
             job.bar.update(1)
@@ -225,7 +233,7 @@ def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
 def _sam_step(job: _Job, idx) -> tuple[torch.Tensor, float]:
     """One SAM step (two forward/backward passes, then the method's step): the first
     pass's loss and the seconds spent in the two passes."""
-    x, y, spent = job.ds.train_x[idx], job.ds.train_y[idx], [0.0]
+    x, y, spent = job.ds.train_x[idx].to(job.device), job.ds.train_y[idx].to(job.device), [0.0]
 
     def closure():
         began = time.perf_counter()
@@ -266,7 +274,8 @@ def _epoch_record(job: _Job, epoch: int) -> dict[str, Any]:
                   "bytes_sent_per_worker": opt.bytes_sent, "wall_time_s": wall,
                   **{f"time_{k}_s": v for k, v in zip(PHASES, epoch_stats[1:])},
                   "skipped_steps": opt.skipped_steps, "lr": opt.param_groups[0]["lr"], **opt.metrics()}
-        record["test_accuracy"], record["test_loss"] = evaluate_shared(evaluated, comm, job.ds.test_x, job.ds.test_y)
+        record["test_accuracy"], record["test_loss"] = evaluate_shared(evaluated, comm, job.ds.test_x.to(job.device),
+                                                                   job.ds.test_y.to(job.device))
         if job.bar is not None:
             job.bar.set_postfix(loss=f"{train_loss:.3f}", acc=f"{record['test_accuracy']:.3f}")
     return record
@@ -304,7 +313,11 @@ def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[st
         "bytes_sent_per_worker": opt.bytes_sent,
         "compression_ratio": opt.compression_ratio,
         "parameters": sum(p.numel() for p in job.model.parameters()),
+        "parameter_shapes": [list(p.shape) for p in job.model.parameters()],   # for the projection
+        "training_samples": len(job.ds.train_x),
         "eval_on": cfg.eval_on,
+        "device": str(job.device),
+        "amp": cfg.amp,
         **opt.metrics(),
         "wall_time_s": wall,
         "setup_time_s": job.began + state.wall_time_s - setup_began,  # this process's set-up
@@ -357,6 +370,7 @@ def _save(job: _Job) -> None:
     barrier), the earlier ones are deleted."""
     comm, cfg, state = job.comm, job.cfg, job.state
     state.wall_time_s = time.perf_counter() - job.began
+    state.scaler = job.precision.state_dict()
     checkpoint.save(cfg.checkpoint_dir, state.done, comm.rank, comm.world_size, {
         "format": 2, "gradzip_version": __version__, "config": trajectory_fields(cfg), "settings": job.settings,
         "model": job.model.state_dict(), "optimizer": job.opt.state_dict(), "rng": _rng_state(),
@@ -397,6 +411,7 @@ def _resume(job: _Job) -> int | None:
     job.model.load_state_dict(saved["model"])
     job.opt.load_state_dict(saved["optimizer"])
     job.state = LoopState.from_dict(saved["loop"])
+    job.precision.load_state_dict(job.state.scaler)
     _set_rng_state(saved["rng"])
     return step
 

@@ -6,6 +6,9 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..bench.units import format_rate
+from . import projection
+
 COLUMNS = [  # header, summary key, format
     ("method", "algo", "{}"),
     ("test acc", "final_test_accuracy", "{:.4f}"),
@@ -37,13 +40,27 @@ OCCASIONAL = [("skipped", "skipped_steps", "{}"), ("resumed at", "resumed_from_s
 
 
 def table(summaries: Sequence[dict[str, Any]]) -> str:
-    """A plain-text table of the runs, one row each."""
+    """A plain-text table of the runs, one row each; with the runs' ``projections``
+    (:mod:`gradzip.train.projection`) one column per (worker count, link rate), labelled
+    as projections, and a note under the table saying what they are."""
     columns = COLUMNS + [c for c in OCCASIONAL if any(s.get(c[1]) for s in summaries)]
     rows = [[h for h, _, _ in columns]] + [[_cell(s, k, f) for _, k, f in columns] for s in summaries]
+    projected = summaries and all(s.get("projections") for s in summaries)
+    if projected:
+        rows[0] += [projection.column(p) for p in summaries[0]["projections"]]
+        for row, s in zip(rows[1:], summaries):
+            row += [projection.cell(p) for p in s["projections"]]
+        columns = columns + [None] * len(summaries[0]["projections"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    if projected:
+        first = summaries[0]["projections"][0]
+        lines.append(f"proj.: PROJECTED, not measured: seconds per epoch the timeline model (gradzip bench model) "
+                     f"predicts from this run's measured compute, codec and update times and its bytes, per link "
+                     f"rate and worker count (alpha {first['alpha_s'] * 1e6:g} us); (Nx): speed-up over "
+                     f"{first['speedup_over']}")
     return "\n".join(lines)
 
 
@@ -63,23 +80,38 @@ def write(out_dir: str | Path, runs: Sequence[dict[str, Any]], *, plot: bool = T
     return out
 
 
+def _own_projection(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's projection at its own worker count and the first link rate (the plot's)."""
+    return next((p for p in summary.get("projections") or () if p["workers"] == summary["workers"]), None)
+
+
 def plot_accuracy(runs: Sequence[dict[str, Any]], path: str | Path) -> None:
-    """Test accuracy against epochs and against MB sent per worker, one line per run."""
+    """Test accuracy against epochs and against MB sent per worker, one line per run; with
+    projections, also against the projected time (epoch x projected seconds per epoch) at
+    the run's own worker count and the first projected link rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_epoch, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
-    for run in runs:
+    own = [_own_projection(run["summary"]) for run in runs]
+    with_time = all(p is not None for p in own)
+    fig, axes = plt.subplots(1, 3 if with_time else 2, figsize=(16 if with_time else 11, 4))
+    by_epoch, by_bytes = axes[0], axes[1]
+    for run, proj in zip(runs, own):
         hist = [h for h in run["history"] if h.get("test_accuracy") is not None]
         label = run["summary"]["algo"]
         acc = [h["test_accuracy"] for h in hist]
         by_epoch.plot([h["epoch"] for h in hist], acc, marker="o", ms=3, label=label)
         by_bytes.plot([max(h["bytes_sent_per_worker"], 1) / 1e6 for h in hist], acc, marker="o", ms=3, label=label)
+        if with_time:
+            axes[2].plot([h["epoch"] * proj["epoch_s"] for h in hist], acc, marker="o", ms=3, label=label)
     by_epoch.set(xlabel="epoch", ylabel="test accuracy", title="accuracy per epoch")
     by_bytes.set(xlabel="MB sent per worker (log)", ylabel="test accuracy", title="accuracy per byte", xscale="log")
-    for ax in (by_epoch, by_bytes):
+    if with_time:
+        axes[2].set(xlabel=f"PROJECTED time (s) at {format_rate(own[0]['bandwidth_bps'])}",
+                    ylabel="test accuracy", title="accuracy per projected time (timeline model)")
+    for ax in axes:
         ax.grid(alpha=0.3)
     by_bytes.legend(fontsize=8)
     s = runs[0]["summary"]

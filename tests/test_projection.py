@@ -1,0 +1,139 @@
+"""The main job's projection (gradzip.train.projection): a run's measured times and bytes fed
+to the timeline model at other link rates and worker counts; its table columns and flags."""
+import json
+
+import pytest
+
+from gradzip.bench.costs import allreduce_time
+from gradzip.cli import main
+from gradzip.train import projection, report
+
+SHAPES = [[64, 32], [32], [10, 32], [10]]       # 2,698 parameters
+PARAMS = 64 * 32 + 32 + 10 * 32 + 10
+
+
+def _run(method, options, bytes_per_step, compute=0.010, compress=0.0, update=0.001, workers=4, epochs=3,
+         steps_per_epoch=10, first_compress=None):
+    """A run's summary and history as the loop writes them (phase times are epoch totals)."""
+    history = [{"epoch": e, "step": e * steps_per_epoch, "time_compute_s": compute * steps_per_epoch,
+                "time_compress_s": (first_compress if e == 1 and first_compress else compress) * steps_per_epoch,
+                "time_update_s": update * steps_per_epoch, "test_accuracy": 0.5 + 0.1 * e,
+                "bytes_sent_per_worker": bytes_per_step * steps_per_epoch * e} for e in range(1, epochs + 1)]
+    steps = epochs * steps_per_epoch
+    summary = {"algo": method, "method": method, "options": options, "workers": workers, "steps": steps,
+               "batch_size_per_worker": 8, "training_samples": steps_per_epoch * workers * 8,
+               "parameter_shapes": SHAPES, "bytes_sent_per_worker": bytes_per_step * steps,
+               **{f"time_{k}_s": sum(h[f"time_{k}_s"] for h in history) for k in ("compute", "compress", "update")}}
+    return {"summary": summary, "history": history}
+
+
+def test_ssgd_projection_is_the_timeline_of_its_measured_times_and_the_ring_allreduce():
+    wire = 2 * 3 / 4 * PARAMS * 4                       # what S-SGD sends per step at 4 workers
+    run = _run("ssgd", {}, wire, compute=0.010, update=0.001)
+    (rows,) = projection.project_runs([run], [1e8, 1e9], [4, 16])
+    assert [(r["workers"], r["bandwidth_bps"]) for r in rows] == [(4, 1e8), (4, 1e9), (16, 1e8), (16, 1e9)]
+    for r in rows:
+        comm = allreduce_time(PARAMS * 4, r["workers"], r["bandwidth_bps"] / 8, projection.ALPHA_S)
+        assert r["communicate_s"] == pytest.approx(comm, rel=1e-6)
+        assert r["iteration_s"] == pytest.approx(0.010 + comm + 0.001, rel=1e-6)
+        assert r["steps_per_epoch"] == 10 * 4 // r["workers"]          # same per-worker batch, more workers
+        assert r["epoch_s"] == pytest.approx(r["steps_per_epoch"] * r["iteration_s"])
+        assert r["speedup"] == pytest.approx(1.0)
+
+
+def test_the_first_epochs_codec_warm_up_is_left_out():
+    run = _run("ssgd", {}, 2 * 3 / 4 * PARAMS * 4, compress=0.002, first_compress=1.0)
+    (rows,) = projection.project_runs([run], [1e9])
+    assert rows[0]["compress_s"] == pytest.approx(0.002)
+
+
+def test_fewer_bytes_win_on_a_slow_link_and_lose_to_codec_time_on_a_fast_one():
+    """The speed-up is over the S-SGD run; a codec sending 1/32 of the bytes with 2 ms of
+    codec work per step is faster at 10 Mbit/s and slower at 10 Gbit/s."""
+    base = _run("ssgd", {}, 2 * 3 / 4 * PARAMS * 4)
+    sign = _run("efsgd", {"compressor": "1bit"}, 2 * 3 / 4 * PARAMS * 4 / 32, compress=0.002)
+    _, rows = projection.project_runs([base, sign], [1e7, 1e10])
+    slow, fast = rows
+    assert slow["speedup"] > 1 > fast["speedup"]
+    # the communication is scaled to the bytes the run measured
+    assert slow["communicate_s"] < allreduce_time(PARAMS * 4, 4, 1e7 / 8) / 10
+
+
+def test_without_an_ssgd_run_the_basis_is_ssgd_modelled_from_the_run():
+    (rows,) = projection.project_runs([_run("efsgd", {"compressor": "topk:ratio=0.1"}, 1000.0)], [1e8])
+    assert rows[0]["speedup_over"].startswith("S-SGD modelled") and rows[0]["speedup"] > 0
+
+
+def test_the_table_labels_projections_as_projections():
+    runs = [_run("ssgd", {}, 2 * 3 / 4 * PARAMS * 4)]
+    for run, rows in zip(runs, projection.project_runs(runs, [1e9], [4, 8])):
+        run["summary"]["projections"] = rows
+    text = report.table([r["summary"] for r in runs])
+    header = text.splitlines()[0]
+    assert "proj. s/epoch 1 Gbit/s x4" in header and "proj. s/epoch 1 Gbit/s x8" in header
+    assert "PROJECTED, not measured" in text.splitlines()[-1]
+    assert "(1.00x)" in text.splitlines()[2]
+
+
+def test_compare_projects_writes_and_plots(tmp_path, capsys):
+    code = main(["compare", "--algos", "ssgd,efsgd@topk:ratio=0.1", "--workers", "2", "--backend", "threads",
+                 "--epochs", "2", "--quiet", "--bandwidth", "10mbit,10gbit", "--workers-at", "2,8",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "proj. s/epoch 10 Mbit/s x8" in out and "PROJECTED" in out
+    summaries = json.loads((tmp_path / "summary.json").read_text())
+    assert [len(s["projections"]) for s in summaries] == [4, 4]
+    assert summaries[1]["projections"][0]["speedup"] > 1            # top-10% at 10 Mbit/s
+    assert (tmp_path / "accuracy.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bandwidth", "fast"], "bad bandwidth 'fast'"),
+    (["--bandwidth", "unshaped"], "needs finite rates"),
+    (["--workers-at", "0"], "--workers-at must be comma-separated integers >= 1"),
+    (["--bandwidth", "none", "--workers-at", "8"], "--workers-at needs link rates"),
+])
+def test_bad_projection_flags_are_one_line_before_training(args, message, capsys):
+    assert main(["train", "--epochs", "50", "--quiet", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_bandwidth_none_leaves_the_table_as_it_was(tmp_path, capsys):
+    assert main(["train", "--workers", "2", "--backend", "threads", "--epochs", "1", "--quiet", "--no-plot",
+                 "--bandwidth", "none", "--out", str(tmp_path)]) == 0
+    assert "proj." not in capsys.readouterr().out
+    assert "projections" not in json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_a_one_worker_run_is_projected_only_to_the_worker_counts_asked_for(tmp_path, capsys):
+    args = ["train", "--epochs", "1", "--backend", "threads", "--quiet", "--no-plot", "--bandwidth", "1gbit"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert "proj." not in capsys.readouterr().out
+    assert main([*args, "--workers-at", "8", "--out", str(tmp_path / "b")]) == 0
+    assert "proj. s/epoch 1 Gbit/s x8" in capsys.readouterr().out
+
+
+def test_the_emulated_workers_run_this_command_without_workers_projection_or_emulation(tmp_path):
+    from gradzip import cli
+
+    argv = ["compare", "--algos", "ssgd,bitsgd", "--workers", "4", "--epochs", "3", "--emulate",
+            "--bandwidth", "1gbit", "--out", "o"]
+    args = cli.parse_args(argv)
+    table = cli.emulation_settings(cli.build_parser(), args, tmp_path / "e")
+    assert {"workers", "backend", "emulate", "workers-at"}.isdisjoint(table)
+    assert (table["bandwidth"], table["out"], table["algos"], table["epochs"]) == \
+        ("none", str(tmp_path / "e"), "ssgd,bitsgd", 3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--emulate"], "--emulate writes each rate's results into --out DIR"),
+    (["--emulate", "--bandwidth", "none", "--out", "x"], "--emulate runs at the --bandwidth rates"),
+    (["--emulate", "--workers-at", "8", "--out", "x"], "--emulate runs at --workers, not --workers-at"),
+])
+def test_emulate_needs_out_rates_and_no_workers_at(tmp_path, monkeypatch, args, message, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--quiet", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
