@@ -96,14 +96,9 @@ class Compressed(GradientExchange):
                 self.state[p]["error"] = residuals[i]
             p.grad.copy_(agg)
 
-    def step(self, closure=None):
-        """Exchange (the base's step: guards, skip, codec overflow), then ``inner.step()``
-        on the aggregate, unless the step was skipped."""
-        before = self.steps
-        loss = super().step(closure)
-        if self.steps > before:
-            self.inner.step()
-        return loss
+    def after_exchange(self) -> None:
+        """``inner.step()`` on the aggregate in ``.grad`` (never on a skipped step)."""
+        self.inner.step()
 
     def check_saved_group(self, group: dict, where: str) -> None:
         """The inner optimizer checks its own groups (``load_state_dict``)."""

@@ -197,7 +197,13 @@ class GradientExchange(DistributedOptimizer):
                 self.finish_exchange(run.pairs)
         except NonFiniteAggregate as overflow:  # a codec overflowed: undo + skip, or raise
             return self.codec_overflow(overflow, loss)
+        self.after_exchange()
         return loss
+
+    def after_exchange(self) -> None:
+        """Runs once a step's exchange has been applied (not on a skipped step); the
+        methods here need nothing more. :class:`~gradzip.optim.Compressed` steps its inner
+        optimizer."""
 
     # -- overlap_backward=True ----------------------------------------------------------------
     def _register_hooks(self, params) -> None:
