@@ -79,6 +79,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nesterov", action="store_true")
     g.add_argument("--weight-decay", type=non_negative, default=0.0)
     g.add_argument("--seed", type=seed_int, default=0)
+    g.add_argument("--transport", choices=["auto", "allreduce", "allgather", "twophase"], default="auto",
+                   help="how PSync moves packets: auto (exact collectives; the two-phase compressed allreduce "
+                        "only where it costs <= 1/2), or pin one; twophase changes the numbers "
+                        "(docs/algorithms.md §Transports; default: %(default)s)")
     w = p.add_argument_group("workers")
     w.add_argument("--workers", type=positive_int, default=None,
                    help="worker count (default: 1 for train, 4 for compare; under torchrun: its world)")
@@ -162,7 +166,7 @@ def _configs(args) -> list:
     common = dict(dataset=args.dataset, data_dir=args.data_dir, download=args.download, model=args.model, epochs=args.epochs,
                   batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
                   weight_decay=args.weight_decay, seed=args.seed, eval_on=args.eval_on,
-                  nonfinite=args.nonfinite, trace=bool(args.trace), progress=not args.quiet,
+                  nonfinite=args.nonfinite, transport=args.transport, trace=bool(args.trace), progress=not args.quiet,
                   **_checkpointing(args))
     given = _given_options(args)
     if args.command == "train":

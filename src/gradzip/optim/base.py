@@ -51,6 +51,7 @@ from ..compressors import Compressor
 from ..double_sync import refuse_ddp_double_sync
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync, Timings
+from ..twophase import TRANSPORTS
 from ..nonfinite import NONFINITE_POLICIES
 from ..replicas import parameter_digest
 from ..validation import is_int, require
@@ -74,11 +75,14 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
     #: methods of :class:`gradzip.optim.overlap.GradientExchange`): the input for a tensor is
     #: known once its gradient is. False for methods whose input needs the whole step.
     overlaps_backward: bool = False
+    #: The method reads the whole-tensor packets of an exchange (DGC's selected indices), so
+    #: its exchanges keep to the exact transports (``transport="twophase"`` is refused).
+    reads_packets: bool = False
 
     def __init__(self, params: Iterable, lr: float, *, comm: "comm_lib.Group | None" = None,
                  momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
-                 **options: Any):
+                 transport: str = "auto", **options: Any):
         name = type(self).__name__
         require(nonfinite in NONFINITE_POLICIES, name,
                 f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
@@ -86,6 +90,10 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         require(is_int(bucket_bytes) and bucket_bytes >= 1, name,
                 f"bucket_bytes must be an integer >= 1, got {bucket_bytes!r}")
         require(is_int(seed), name, f"seed must be an integer, got {seed!r}")
+        require(transport in TRANSPORTS, name, f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        require(transport != "twophase" or not self.reads_packets, name,
+                "transport='twophase' is not available: this method reads the whole-tensor packets of its "
+                "exchange; use transport='auto', 'allreduce' or 'allgather'")
         defaults = dict(lr=float(lr), momentum=float(momentum), nesterov=bool(nesterov),
                         weight_decay=float(weight_decay), **options)
         super().__init__(params, defaults)
@@ -93,6 +101,7 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.nonfinite = nonfinite
+        self.transport = transport
         self.steps = 0
         self.skipped_steps = 0   # steps skipped for a non-finite gradient (nonfinite="skip")
         self._verified = False   # settings compared across workers (first step)
@@ -124,7 +133,8 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         """A PSync on this optimizer's group (or ``comm``); ``salt`` separates the seeds of
         two exchanges."""
         psync = PSync(comm or self.comm, compressor, seed=seeds.exchange_seed(self.seed, salt),
-                      bucket_bytes=self.bucket_bytes, check_finite=self.nonfinite != "off")
+                      bucket_bytes=self.bucket_bytes, check_finite=self.nonfinite != "off",
+                      transport=self.transport, allow_twophase=not self.reads_packets)
         psync.tracer = self._tracer
         self._exchanges.append(psync)
         return psync
@@ -181,8 +191,10 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         fields.update({k: v for k, v in vars(self).items()
                        if not k.startswith("_") and k not in ("steps", "skipped_steps")
                        and isinstance(v, (bool, int, float, str))})
+        shapes = [p.shape for p in self._all_params() if p.requires_grad]
         for i, psync in enumerate(self._exchanges):
             fields[f"exchange {i} codec"] = psync.compressor.spec
+            fields[f"exchange {i} transport"] = f"{psync.transport}: " + ",".join(psync.plan(shapes))
         fields["frozen parameters"] = [i for i, p in enumerate(self._all_params()) if not p.requires_grad]
         if self.replicas_identical():
             for i, p in enumerate(self._all_params()):
@@ -304,7 +316,8 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         out = super().state_dict()
         out["gradzip"] = {"steps": self.steps, "skipped_steps": self.skipped_steps, "seed": self.seed,
                           "method": type(self).__name__, "world_size": self.comm.world_size,
-                          "exchanges": [x.counters() for x in self._exchanges]}
+                          "exchanges": [x.counters() for x in self._exchanges],
+                          "exchange_states": [x.state_dict() for x in self._exchanges]}
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -339,4 +352,6 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         self.seed = int(extra["seed"])
         for psync, counters in zip(self._exchanges, extra.get("exchanges", [])):
             psync.load_counters(counters)
+        for psync, state in zip(self._exchanges, extra.get("exchange_states", [])):
+            psync.load_state_dict(state)
         self._verified = False  # the loaded values (and settings) are compared at the next step
