@@ -199,14 +199,10 @@ class PSync:
 
     def _choose(self, shape, dtype) -> str:
         n = self.comm.world_size
-        if self.transport == "twophase":
-            return "twophase" if n > 1 else "allgather"
         if self.transport != "auto":
             return self.transport
-        choice = tp.choose(self.compressor, self._sizer, shape, dtype, n, self.bucket_bytes)
-        if choice == "twophase" and not self.allow_twophase:
-            return tp.choose(self.compressor, _NoSlices(self._sizer), shape, dtype, n, self.bucket_bytes)
-        return choice
+        return tp.choose(self.compressor, self._sizer, shape, dtype, n, self.bucket_bytes,
+                         twophase=self.allow_twophase)
 
     # -- the public calls ---------------------------------------------------------------
     def __call__(self, tensors: Sequence[torch.Tensor], step: int, *,
@@ -423,16 +419,6 @@ def _device(packet: Packet) -> torch.device:
     for t in packet.wire.values():
         return t.device
     return torch.device("cpu")
-
-
-class _NoSlices:
-    """A sizer under which two-phase never pays (``auto`` for an exchange without it)."""
-
-    def __init__(self, sizer):
-        self._sizer = sizer
-
-    def __call__(self, numel: int) -> int:
-        return self._sizer(numel) if numel else 1 << 62
 
 
 @dataclass

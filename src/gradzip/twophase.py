@@ -118,8 +118,9 @@ def _packs_summand(codec: Compressor) -> bool:
 
 
 def choose(codec: Compressor, sizer: Sizer, shape: Sequence[int], dtype: torch.dtype, n: int,
-           bucket_bytes: int) -> str:
-    """The ``auto`` transport of one tensor (module docstring)."""
+           bucket_bytes: int, twophase: bool = True) -> str:
+    """The ``auto`` transport of one tensor (module docstring); ``twophase=False``: the
+    cheapest exact one."""
     if n == 1:
         return "allreduce" if codec.sum_dtype(n, dtype) is not None else "allgather"
     d = math.prod(shape)
@@ -133,7 +134,7 @@ def choose(codec: Compressor, sizer: Sizer, shape: Sequence[int], dtype: torch.d
         exact["allreduce"] = (allreduce_wire_bytes(summand, n) / LINK_BYTES_PER_S
                               + 2 * (n - 1) * MESSAGE_LATENCY_S * share)
     best = min(exact, key=lambda k: (exact[k], k != "allreduce"))
-    if sums_as_packet(codec, n, dtype):
+    if not twophase or sums_as_packet(codec, n, dtype):
         return best
     sizes = [sizer(b - a) for a, b in slice_bounds(d, n)]
     two = (2 * (n - 1) * sum(sizes) / n / LINK_BYTES_PER_S + 2 * (n - 1) * MESSAGE_LATENCY_S * share)
