@@ -243,7 +243,7 @@ def test_without_the_server_errors_the_resume_differs():
 
 # -- auto, settings, options ---------------------------------------------------------------
 def test_auto_is_exact_for_small_jobs_and_packet_summing_codecs():
-    big = [(1000, 1000)]
+    big = [(4000, 1000)]
     assert PSync(make_group(2)[0], "1bit").plan(big) == ["allgather"]
     assert PSync(make_group(8)[0], "1bit").plan(big) == ["twophase"]
     assert PSync(make_group(8)[0], "2bit").plan(big) == ["twophase"]
@@ -256,7 +256,7 @@ def test_transport_is_a_common_option_checked_and_compared():
         gradzip.optim.EFSGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, transport="ring")
     with pytest.raises(GradzipError, match="twophase"):
         gradzip.optim.DGC([torch.nn.Parameter(torch.zeros(3))], lr=0.1, transport="twophase")
-    opt = gradzip.optim.BitSGD([torch.nn.Parameter(torch.zeros(1000, 100))], lr=0.1, comm=make_group(8)[0])
+    opt = gradzip.optim.BitSGD([torch.nn.Parameter(torch.zeros(4000, 1000))], lr=0.1, comm=make_group(8)[0])
     assert opt.describe()["exchange 0 transport"] == "auto: twophase"
 
     def run(comm):

@@ -232,7 +232,7 @@ class PSync:
                 packets[i] = codec.compress(t.detach(), self._seed(step, key), reuse=old)
         recyclable = [p is not None and _storages(p.wire.values()).isdisjoint(_storages([t]))
                       for p, t in zip(packets, tensors)]
-        buckets = self._launch(packets, [plan[i] for i in range(len(plan))])
+        buckets = self._launch(packets, plan if self.transport != "auto" else ["auto"] * len(plan))
         payload = sum(p.nbytes for p in packets if p is not None)
         twophase = []
         if two:

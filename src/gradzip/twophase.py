@@ -31,9 +31,10 @@ once its aggregate passed the overflow check, so a skipped step leaves it as it 
 
 **auto** (:func:`choose`): per tensor, deterministically from (codec, shape, dtype, n,
 bucket size), the modelled cost of each transport: wire bytes over :data:`LINK_BYTES_PER_S`
-plus :data:`MESSAGE_LATENCY_S` per message, a tensor paying its share of its bucket's
-messages (``min(1, packet / bucket_bytes)``). Two-phase is chosen only when it costs at most
-half of the cheapest exact transport, and never for codecs whose packets are their summands
+plus :data:`MESSAGE_LATENCY_S` per message, a tensor costed as if its collective were its
+own (conservative: buckets share messages; ring allreduce and two-phase ``2(n−1)`` messages,
+allgather ``n−1``). Two-phase is chosen only when it costs at most half of the cheapest
+exact transport (so small tensors and small jobs keep the exact numbers), and never for codecs whose packets are their summands
 (``none``, ``fp16``, ``randomk``, ``randblock``, ``powersgd``: their allreduce is already flat).
 """
 from __future__ import annotations
@@ -126,19 +127,23 @@ def choose(codec: Compressor, sizer: Sizer, shape: Sequence[int], dtype: torch.d
     d = math.prod(shape)
     packet = sizer(d)
     sum_dtype = codec.sum_dtype(n, dtype)
-    share = min(1.0, packet / max(1, bucket_bytes))
+    share = 1.0   # the tensor's own messages (module docstring); bucket_bytes kept for a finer rule
     exact = {"allgather": allgather_wire_bytes(packet, n) / LINK_BYTES_PER_S + (n - 1) * MESSAGE_LATENCY_S * share}
     if sum_dtype is not None:
         numel = d if _packs_summand(codec) else packet // torch.empty((), dtype=sum_dtype).element_size()
         summand = numel * torch.empty((), dtype=sum_dtype).element_size()
         exact["allreduce"] = (allreduce_wire_bytes(summand, n) / LINK_BYTES_PER_S
                               + 2 * (n - 1) * MESSAGE_LATENCY_S * share)
-    best = min(exact, key=lambda k: (exact[k], k != "allreduce"))
+    # the exact collective itself is PSync's byte rule (fewer wire bytes; ties: allreduce)
+    by_bytes = {"allgather": allgather_wire_bytes(packet, n)}
+    if "allreduce" in exact:
+        by_bytes["allreduce"] = allreduce_wire_bytes(summand, n)
+    best = min(by_bytes, key=lambda k: (by_bytes[k], k != "allreduce"))
     if not twophase or sums_as_packet(codec, n, dtype):
         return best
     sizes = [sizer(b - a) for a, b in slice_bounds(d, n)]
     two = (2 * (n - 1) * sum(sizes) / n / LINK_BYTES_PER_S + 2 * (n - 1) * MESSAGE_LATENCY_S * share)
-    return "twophase" if two <= exact[best] / 2 else best
+    return "twophase" if two <= min(exact.values()) / 2 else best
 
 
 class ServerErrors:
