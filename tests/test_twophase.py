@@ -305,3 +305,43 @@ def test_2bit_sums_as_int16_from_128_workers_and_stays_on_allreduce():
     comm = RecordingGroup(200)
     PSync(comm, codec, allow_twophase=False)([torch.randn(1000)], 1)
     assert [k for k, _ in comm.calls] == ["allreduce"]
+
+
+# -- the exchange during backward and CD-SGD's background exchange ---------------------------
+@pytest.mark.parametrize("name", ["efsgd-1bit", "bitsgd", "ssgd-sign"])
+def test_two_phase_during_backward_equals_two_phase_in_step(name):
+    """Hooked (several buckets launched during backward) = overlap off (one PSync call),
+    bit for bit: the two-phase rule is per tensor, bucketing changes no number."""
+    import cases_overlap
+
+    def run(comm):
+        return {how: cases_overlap.train(comm, name, how, steps=3, transport="twophase")
+                for how in ("hooked", "off")}
+
+    for out in simulate(3, run):
+        (a, sa), (b, sb) = out["hooked"], out["off"]
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert sa["gradzip"]["exchange_states"] and sa["gradzip"]["exchange_states"][0]["server_errors"]
+
+
+def test_cdsgd_runs_two_phase_on_its_exchange_thread():
+    def train_cd(comm, transport):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(7, 3)
+        opt = gradzip.optim.CDSGD(model.parameters(), lr=0.1, comm=comm, compressor="2bit:threshold=0.05",
+                                  k=3, transport=transport)
+        for t in range(1, 6):
+            g = torch.Generator().manual_seed(10 * t + comm.rank)
+            x, y = torch.randn(4, 7, generator=g), torch.randn(4, 3, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        opt.synchronize()
+        out = [p.detach().clone() for p in model.parameters()], opt.bytes_sent
+        getattr(opt, "close", lambda: None)()
+        return out
+
+    two = simulate(3, lambda c: train_cd(c, "twophase"))
+    exact = simulate(3, lambda c: train_cd(c, "allgather"))
+    assert all(t[1] < e[1] for t, e in zip(two, exact))   # 2(n-1)/n of a packet, not (n-1)
+    assert any(not torch.equal(a, b) for a, b in zip(two[0][0], exact[0][0]))  # it changed the numbers
