@@ -345,3 +345,20 @@ def test_cdsgd_runs_two_phase_on_its_exchange_thread():
     exact = simulate(3, lambda c: train_cd(c, "allgather"))
     assert all(t[1] < e[1] for t, e in zip(two, exact))   # 2(n-1)/n of a packet, not (n-1)
     assert any(not torch.equal(a, b) for a, b in zip(two[0][0], exact[0][0]))  # it changed the numbers
+
+
+def test_an_overflowing_exchange_leaves_the_server_errors_as_they_were():
+    """NonFiniteAggregate (check_finite) stops the exchange before its new server errors are
+    kept: a skipped step must not leave Inf/NaN (or any change) in E."""
+    from gradzip.nonfinite import NonFiniteAggregate
+
+    def run(comm):
+        psync = PSync(comm, "1bit", transport="twophase", check_finite=True)
+        psync([torch.randn(6)], 1)
+        before = {k: v.clone() for k, v in psync.server_errors.errors.items()}
+        with pytest.raises(NonFiniteAggregate):
+            psync([torch.full((6,), 3e38)], 2)
+        after = psync.server_errors.errors
+        return before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+    assert all(simulate(2, run))
