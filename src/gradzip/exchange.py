@@ -429,6 +429,7 @@ class _TwoPhaseBucket:
     keys: list[int]
     shapes: list[torch.Size]
     dtypes: list[torch.dtype]
+    device: torch.device
     bounds: list[list[tuple[int, int]]]  # per tensor, its n slices
     slices: list[list[Packet | None]]    # per tensor, c_ij per slice j (None: empty slice)
     step: int
@@ -442,8 +443,8 @@ def _raw(packet: Packet | None) -> list[torch.Tensor]:
     return [w.contiguous().reshape(-1).view(torch.uint8) for w in packet.wire.values()]
 
 
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+def _cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
 
 
 def _two_phase_start(psync: PSync, tensors, positions, keys, step, residuals) -> list[_TwoPhaseBucket]:
@@ -470,7 +471,7 @@ def _two_phase_start(psync: PSync, tensors, positions, keys, step, residuals) ->
                 packets.append(codec.compress(flat[a:b], tp.phase1_seed(base, j)))
         nbytes = sum(p.nbytes for p in packets if p is not None)
         if current is None or (current.payload + nbytes > psync.bucket_bytes and current.positions):
-            current = _TwoPhaseBucket([], [], [], [], [], [], step, 0)
+            current = _TwoPhaseBucket([], [], [], [], t.device, [], [], step, 0)
             buckets.append(current)
         current.positions.append(pos)
         current.keys.append(key)
@@ -480,7 +481,7 @@ def _two_phase_start(psync: PSync, tensors, positions, keys, step, residuals) ->
         current.slices.append(packets)
         current.payload += nbytes
     for bucket in buckets:
-        messages = [_cat([w for packets in bucket.slices for w in _raw(packets[j])]) for j in range(n)]
+        messages = [_cat([w for packets in bucket.slices for w in _raw(packets[j])], bucket.device) for j in range(n)]
         mine = sum(p.nbytes for packets in bucket.slices if packets[rank] is not None for p in [packets[rank]])
         bucket.work = psync.comm.all_to_all(messages, [mine] * n, async_op=True)
         psync.bytes_sent += bucket.work.nbytes
@@ -517,7 +518,7 @@ def _two_phase_finish(psync: PSync, bucket: _TwoPhaseBucket, out: list, errors: 
         e = torch.empty_like(s)
         mine.append(codec.compress_residual(s, tp.phase2_seed(psync.seed, bucket.step, key, rank), e))
         errors[(key, rank)] = e
-    message = _cat([w for p in mine for w in _raw(p)])
+    message = _cat([w for p in mine for w in _raw(p)], bucket.device)
     sizes = [sum(packets[i].nbytes for packets in bucket.slices if packets[i] is not None) for i in range(n)]
     compressed = time.perf_counter()
     psync._add_compress(compressed - decoding)
@@ -530,7 +531,7 @@ def _two_phase_finish(psync: PSync, bucket: _TwoPhaseBucket, out: list, errors: 
     offsets = [0] * n
     for pos, shape, dtype, bounds, packets in zip(bucket.positions, bucket.shapes, bucket.dtypes,
                                                   bucket.bounds, bucket.slices):
-        flat = torch.empty(sum(b - a for a, b in bounds), dtype=dtype)
+        flat = torch.empty(sum(b - a for a, b in bounds), dtype=dtype, device=bucket.device)
         for j, (a, b) in enumerate(bounds):
             template = packets[j]
             if template is None:

@@ -191,15 +191,23 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         fields.update({k: v for k, v in vars(self).items()
                        if not k.startswith("_") and k not in ("steps", "skipped_steps")
                        and isinstance(v, (bool, int, float, str))})
-        shapes = [p.shape for p in self._all_params() if p.requires_grad]
+        plans = self.transports()
         for i, psync in enumerate(self._exchanges):
             fields[f"exchange {i} codec"] = psync.compressor.spec
-            fields[f"exchange {i} transport"] = f"{psync.transport}: " + ",".join(psync.plan(shapes))
+            fields[f"exchange {i} transport"] = plans[f"exchange {i}"]
         fields["frozen parameters"] = [i for i, p in enumerate(self._all_params()) if not p.requires_grad]
         if self.replicas_identical():
             for i, p in enumerate(self._all_params()):
                 fields[f"parameter #{i:05d} values"] = f"{parameter_digest(p)} (shape {tuple(p.shape)})"
         return fields
+
+    def transports(self) -> dict[str, str]:
+        """Per exchange, its ``transport`` setting and the transport it takes for each
+        parameter tensor (``PSync.plan``, the same on every worker), e.g.
+        ``{"exchange 0": "auto: twophase,allreduce"}``: compared across workers, reported
+        in the run's summary."""
+        shapes = [p.shape for p in self._all_params() if p.requires_grad]
+        return {f"exchange {i}": f"{x.transport}: " + ",".join(x.plan(shapes)) for i, x in enumerate(self._exchanges)}
 
     def replicas_identical(self) -> bool:
         """Whether every worker's parameters must hold the same values now: a fresh
