@@ -186,23 +186,18 @@ class PSync:
         self.server_errors.load_state_dict(state.get("server_errors", {}))
 
     def plan(self, tensors: Sequence) -> list[str]:
-        """The transport of each tensor (or shape; float32 assumed for shapes): the pinned
-        one, or ``auto``'s choice (module docstring); the same on every worker."""
-        out = []
-        for t in tensors:
-            shape, dtype = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (tuple(t), torch.float32)
-            key = (shape, dtype)
-            if key not in self._plans:
-                self._plans[key] = self._choose(shape, dtype)
-            out.append(self._plans[key])
-        return out
-
-    def _choose(self, shape, dtype) -> str:
-        n = self.comm.world_size
-        if self.transport != "auto":
-            return self.transport
-        return tp.choose(self.compressor, self._sizer, shape, dtype, n, self.bucket_bytes,
-                         twophase=self.allow_twophase)
+        """The transport of each tensor (or shape; float32 assumed for shapes) of one
+        exchange: the pinned one, or ``auto``'s per-bucket choice (``twophase.choose``);
+        the same on every worker."""
+        specs = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (tuple(t), torch.float32)
+                      for t in tensors)
+        if specs not in self._plans:
+            if self.transport != "auto":
+                self._plans[specs] = [self.transport] * len(specs)
+            else:
+                self._plans[specs] = tp.choose(self.compressor, self._sizer, specs, self.comm.world_size,
+                                               self.bucket_bytes, twophase=self.allow_twophase)
+        return list(self._plans[specs])
 
     # -- the public calls ---------------------------------------------------------------
     def __call__(self, tensors: Sequence[torch.Tensor], step: int, *,

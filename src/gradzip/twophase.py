@@ -29,12 +29,13 @@ The server error ``E_j`` is exchange state, keyed ``(tensor key, slice j)``: sta
 bucket rebuilds and resume (:meth:`ServerErrors.state_dict`). An exchange updates it only
 once its aggregate passed the overflow check, so a skipped step leaves it as it was.
 
-**auto** (:func:`choose`): per tensor, deterministically from (codec, shape, dtype, n,
-bucket size), the modelled cost of each transport: wire bytes over :data:`LINK_BYTES_PER_S`
-plus :data:`MESSAGE_LATENCY_S` per message, a tensor costed as if its collective were its
-own (conservative: buckets share messages; ring allreduce and two-phase ``2(n−1)`` messages,
-allgather ``n−1``). Two-phase is chosen only when it costs at most half of the cheapest
-exact transport (so small tensors and small jobs keep the exact numbers), and never for codecs whose packets are their summands
+**auto** (:func:`choose`): per bucket (the tensors of one exchange in order, up to
+``bucket_bytes`` of packets), deterministically from (codec, shapes, dtypes, n, bucket
+size), the modelled cost of each transport: wire bytes over :data:`LINK_BYTES_PER_S` plus
+:data:`MESSAGE_LATENCY_S` per message (ring allreduce and two-phase ``2(n−1)`` messages,
+allgather ``n−1``, once per bucket). The whole bucket goes two-phase only when that costs at
+most half of its exact collectives (each tensor's: PSync's byte rule), so small jobs keep
+the exact numbers; the choice depends on the bucket, never on the rank, and never for codecs whose packets are their summands
 (``none``, ``fp16``, ``randomk``, ``randblock``, ``powersgd``: their allreduce is already flat).
 """
 from __future__ import annotations
@@ -118,32 +119,51 @@ def _packs_summand(codec: Compressor) -> bool:
         return False
 
 
-def choose(codec: Compressor, sizer: Sizer, shape: Sequence[int], dtype: torch.dtype, n: int,
-           bucket_bytes: int, twophase: bool = True) -> str:
-    """The ``auto`` transport of one tensor (module docstring); ``twophase=False``: the
-    cheapest exact one."""
-    if n == 1:
-        return "allreduce" if codec.sum_dtype(n, dtype) is not None else "allgather"
-    d = math.prod(shape)
+def _costs(codec: Compressor, sizer: Sizer, d: int, dtype: torch.dtype, n: int) -> tuple[str, dict, float]:
+    """For one tensor of ``d`` elements: PSync's exact collective (fewer wire bytes, ties to
+    allreduce), the wire bytes of each exact collective, and two-phase's mean wire bytes."""
     packet = sizer(d)
     sum_dtype = codec.sum_dtype(n, dtype)
-    share = 1.0   # the tensor's own messages (module docstring); bucket_bytes kept for a finer rule
-    exact = {"allgather": allgather_wire_bytes(packet, n) / LINK_BYTES_PER_S + (n - 1) * MESSAGE_LATENCY_S * share}
-    if sum_dtype is not None:
-        numel = d if _packs_summand(codec) else packet // torch.empty((), dtype=sum_dtype).element_size()
-        summand = numel * torch.empty((), dtype=sum_dtype).element_size()
-        exact["allreduce"] = (allreduce_wire_bytes(summand, n) / LINK_BYTES_PER_S
-                              + 2 * (n - 1) * MESSAGE_LATENCY_S * share)
-    # the exact collective itself is PSync's byte rule (fewer wire bytes; ties: allreduce)
     by_bytes = {"allgather": allgather_wire_bytes(packet, n)}
-    if "allreduce" in exact:
-        by_bytes["allreduce"] = allreduce_wire_bytes(summand, n)
+    if sum_dtype is not None:
+        width = torch.empty((), dtype=sum_dtype).element_size()
+        numel = d if _packs_summand(codec) else packet // width
+        by_bytes["allreduce"] = allreduce_wire_bytes(numel * width, n)
     best = min(by_bytes, key=lambda k: (by_bytes[k], k != "allreduce"))
-    if not twophase or sums_as_packet(codec, n, dtype):
-        return best
-    sizes = [sizer(b - a) for a, b in slice_bounds(d, n)]
-    two = (2 * (n - 1) * sum(sizes) / n / LINK_BYTES_PER_S + 2 * (n - 1) * MESSAGE_LATENCY_S * share)
-    return "twophase" if two <= min(exact.values()) / 2 else best
+    two = 2 * (n - 1) * sum(sizer(b - a) for a, b in slice_bounds(d, n)) / n
+    return best, by_bytes, two
+
+
+def choose(codec: Compressor, sizer: Sizer, specs: Sequence[tuple[Sequence[int], torch.dtype]], n: int,
+           bucket_bytes: int, twophase: bool = True) -> list[str]:
+    """The ``auto`` transport of each tensor (``(shape, dtype)``, in exchange order), per
+    bucket (module docstring); ``twophase=False``: each tensor's exact collective."""
+    if n == 1:
+        return ["allreduce" if codec.sum_dtype(n, dt) is not None else "allgather" for _, dt in specs]
+    costs = [_costs(codec, sizer, math.prod(shape), dtype, n) for shape, dtype in specs]
+    plan = [best for best, _, _ in costs]
+    if not twophase or any(sums_as_packet(codec, n, dtype) for _, dtype in specs):
+        return plan
+    messages = {"allreduce": 2 * (n - 1), "allgather": n - 1}
+    buckets, current, filled = [], [], 0
+    for i, (shape, _) in enumerate(specs):
+        packet = sizer(math.prod(shape))
+        if current and filled + packet > bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += packet
+    if current:
+        buckets.append(current)
+    for members in buckets:
+        kinds = {plan[i] for i in members}
+        exact = (sum(costs[i][1][plan[i]] for i in members) / LINK_BYTES_PER_S
+                 + sum(messages[k] for k in kinds) * MESSAGE_LATENCY_S)
+        two = sum(costs[i][2] for i in members) / LINK_BYTES_PER_S + 2 * (n - 1) * MESSAGE_LATENCY_S
+        if two <= exact / 2:
+            for i in members:
+                plan[i] = "twophase"
+    return plan
 
 
 class ServerErrors:
