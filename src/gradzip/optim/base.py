@@ -129,12 +129,13 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
 
     # -- building blocks for step() -----------------------------------------------------
     def make_psync(self, compressor: "str | Compressor | None", salt: int = 0,
-                   comm: "comm_lib.Group | None" = None) -> PSync:
+                   comm: "comm_lib.Group | None" = None, transport: str | None = None) -> PSync:
         """A PSync on this optimizer's group (or ``comm``); ``salt`` separates the seeds of
-        two exchanges."""
+        two exchanges; ``transport``: this exchange's own (e.g. ``"twophase"`` for a
+        method whose box says so), else the optimizer's ``transport``."""
         psync = PSync(comm or self.comm, compressor, seed=seeds.exchange_seed(self.seed, salt),
                       bucket_bytes=self.bucket_bytes, check_finite=self.nonfinite != "off",
-                      transport=self.transport, allow_twophase=not self.reads_packets)
+                      transport=transport or self.transport, allow_twophase=not self.reads_packets)
         psync.tracer = self._tracer
         self._exchanges.append(psync)
         return psync
