@@ -203,15 +203,24 @@ def test_bytes_per_worker_stay_flat_in_n():
 
 
 # -- state: resume bit-exact ---------------------------------------------------------------
-def _train(comm, split, steps=4, drop=False):
-    torch.manual_seed(0)
+def _linear():
+    """The same Linear(7, 3) on every worker (a local generator: threads share torch's)."""
+    g = torch.Generator().manual_seed(0)
     model = torch.nn.Linear(7, 3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return model
+
+
+def _train(comm, split, steps=4, drop=False):
+    model = _linear()
     make = lambda m: gradzip.optim.EFSGD(m.parameters(), lr=0.1, comm=comm, compressor="1bit", transport="twophase")
     opt = make(model)
     for t in range(1, steps + 1):
         if t == split:
             saved_m, saved_o = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-            model = torch.nn.Linear(7, 3)
+            model = _linear()
             model.load_state_dict(saved_m)
             opt = make(model)
             if drop:
@@ -326,8 +335,7 @@ def test_two_phase_during_backward_equals_two_phase_in_step(name):
 
 def test_cdsgd_runs_two_phase_on_its_exchange_thread():
     def train_cd(comm, transport):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(7, 3)
+        model = _linear()
         opt = gradzip.optim.CDSGD(model.parameters(), lr=0.1, comm=comm, compressor="2bit:threshold=0.05",
                                   k=3, transport=transport)
         for t in range(1, 6):
