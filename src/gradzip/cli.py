@@ -101,6 +101,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="ramp linearly from --lr to the scaled rate over these epochs (Goyal et al.)")
     b.add_argument("--sam-rho", type=non_negative, default=0.0,
                    help="> 0: SAM around the method (two passes per step, no extra communication)")
+    g.add_argument("--transport", choices=["auto", "allreduce", "allgather", "twophase"], default="auto",
+                   help="how PSync moves packets: auto (exact collectives; the two-phase compressed allreduce "
+                        "only where it costs <= 1/2), or pin one; twophase changes the numbers "
+                        "(docs/algorithms.md §Transports; default: %(default)s)")
     w = p.add_argument_group("workers")
     w.add_argument("--workers", type=positive_int, default=None,
                    help="worker count (default: 1 for train, 4 for compare; under torchrun: its world)")
@@ -215,7 +219,7 @@ def _configs(args) -> list:
                   nonfinite=args.nonfinite, device=args.device, amp=args.amp, trace=bool(args.trace),
                   progress=not args.quiet,
                   lr_scaling=args.lr_scaling, base_batch=args.base_batch or 0, warmup_epochs=args.warmup_epochs,
-                  sam_rho=args.sam_rho,
+                  sam_rho=args.sam_rho, transport=args.transport,
                   straggler=_straggler(args.straggler), **_checkpointing(args))
     given = _given_options(args)
     if args.command == "train":

@@ -15,7 +15,13 @@ Transport (never changes the numbers a method sees):
   compressed form, else allgather of the packets, whichever puts fewer bytes on the wire
   for this world size (ring costs, ``gradzip.comm.base``); ties go to allreduce. E.g.
   ``2bit``: allgather of packed codes ((n-1)·d/4) below 8 workers, int8 allreduce
-  (2(n-1)/n·d) from 8 on (exact for n <= 127).
+  (2(n-1)/n·d) from 8 on (exact for n <= 127; int16 up to 32767).
+* ``transport=`` (:data:`gradzip.twophase.TRANSPORTS`): ``"allreduce"`` / ``"allgather"``
+  pin the collective; ``"twophase"`` sends every tensor through the two-phase compressed
+  allreduce of :mod:`gradzip.twophase` (per-slice compression and a server error: it
+  changes the numbers); ``"auto"`` (default) takes the cheapest exact collective per tensor
+  and two-phase only where the model says it costs at most half (``twophase.choose``).
+  ``plan()`` says which, per tensor; the server errors are in ``state_dict()``.
 * Small tensors are flattened into buckets of up to ``bucket_bytes`` per collective: one
   buffer per summand dtype for allreduce, raw bytes for allgather. Decoding is per tensor
   again. With integer summands, or on the in-process group, bucketing changes no bit; a
@@ -59,7 +65,9 @@ import torch
 from . import seeds
 from .comm import Group, Work, allgather_wire_bytes, allreduce_wire_bytes
 from .compressors import Compressor, Packet, PerTensor, build
+from .errors import GradzipError
 from .nonfinite import NonFiniteAggregate, first_nonfinite
+from . import twophase as tp
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 
@@ -119,7 +127,8 @@ class Pending:
     step: int = 0
     keys: Sequence[int] = ()
     recyclable: list[bool] = field(default_factory=list)  # packet i's wire is not its input
-    codecs: list[Compressor] = field(default_factory=list)  # packet i's codec
+    twophase: list = field(default_factory=list)   # [_TwoPhaseBucket]: its tensors' packets[i] are None
+    codecs: list = field(default_factory=list)     # packet i's codec (None: two-phase)
     _result: Result | None = field(default=None, repr=False)
 
     def wait(self) -> Result:
@@ -132,14 +141,32 @@ class PSync:
     """Compress → exchange → decode for one worker (see the module docstring)."""
 
     def __init__(self, comm: Group, compressor: "str | Compressor | None" = "none", *,
-                 seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_finite: bool = False):
+                 seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_finite: bool = False,
+                 transport: str = "auto", allow_twophase: bool = True):
         self.comm = comm
+        self.transport = tp.check_transport(transport)
+        # False: "auto" stays exact (a method that reads the packets, e.g. DGC's selection)
+        self.allow_twophase = bool(allow_twophase)
+        if transport == "twophase" and not allow_twophase:
+            raise GradzipError("transport='twophase' is not available to this exchange (its method reads the "
+                               "whole-tensor packets); use transport='auto', 'allreduce' or 'allgather'")
         self.check_finite = bool(check_finite)  # raise NonFiniteAggregate (module docstring)
         self.compressor = build(compressor)   # a codec, or a PerTensor policy: see codec_for
         #: key -> parameter name, for a PerTensor policy's name rules (set by the owner:
         #: the optimizer from its named parameters, the DDP hook from its model)
         self.names: dict[int, str] = {}
         self._codecs: dict = {}                # (key, shape, dtype) -> the policy's codec
+        if isinstance(self.compressor, PerTensor):   # per-tensor codecs travel on the exact transports
+            if transport not in ("auto", "allgather"):
+                raise GradzipError(f"transport={transport!r} needs one codec for every tensor; a PerTensor policy "
+                                   "travels on the exact transports: use transport='auto' or 'allgather'")
+            self.allow_twophase = False
+        elif transport == "allreduce" and self.compressor.sum_dtype(comm.world_size, torch.float32) is None:
+            raise GradzipError(f"transport='allreduce': {self.compressor.spec} packets do not sum in compressed form "
+                               f"on {comm.world_size} workers; use transport='auto', 'allgather' or 'twophase'")
+        self.server_errors = tp.ServerErrors()   # the two-phase E_j (gradzip.twophase)
+        self._sizer = None if isinstance(self.compressor, PerTensor) else tp.Sizer(self.compressor)
+        self._plans: dict = {}
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.timings = Timings()
@@ -161,6 +188,29 @@ class PSync:
         self.payload_bytes = int(counters["payload_bytes"])
         self.timings = Timings(**counters["timings"])
 
+    def state_dict(self) -> dict:
+        """The exchange's own state: the two-phase server errors (``{"key:slice": E}``)."""
+        return {"server_errors": self.server_errors.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.server_errors.load_state_dict(state.get("server_errors", {}))
+
+    def plan(self, tensors: Sequence) -> list[str]:
+        """The transport of each tensor (or shape; float32 assumed for shapes) of one
+        exchange: the pinned one, or ``auto``'s per-bucket choice (``twophase.choose``);
+        the same on every worker."""
+        specs = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (tuple(t), torch.float32)
+                      for t in tensors)
+        if specs not in self._plans:
+            if self.transport != "auto":
+                self._plans[specs] = [self.transport] * len(specs)
+            elif self._sizer is None:   # a PerTensor policy: each packet routed by its own codec
+                self._plans[specs] = ["auto"] * len(specs)
+            else:
+                self._plans[specs] = tp.choose(self.compressor, self._sizer, specs, self.comm.world_size,
+                                               self.bucket_bytes, twophase=self.allow_twophase)
+        return list(self._plans[specs])
+
     # -- the public calls ---------------------------------------------------------------
     def __call__(self, tensors: Sequence[torch.Tensor], step: int, *,
                  keys: Sequence[int] | None = None, residual: bool = True) -> Result:
@@ -174,24 +224,35 @@ class PSync:
         began = time.perf_counter()
         keys = list(keys)
         codecs = [self.codec_for(key, t) for key, t in zip(keys, tensors)]
-        residuals = None
-        spares = self._take_spares(tensors, keys)
-        if residual:  # one fused pass where the codec has one (Compressor.compress_residual)
-            residuals = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-            packets = [codec.compress_residual(t.detach(), self._seed(step, key, codec), r, reuse=old)
-                       for codec, t, key, r, old in zip(codecs, tensors, keys, residuals, spares)]
-        else:
-            packets = [codec.compress(t.detach(), self._seed(step, key, codec), reuse=old)
-                       for codec, t, key, old in zip(codecs, tensors, keys, spares)]
-        recyclable = [_storages(p.wire.values()).isdisjoint(_storages([t])) for p, t in zip(packets, tensors)]
-        buckets = self._launch(packets, codecs)
-        payload = sum(p.nbytes for p in packets)
+        plan = self.plan(tensors)
+        two = [i for i, kind in enumerate(plan) if kind == "twophase"]
+        exact = [i for i, kind in enumerate(plan) if kind != "twophase"]
+        residuals = [None] * len(tensors) if residual else None
+        packets: list = [None] * len(tensors)
+        spares = self._take_spares([tensors[i] for i in exact], [keys[i] for i in exact])
+        for i, old in zip(exact, spares):
+            t, key, codec = tensors[i], keys[i], codecs[i]
+            if residual:  # one fused pass where the codec has one (Compressor.compress_residual)
+                residuals[i] = torch.empty_like(t, memory_format=torch.contiguous_format)
+                packets[i] = codec.compress_residual(t.detach(), self._seed(step, key, codec), residuals[i], reuse=old)
+            else:
+                packets[i] = codec.compress(t.detach(), self._seed(step, key, codec), reuse=old)
+        recyclable = [p is not None and _storages(p.wire.values()).isdisjoint(_storages([t]))
+                      for p, t in zip(packets, tensors)]
+        buckets = self._launch(packets, codecs, plan if self.transport != "auto" else ["auto"] * len(plan))
+        payload = sum(p.nbytes for p in packets if p is not None)
+        twophase = []
+        if two:
+            twophase = _two_phase_start(self, [tensors[i] for i in two], two, [keys[i] for i in two], step,
+                                        residuals)
+            payload += sum(b.payload for b in twophase)
         self.payload_bytes += payload
         ended = time.perf_counter()
         self._add_compress(ended - began)
         if self.tracer is not None:
             self.tracer.add("compress", began, ended, bytes=payload)
-        return Pending(self, packets, buckets, residuals, payload, step, keys, recyclable, codecs)
+        return Pending(self, packets, buckets, residuals, payload, step, keys, recyclable, twophase,
+                       [c if p is not None else None for c, p in zip(codecs, packets)])
 
     def codec_for(self, key: int, tensor: torch.Tensor) -> Compressor:
         """The codec of the tensor with ``key``: the PSync's codec, or what its
@@ -220,7 +281,7 @@ class PSync:
         pinned = _storages(t for t in out if t is not None)
         with self._lock:
             for key, packet, ok in zip(pending.keys, pending.packets, pending.recyclable):
-                if ok and _storages(packet.wire.values()).isdisjoint(pinned):
+                if ok and packet is not None and _storages(packet.wire.values()).isdisjoint(pinned):
                     self._spare_packets[key] = packet
             for bucket in pending.buckets:
                 buf = bucket.buffer
@@ -245,19 +306,22 @@ class PSync:
         bucket.buffer = torch.cat(parts, out=buf)
         return buf
 
-    def _seed(self, step: int, key: int, codec: Compressor) -> int:
-        if codec.shared_randomness:
+    def _seed(self, step: int, key: int, codec: Compressor | None = None) -> int:
+        if (codec or self.compressor).shared_randomness:
             return mix_seed(self.seed, step, key)
         return mix_seed(self.seed, step, key, self.comm.rank + 1)
 
-    def route(self, packet: Packet, codec: Compressor | None = None) -> tuple[str, list[torch.Tensor]]:
+    def route(self, packet: Packet, pinned: str = "auto",
+              codec: Compressor | None = None) -> tuple[str, list[torch.Tensor]]:
         """The collective for one packet (made by ``codec``, default: the PSync's) and the
         flat tensors it contributes: the codec's summand for allreduce, the raw bytes of its
         wire tensors for allgather, whichever puts fewer bytes on the wire for this world
-        size (ties: allreduce)."""
+        size (ties: allreduce), or the ``pinned`` one."""
         codec, n = codec or self.compressor, self.comm.world_size
         sum_dtype = codec.sum_dtype(n, packet.dtype)
-        if sum_dtype is not None:
+        if sum_dtype is not None and pinned == "allreduce":
+            return "allreduce", [codec.summand(packet, n).reshape(-1)]
+        if sum_dtype is not None and pinned != "allgather":
             # sized without building the summand where the codec can (an int8 per entry for 2bit)
             numel, summand = codec.summand_numel(packet, n), None
             if numel is None:
@@ -267,11 +331,14 @@ class PSync:
                 return "allreduce", [summand if summand is not None else codec.summand(packet, n).reshape(-1)]
         return "allgather", [w.reshape(-1).view(torch.uint8) for w in packet.wire.values()]
 
-    def _launch(self, packets: list[Packet], codecs: list[Compressor]) -> list[_Bucket]:
+    def _launch(self, packets: list[Packet | None], codecs: list[Compressor],
+                plan: list[str]) -> list[_Bucket]:
         open_buckets: dict[tuple, _Bucket] = {}
         buckets: list[_Bucket] = []
-        for i, (packet, codec) in enumerate(zip(packets, codecs)):
-            kind, flat = self.route(packet, codec)
+        for i, packet in enumerate(packets):
+            if packet is None:   # two-phase (gradzip.twophase)
+                continue
+            kind, flat = self.route(packet, plan[i], codecs[i])
             key = (kind, flat[0].dtype, flat[0].device) if flat else (kind, torch.uint8, _device(packet))
             nbytes = sum(f.numel() * f.element_size() for f in flat)
             bucket = open_buckets.get(key)
@@ -308,7 +375,9 @@ class PSync:
     def _finish(self, pending: Pending) -> Result:
         n = self.comm.world_size
         out: list[torch.Tensor | None] = [None] * len(pending.packets)
-        sent = 0
+        sent, errors = 0, {}
+        for tb in pending.twophase:
+            sent += _two_phase_finish(self, tb, out, errors)
         for bucket in pending.buckets:
             began = time.perf_counter()
             gathered = bucket.work.wait()
@@ -336,11 +405,12 @@ class PSync:
         if self.check_finite:
             bad = first_nonfinite(out)
             if bad >= 0:
-                packet = pending.packets[bad]
+                spec = (pending.codecs[bad] or self.compressor).spec
                 raise NonFiniteAggregate(
-                    f"the {pending.codecs[bad].spec} exchange of tensor #{bad} (shape {tuple(packet.shape)}) decoded a "
+                    f"the {spec} exchange of tensor #{bad} (shape {tuple(out[bad].shape)}) decoded a "
                     f"non-finite aggregate (NaN or Inf) from finite inputs: the codec or the sum over "
                     f"{n} workers overflowed; stopped on every worker before it was applied", bad)
+        self.server_errors.errors.update(errors)   # only once the aggregate passed the check
         self._release(pending, out)
         return Result(out, pending.residual, sent, pending.packet_bytes)
 
@@ -373,3 +443,126 @@ def _device(packet: Packet) -> torch.device:
     for t in packet.wire.values():
         return t.device
     return torch.device("cpu")
+
+
+@dataclass
+class _TwoPhaseBucket:
+    """Two-phase tensors launched together: one all-to-all message per peer."""
+
+    positions: list[int]                 # in the exchange's tensor list
+    keys: list[int]
+    shapes: list[torch.Size]
+    dtypes: list[torch.dtype]
+    device: torch.device
+    bounds: list[list[tuple[int, int]]]  # per tensor, its n slices
+    slices: list[list[Packet | None]]    # per tensor, c_ij per slice j (None: empty slice)
+    step: int
+    payload: int
+    work: Work | None = None
+
+
+def _raw(packet: Packet | None) -> list[torch.Tensor]:
+    if packet is None:
+        return []
+    return [w.contiguous().reshape(-1).view(torch.uint8) for w in packet.wire.values()]
+
+
+def _cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def _two_phase_start(psync: PSync, tensors, positions, keys, step, residuals) -> list[_TwoPhaseBucket]:
+    """Phase 1 (gradzip.twophase): compress every slice (residual into ``residuals``) and
+    launch one all-to-all per bucket of up to ``bucket_bytes`` of packets."""
+    codec, n, rank = psync.compressor, psync.comm.world_size, psync.comm.rank
+    buckets: list[_TwoPhaseBucket] = []
+    current = None
+    for t, pos, key in zip(tensors, positions, keys):
+        flat = t.detach().reshape(-1)
+        bounds = tp.slice_bounds(flat.numel(), n)
+        base = psync._seed(step, key)
+        r = None
+        if residuals is not None:
+            r = torch.empty(flat.numel(), dtype=t.dtype, device=t.device)
+            residuals[pos] = r.view(t.shape)
+        packets = []
+        for j, (a, b) in enumerate(bounds):
+            if a == b:
+                packets.append(None)
+            elif r is not None:
+                packets.append(codec.compress_residual(flat[a:b], tp.phase1_seed(base, j), r[a:b]))
+            else:
+                packets.append(codec.compress(flat[a:b], tp.phase1_seed(base, j)))
+        nbytes = sum(p.nbytes for p in packets if p is not None)
+        if current is None or (current.payload + nbytes > psync.bucket_bytes and current.positions):
+            current = _TwoPhaseBucket([], [], [], [], t.device, [], [], step, 0)
+            buckets.append(current)
+        current.positions.append(pos)
+        current.keys.append(key)
+        current.shapes.append(t.shape)
+        current.dtypes.append(t.dtype)
+        current.bounds.append(bounds)
+        current.slices.append(packets)
+        current.payload += nbytes
+    for bucket in buckets:
+        messages = [_cat([w for packets in bucket.slices for w in _raw(packets[j])], bucket.device) for j in range(n)]
+        mine = sum(p.nbytes for packets in bucket.slices if packets[rank] is not None for p in [packets[rank]])
+        bucket.work = psync.comm.all_to_all(messages, [mine] * n, async_op=True)
+        psync.bytes_sent += bucket.work.nbytes
+    return buckets
+
+
+def _two_phase_finish(psync: PSync, bucket: _TwoPhaseBucket, out: list, errors: dict) -> int:
+    """Phase 2: decode + aggregate this worker's slices, add the server error, compress
+    again (the new server error into ``errors``), send to every peer; then decode every
+    slice into ``out``. Returns the bytes sent by both rounds."""
+    codec, comm = psync.compressor, psync.comm
+    n, rank = comm.world_size, comm.rank
+    began = time.perf_counter()
+    received = bucket.work.wait()
+    decoding = time.perf_counter()
+    psync.count_wait(began, decoding)
+    sent = bucket.work.nbytes
+    offsets = [0] * n
+    mine: list[Packet | None] = []
+    for key, packets in zip(bucket.keys, bucket.slices):
+        template = packets[rank]
+        if template is None:
+            mine.append(None)
+            continue
+        theirs = []
+        for i in range(n):
+            size = template.nbytes
+            theirs.append(template.like(_unpack_wire(template, received[i][offsets[i]:offsets[i] + size])))
+            offsets[i] += size
+        s = codec.aggregate(theirs).reshape(-1)
+        old = psync.server_errors.errors.get((key, rank))
+        if old is not None:
+            s = s + old
+        e = torch.empty_like(s)
+        mine.append(codec.compress_residual(s, tp.phase2_seed(psync.seed, bucket.step, key, rank), e))
+        errors[(key, rank)] = e
+    message = _cat([w for p in mine for w in _raw(p)], bucket.device)
+    sizes = [sum(packets[i].nbytes for packets in bucket.slices if packets[i] is not None) for i in range(n)]
+    compressed = time.perf_counter()
+    psync._add_compress(compressed - decoding)
+    work = comm.all_to_all([message] * n, sizes, async_op=True)
+    psync.bytes_sent += work.nbytes
+    sent += work.nbytes
+    gathered = work.wait()
+    decoding = time.perf_counter()
+    psync.count_wait(compressed, decoding)
+    offsets = [0] * n
+    for pos, shape, dtype, bounds, packets in zip(bucket.positions, bucket.shapes, bucket.dtypes,
+                                                  bucket.bounds, bucket.slices):
+        flat = torch.empty(sum(b - a for a, b in bounds), dtype=dtype, device=bucket.device)
+        for j, (a, b) in enumerate(bounds):
+            template = packets[j]
+            if template is None:
+                continue
+            raw = gathered[j][offsets[j]:offsets[j] + template.nbytes]
+            offsets[j] += template.nbytes
+            codec.decompress(template.like(_unpack_wire(template, raw)), out=flat[a:b])
+        out[pos] = flat.view(shape)
+    psync._add_compress(time.perf_counter() - decoding)
+    return sent

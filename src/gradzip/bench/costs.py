@@ -31,11 +31,13 @@ def allgather_time(nbytes: int, n: int, bandwidth_Bps: float, alpha_s: float = 0
 
 
 def collective_time(kind: str, nbytes: int, n: int, bandwidth_Bps: float, alpha_s: float = 0.0) -> float:
-    """Seconds for one collective of ``kind`` (allreduce, allgather, broadcast)."""
+    """Seconds for one collective of ``kind`` (allreduce, allgather, broadcast, all_to_all)."""
     if kind == "allreduce":
         return allreduce_time(nbytes, n, bandwidth_Bps, alpha_s)
     if kind == "allgather":
         return allgather_time(nbytes, n, bandwidth_Bps, alpha_s)
+    if kind == "all_to_all":  # nbytes: what this worker sends, one message per peer
+        return 0.0 if n <= 1 else (n - 1) * alpha_s + nbytes / bandwidth_Bps
     if kind == "broadcast":  # pipelined: the message crosses each link once
         return 0.0 if n <= 1 else (n - 1) * alpha_s + nbytes / bandwidth_Bps
     raise GradzipError(f"unknown collective {kind!r}")

@@ -33,7 +33,9 @@ class RecordingGroup(Group):
     recorded as ``(kind, payload bytes)`` and completes at once as if every worker had
     contributed this worker's tensor (allreduce: the tensor itself; allgather: ``n``
     copies). Byte counting is the base class's, as for a real group. ``dry=True``: waiting
-    on a collective raises :class:`_DryRun` instead (sizes only, no decoding)."""
+    on an allgather or broadcast raises :class:`_DryRun` instead (sizes only, no decoding of
+    ``n`` packets); an allreduce and an all-to-all complete (one packet's decoding), so the
+    collectives a step issues after them (two-phase's second round) are sized too."""
 
     def __init__(self, world_size: int, rank: int = 0, dry: bool = False):
         super().__init__()
@@ -62,7 +64,7 @@ class RecordingGroup(Group):
 
     def _allreduce(self, tensor, nbytes):
         self.calls.append(("allreduce", tensor.numel() * tensor.element_size()))
-        return self._done(tensor, nbytes)
+        return Work.completed(tensor, nbytes)
 
     def _allgather(self, tensor, nbytes):
         self.calls.append(("allgather", tensor.numel() * tensor.element_size()))
@@ -71,6 +73,15 @@ class RecordingGroup(Group):
     def _broadcast(self, tensor, src, nbytes):
         self.calls.append(("broadcast", tensor.numel() * tensor.element_size()))
         return self._done(tensor, nbytes)
+
+    def _all_to_all(self, tensors, recv_sizes, nbytes):
+        """Recorded with the bytes it sends; completes even when dry, as if every worker sent
+        this worker's message for ``rank`` (zeros where a peer's size differs; the two-phase
+        transport issues its second round after decoding the first: a dry run sizes both)."""
+        self.calls.append(("all_to_all", nbytes))
+        own = tensors[self.rank]
+        return Work.completed([own.clone() if own.numel() == size else own.new_zeros(size)
+                               for size in recv_sizes], nbytes)
 
     def allgather_control(self, tensor):
         """Answered locally, unrecorded: the model leaves out the few bytes and the latency
@@ -176,7 +187,7 @@ def profile_method(algo: str, options: dict[str, Any], shapes: Sequence[tuple[in
 
     ``time_at_most``: above this worker count, times are measured at that count and the
     collectives sized by a dry run at ``workers`` (no decoding; only the collectives a step
-    issues before it first waits for one); decoding time is scaled by the number of packets decoded
+    issues before it first waits for an allgather); decoding time is scaled by the number of packets decoded
     (``n`` for an allgather, 1 for an allreduce)."""
     n_t = workers if time_at_most is None else max(1, min(workers, time_at_most))
     key = (algo, tuple(sorted((k, str(v)) for k, v in options.items())), tuple(map(tuple, shapes)), n_t, steps, warmup)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .base import PeerFailure, Group, Work, allgather_wire_bytes, allreduce_wire_bytes
+from .base import PeerFailure, Group, Work, all_to_all_wire_bytes, allgather_wire_bytes, allreduce_wire_bytes
 from .threads import ThreadGroup, make_group, simulate
 from .torchdist import TorchGroup, init_from_env
 
@@ -23,5 +23,5 @@ def default() -> Group:
 
 __all__ = [
     "Group", "Work", "TorchGroup", "ThreadGroup", "PeerFailure", "simulate", "make_group",
-    "default", "init_from_env", "allreduce_wire_bytes", "allgather_wire_bytes",
+    "default", "init_from_env", "allreduce_wire_bytes", "allgather_wire_bytes", "all_to_all_wire_bytes",
 ]

@@ -8,7 +8,8 @@ gloo use for large messages:
 
 * allreduce of ``B`` bytes: reduce-scatter + allgather, ``2 (n - 1) / n * B`` sent;
 * allgather of ``B`` bytes from each worker: ``(n - 1) * B`` sent (every chunk forwarded);
-* broadcast of ``B`` bytes: ``B`` sent by the source (pipelined), 0 by the others.
+* broadcast of ``B`` bytes: ``B`` sent by the source (pipelined), 0 by the others;
+* all-to-all: the bytes of the messages to the ``n - 1`` other workers (its own stays).
 
 A world of one sends nothing. Empty tensors are not communicated at all.
 """
@@ -100,6 +101,12 @@ def allreduce_wire_bytes(nbytes: int, world_size: int) -> int:
     return 2 * (world_size - 1) * nbytes // world_size
 
 
+def all_to_all_wire_bytes(message_nbytes, rank: int) -> int:
+    """Bytes one worker sends in an all-to-all of these per-destination messages (its own,
+    ``[rank]``, stays)."""
+    return sum(b for j, b in enumerate(message_nbytes) if j != rank)
+
+
 def allgather_wire_bytes(nbytes: int, world_size: int) -> int:
     """Bytes one worker sends in a ring allgather of ``nbytes`` per worker."""
     return (world_size - 1) * nbytes
@@ -171,6 +178,35 @@ class Group(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
+
+    # -- all-to-all (the two-phase transport's exchange) --------------------------------
+    def all_to_all(self, tensors, recv_sizes=None, async_op: bool = False):
+        """Send ``tensors[j]`` (1-D, one dtype, any length) to worker ``j``; the result is the
+        list of the ``n`` tensors received, ``[i]`` from worker ``i`` (``[rank]``: this worker's
+        own, a copy). ``recv_sizes[i]``: how many elements worker ``i`` sends here; None: the
+        workers first exchange their sizes (one int64 per peer, counted). Bytes counted: the
+        messages to the other workers (:func:`all_to_all_wire_bytes`)."""
+        n = self.world_size
+        tensors = [t.reshape(-1) for t in tensors]
+        if len(tensors) != n or len({t.dtype for t in tensors}) > 1:
+            raise GradzipError(f"all_to_all takes one tensor per worker ({n}), all of one dtype; got "
+                               f"{len(tensors)} of dtypes {sorted({str(t.dtype) for t in tensors})}")
+        if recv_sizes is None:
+            sizes = self.all_to_all([torch.tensor([t.numel()], dtype=torch.int64) for t in tensors], [1] * n)
+            recv_sizes = [int(s) for s in torch.cat(sizes).tolist()]
+        recv_sizes = [int(s) for s in recv_sizes]
+        if len(recv_sizes) != n or min(recv_sizes) < 0:
+            raise GradzipError(f"all_to_all: recv_sizes must be {n} counts >= 0, got {recv_sizes!r}")
+        nbytes = all_to_all_wire_bytes([_nbytes(t) for t in tensors], self.rank)
+        if n == 1:
+            work = Work.completed([tensors[0].clone()], 0)
+        else:
+            self.bytes_sent += nbytes
+            work = self._all_to_all(tensors, recv_sizes, nbytes)
+        return work if async_op else work.wait()
+
+    def _all_to_all(self, tensors: list[torch.Tensor], recv_sizes: list[int], nbytes: int) -> Work:
+        raise NotImplementedError(f"{type(self).__name__} has no all_to_all")
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -200,6 +200,20 @@ class ThreadGroup(Group):
         return self._launch(f"broadcast(src={src})", tensor, nbytes,
                             lambda xs: xs[src].clone(), tensor.copy_)
 
+    def _all_to_all(self, tensors, recv_sizes, nbytes):
+        rank = self.rank
+
+        def finish(everyone):
+            got = [everyone[i][rank] for i in range(self.world_size)]
+            wrong = [i for i, (t, size) in enumerate(zip(got, recv_sizes)) if t.numel() != size]
+            if wrong:
+                i = wrong[0]
+                raise GradzipError(f"all_to_all: rank {rank} expected {recv_sizes[i]} elements from rank {i}, "
+                                   f"which sent {got[i].numel()}; pass the sizes each worker sends")
+            return [t.clone() for t in got]
+
+        return self._launch("all_to_all", list(tensors), nbytes, list, finish)
+
 
 def make_group(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[ThreadGroup]:
     """The ``world_size`` worker handles of one new in-process group."""

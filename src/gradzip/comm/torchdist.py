@@ -101,6 +101,13 @@ class TorchGroup(Group):
                            lambda: dist.broadcast(tensor, src=root, group=self.group, async_op=True),
                            lambda: tensor, nbytes)
 
+    def _all_to_all(self, tensors, recv_sizes, nbytes):
+        flat = torch.cat(tensors)
+        out = flat.new_empty(sum(recv_sizes))
+        return self._issue("all_to_all", lambda: dist.all_to_all_single(
+            out, flat, output_split_sizes=list(recv_sizes), input_split_sizes=[t.numel() for t in tensors],
+            group=self.group, async_op=True), lambda: list(out.split(list(recv_sizes))), nbytes)
+
     # -- failures ------------------------------------------------------------------------
     def _issue(self, kind: str, launch, result, nbytes: int) -> Work:
         seq = self._seq.next(kind)

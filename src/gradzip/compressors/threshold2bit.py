@@ -9,8 +9,10 @@ float32 gradients with a float32 threshold).
 
 Wire: the codes packed four a byte in MXNet's layout (first value in the top two bits;
 ``11`` = +t, ``10`` = −t, ``00`` = 0), ``ceil(d/4)`` bytes. The threshold is a shared
-setting, not sent. Summing: widened to int8 codes in {−1, 0, 1} (``d`` bytes) the packets
-sum exactly through an allreduce for n ≤ 127 workers.
+setting, not sent. Summing: widened to codes in {−1, 0, 1} the packets sum exactly through
+an allreduce in the narrowest exact width (docs/algorithms.md §Transports, "Summand
+width"): int8 (``d`` bytes) for n ≤ 127 workers, int16 (``2d`` bytes) for n ≤ 32767, so
+the exchange never falls back to an allgather because int8 would overflow.
 
 Default threshold 0.01 **[choice]**: MXNet's 0.5 applies to batch-summed gradients,
 gradzip quantizes mean gradients (docs/algorithms.md §codec: 2bit); the sweep that
@@ -107,22 +109,24 @@ class TwoBit(Compressor):
         return x, codes, t
 
     def summand_numel(self, packet: Packet, world_size: int) -> int:
-        return packet.numel  # one int8 per entry
+        return packet.numel  # one int8 (int16) per entry
 
-    # -- summing as int8 codes ---------------------------------------------------------
+    # -- summing as int8 / int16 codes ---------------------------------------------------
     def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
-        return torch.int8 if world_size <= 127 else None
+        """int8 up to 127 workers, int16 up to 32767 (exact sums of codes in {−1, 0, 1})."""
+        return torch.int8 if world_size <= 127 else torch.int16 if world_size <= 32767 else None
 
     def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
+        width = self.sum_dtype(world_size) or torch.int8
         if fused(packet.wire["codes"]):
-            out = torch.empty(packet.numel, dtype=torch.int8)
-            ek.decode2(kernels.array(packet.wire["codes"].contiguous()), kernels.array(value_table(_SIGNS, torch.int8)),
+            out = torch.empty(packet.numel, dtype=width)
+            ek.decode2(kernels.array(packet.wire["codes"].contiguous()), kernels.array(value_table(_SIGNS, width)),
                        kernels.array(out))
             return out
-        return decode_lut(packet.wire["codes"], 2, _SIGNS, packet.numel, torch.int8)
+        return decode_lut(packet.wire["codes"], 2, _SIGNS, packet.numel, width)
 
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
-        if fused(total) and packet.dtype == torch.float32 and total.dtype in (torch.int8, torch.int32):
+        if fused(total) and packet.dtype == torch.float32 and total.dtype in (torch.int8, torch.int16, torch.int32):
             out = torch.empty(packet.shape, dtype=torch.float32)
             ek.scale_counts(kernels.array(total.contiguous().view(-1)), self._step(world_size), kernels.array(out.view(-1)))
             return out

@@ -78,7 +78,9 @@ class CodecState(HookState):
     @property
     def psync(self) -> PSync:
         if self._psync is None:
-            self._psync = PSync(self.comm, self.codec, seed=self.seed, bucket_bytes=self.bucket_bytes)
+            # exact transports only: the hook's state has no place for two-phase server errors
+            self._psync = PSync(self.comm, self.codec, seed=self.seed, bucket_bytes=self.bucket_bytes,
+                                allow_twophase=False)
             self._psync.names = self.names
         return self._psync
 

@@ -52,6 +52,7 @@ from ..compressors import Compressor
 from ..double_sync import refuse_ddp_double_sync
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync, Timings
+from ..twophase import TRANSPORTS
 from ..nonfinite import NONFINITE_POLICIES
 from ..replicas import parameter_digest
 from ..validation import is_int, require
@@ -75,11 +76,14 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
     #: methods of :class:`gradzip.optim.overlap.GradientExchange`): the input for a tensor is
     #: known once its gradient is. False for methods whose input needs the whole step.
     overlaps_backward: bool = False
+    #: The method reads the whole-tensor packets of an exchange (DGC's selected indices), so
+    #: its exchanges keep to the exact transports (``transport="twophase"`` is refused).
+    reads_packets: bool = False
 
     def __init__(self, params: Iterable, lr: float, *, comm: "comm_lib.Group | None" = None,
                  momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
-                 **options: Any):
+                 transport: str = "auto", **options: Any):
         name = type(self).__name__
         require(nonfinite in NONFINITE_POLICIES, name,
                 f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
@@ -87,6 +91,10 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         require(is_int(bucket_bytes) and bucket_bytes >= 1, name,
                 f"bucket_bytes must be an integer >= 1, got {bucket_bytes!r}")
         require(is_int(seed), name, f"seed must be an integer, got {seed!r}")
+        require(transport in TRANSPORTS, name, f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        require(transport != "twophase" or not self.reads_packets, name,
+                "transport='twophase' is not available: this method reads the whole-tensor packets of its "
+                "exchange; use transport='auto', 'allreduce' or 'allgather'")
         defaults = dict(lr=float(lr), momentum=float(momentum), nesterov=bool(nesterov),
                         weight_decay=float(weight_decay), **options)
         super().__init__(params, defaults)
@@ -94,6 +102,7 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.nonfinite = nonfinite
+        self.transport = transport
         self.steps = 0
         self.skipped_steps = 0   # steps skipped for a non-finite gradient (nonfinite="skip")
         self._verified = False   # settings compared across workers (first step)
@@ -131,11 +140,13 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
 
     # -- building blocks for step() -----------------------------------------------------
     def make_psync(self, compressor: "str | Compressor | None", salt: int = 0,
-                   comm: "comm_lib.Group | None" = None) -> PSync:
+                   comm: "comm_lib.Group | None" = None, transport: str | None = None) -> PSync:
         """A PSync on this optimizer's group (or ``comm``); ``salt`` separates the seeds of
-        two exchanges."""
+        two exchanges; ``transport``: this exchange's own (e.g. ``"twophase"`` for a
+        method whose box says so), else the optimizer's ``transport``."""
         psync = PSync(comm or self.comm, compressor, seed=seeds.exchange_seed(self.seed, salt),
-                      bucket_bytes=self.bucket_bytes, check_finite=self.nonfinite != "off")
+                      bucket_bytes=self.bucket_bytes, check_finite=self.nonfinite != "off",
+                      transport=transport or self.transport, allow_twophase=not self.reads_packets)
         psync.tracer = self._tracer
         psync.names = self._names   # shared: names of groups added later reach it too
         self._exchanges.append(psync)
@@ -193,13 +204,23 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         fields.update({k: v for k, v in vars(self).items()
                        if not k.startswith("_") and k not in ("steps", "skipped_steps")
                        and isinstance(v, (bool, int, float, str))})
+        plans = self.transports()
         for i, psync in enumerate(self._exchanges):
             fields[f"exchange {i} codec"] = psync.compressor.spec
+            fields[f"exchange {i} transport"] = plans[f"exchange {i}"]
         fields["frozen parameters"] = [i for i, p in enumerate(self._all_params()) if not p.requires_grad]
         if self.replicas_identical():
             for i, p in enumerate(self._all_params()):
                 fields[f"parameter #{i:05d} values"] = f"{parameter_digest(p)} (shape {tuple(p.shape)})"
         return fields
+
+    def transports(self) -> dict[str, str]:
+        """Per exchange, its ``transport`` setting and the transport it takes for each
+        parameter tensor (``PSync.plan``, the same on every worker), e.g.
+        ``{"exchange 0": "auto: twophase,allreduce"}``: compared across workers, reported
+        in the run's summary."""
+        shapes = [p.shape for p in self._all_params() if p.requires_grad]
+        return {f"exchange {i}": f"{x.transport}: " + ",".join(x.plan(shapes)) for i, x in enumerate(self._exchanges)}
 
     def replicas_identical(self) -> bool:
         """Whether every worker's parameters must hold the same values now: a fresh
@@ -324,7 +345,8 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         out = super().state_dict()
         out["gradzip"] = {"steps": self.steps, "skipped_steps": self.skipped_steps, "seed": self.seed,
                           "method": type(self).__name__, "world_size": self.comm.world_size,
-                          "exchanges": [x.counters() for x in self._exchanges]}
+                          "exchanges": [x.counters() for x in self._exchanges],
+                          "exchange_states": [x.state_dict() for x in self._exchanges]}
         return out
 
     def check_saved_group(self, group: dict, where: str) -> None:
@@ -364,4 +386,6 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         self.seed = int(extra["seed"])
         for psync, counters in zip(self._exchanges, extra.get("exchanges", [])):
             psync.load_counters(counters)
+        for psync, state in zip(self._exchanges, extra.get("exchange_states", [])):
+            psync.load_state_dict(state)
         self._verified = False  # the loaded values (and settings) are compared at the next step

@@ -82,6 +82,7 @@ class RunConfig:
     sharpness_rho: float = 0.0    # > 0: the summary reports the final model's sharpness at this rho
     device: str = "cpu"           # "cpu", "cuda" (rank r on cuda:LOCAL_RANK % device_count) or "auto" (train.device)
     amp: str = "none"             # autocast precision: "none", "bf16", or "fp16" (with GradScaler)
+    transport: str = "auto"       # PSync transport: auto, allreduce, allgather, twophase
     checkpoint_dir: str | None = None   # write checkpoints here (per rank, atomically)
     checkpoint_every: int = 0     # steps between checkpoints; 0: at the end of every epoch
     resume: bool = False          # continue from the newest checkpoint in checkpoint_dir, if any
@@ -107,7 +108,8 @@ def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOpti
     check_large_batch(cfg)
     options = device.method_options(cfg.amp, cfg.options, cls)   # fp16: the exchange after unscaling
     return cls(params, lr=cfg.lr, comm=comm, momentum=cfg.momentum, nesterov=cfg.nesterov,
-               weight_decay=cfg.weight_decay, seed=cfg.seed, nonfinite=cfg.nonfinite, **options)
+               weight_decay=cfg.weight_decay, seed=cfg.seed, nonfinite=cfg.nonfinite,
+               **({"transport": cfg.transport} if cfg.transport != "auto" else {}), **options)
 
 
 def check_large_batch(cfg: RunConfig) -> None:
