@@ -291,7 +291,8 @@ def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[st
     return {
         "algo": cfg.name,
         "method": cfg.algo,
-        "options": {k: str(v) for k, v in cfg.options.items()},
+        # JSON scalars as they are (the projection rebuilds the method from them), the rest as text
+        "options": {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in cfg.options.items()},
         "workers": comm.world_size,
         "dataset": cfg.dataset,
         "model": cfg.model,
