@@ -19,7 +19,7 @@ import torch
 
 from ..errors import GradzipError
 from ..train.config import parse_algos
-from . import emulated, tables, timeline
+from . import emulated, peers, tables, timeline
 from .shapes import model_shapes, resnet50_shapes
 from .units import parse_ints, parse_non_negatives, parse_rates
 
@@ -73,7 +73,8 @@ def add_net_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-ms", default="0",
                    help="comma-separated one-way worker-to-worker latencies in ms (netem; default: %(default)s)")
     p.add_argument("--algos", default="ssgd,efsgd@topk:ratio=0.01,bitsgd",
-                   help="methods, METHOD[@CODEC] comma-separated (default: %(default)s)")
+                   help="methods, METHOD[@CODEC] comma-separated; PyTorch's own DDP as peers: ddp, ddp@fp16, "
+                        "ddp@powersgd:rank=R[,buckets=one|each] (default: %(default)s)")
     p.add_argument("--model", default="resnet18:width=32", help="default: %(default)s (2.8M parameters)")
     p.add_argument("--shape", default="3x32x32", help="synthetic input shape (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="per worker (default: %(default)s)")
@@ -95,8 +96,12 @@ def net_bench(args) -> emulated.NetBench:
             raise GradzipError(f"{name} must be >= {low}, got {value}")
     if not args.check_mb > 0:
         raise GradzipError(f"--check-mb must be > 0, got {args.check_mb}")
+    algos = parse_algos(args.algos, also=(peers.PEER,))
+    for algo, codec in algos:
+        if peers.is_peer(algo):
+            peers.parse_hook(codec)   # a bad hook is an error now, not after the namespaces are up
     return emulated.NetBench(workers=parse_ints(args.workers, "--workers", 1), bandwidths=parse_rates(args.bandwidth),
-                             latencies=latencies, algos=parse_algos(args.algos), model=args.model, shape=args.shape,
+                             latencies=latencies, algos=algos, model=args.model, shape=args.shape,
                              batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, threads=args.threads,
                              check_mb=args.check_mb, out=args.out)
 

@@ -109,6 +109,8 @@ def validate(measured: dict[str, Any], alpha_s: float, host_Bps: float | None = 
             bandwidth = min(bandwidth, host)
         alpha = alpha_s + record["latency_s"]
         for run in record["runs"]:
+            if run.get("peer"):   # PyTorch's DDP rows: measured for comparison, not modelled
+                continue
             key = (run["method"], tuple(sorted(run["options"].items())), n)
             if key not in profiles:
                 profiles[key] = profile_method(run["method"], dict(run["options"]), shapes, n,

@@ -33,9 +33,10 @@ def method_label(algo: str, codec: str | None = None) -> str:
     return f"{algo}@{codec}" if codec else algo
 
 
-def parse_algos(text: str) -> list[tuple[str, str | None]]:
+def parse_algos(text: str, also: tuple[str, ...] = ()) -> list[tuple[str, str | None]]:
     """``"ssgd,efsgd@topk:ratio=0.01,unbiased=true,bitsgd"`` → [(algo, codec or None), ...];
-    every method must be registered."""
+    every method must be registered, or one of the names ``also`` (``gradzip bench net``'s
+    ``ddp`` peer)."""
     if not isinstance(text, str) or not text.strip():
         raise GradzipError("--algos is empty; give e.g. ssgd,efsgd@topk:ratio=0.01")
     out = []
@@ -47,7 +48,8 @@ def parse_algos(text: str) -> list[tuple[str, str | None]]:
         if not re.fullmatch(r"[a-z_]\w*", algo):  # '', 'ssgd,,' (stray commas), '@@', ...
             raise GradzipError(f"bad entry {item!r} in --algos: expected METHOD or METHOD@CODEC, comma-separated "
                                f"(e.g. ssgd,efsgd@topk:ratio=0.01); valid methods: {', '.join(optim.METHODS)}")
-        method_class(algo, " in --algos")
+        if algo not in also:
+            method_class(algo, " in --algos")
         out.append((algo, codec.strip() or None))
     return out
 
