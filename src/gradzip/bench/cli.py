@@ -20,6 +20,7 @@ import torch
 from ..errors import GradzipError
 from ..train.config import parse_algos
 from . import emulated, peers, tables, timeline
+from .costs import TRANSPORTS
 from .shapes import model_shapes, resnet50_shapes
 from .units import parse_ints, parse_non_negatives, parse_rates
 
@@ -164,6 +165,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "with --shape (default: %(default)s)")
     p.add_argument("--shape", default="3x224x224", help="input shape for a harness --model (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads while profiling codecs (default: %(default)s)")
+    p.add_argument("--transports", default="recorded,auto",
+                   help="PSync transports to project, comma-separated: recorded (the collectives the methods "
+                        "issue today), exact, twophase, auto (default: %(default)s)")
+    p.add_argument("--workers-per-node", type=int, default=1,
+                   help="projection: hierarchical exchange with this many workers per node behind one "
+                        "uplink of --bandwidth (1: flat; default: %(default)s)")
+    p.add_argument("--intra-gbit", type=float, default=100.0,
+                   help="projection with --workers-per-node > 1: link rate inside a node, Gbit/s "
+                        "(default: %(default)s)")
     p.add_argument("--no-projection", action="store_true", help="only the validation")
     p.add_argument("--out", default="runs/bench-model.json", help="predictions as JSON (default: %(default)s)")
 
@@ -189,6 +199,17 @@ def _check_model_args(args) -> None:
         raise GradzipError(f"--host-gbit must be > 0, got {args.host_gbit}")
     if args.threads < 1:
         raise GradzipError(f"--threads must be >= 1, got {args.threads}")
+    if args.workers_per_node < 1:
+        raise GradzipError(f"--workers-per-node must be >= 1, got {args.workers_per_node}")
+    if not args.intra_gbit > 0:
+        raise GradzipError(f"--intra-gbit must be > 0, got {args.intra_gbit}")
+    for t in _transports(args.transports):
+        if t != "recorded" and t not in TRANSPORTS:
+            raise GradzipError(f"unknown transport {t!r} in --transports; valid: recorded, {', '.join(TRANSPORTS)}")
+
+
+def _transports(text: str) -> list[str]:
+    return [t.strip().lower() for t in text.split(",") if t.strip()] or ["recorded"]
 
 
 def run_model(args, command: str) -> dict[str, Any]:
@@ -217,14 +238,20 @@ def run_model(args, command: str) -> dict[str, Any]:
         shapes = resnet50_shapes() if args.model == "resnet50" else model_shapes(
             args.model, [int(s) for s in args.shape.split("x")])
         alpha = (10.0 if args.alpha_us is None else args.alpha_us) * 1e-6
+        transports = [None if t == "recorded" else t for t in _transports(args.transports)]
         rows = timeline.project(algos, workers, bws, args.compute_ms / 1e3, alpha, args.codec_scale, shapes,
-                                log=_log, time_at_most=args.profile_max_workers, steps=args.profile_steps)
+                                log=_log, time_at_most=args.profile_max_workers, steps=args.profile_steps,
+                                transports=transports, hierarchy=args.workers_per_node,
+                                intra_bps=args.intra_gbit * 1e9)
         result["projection"] = rows
         result["projection_settings"] = {"model": args.model, "parameters": sum(math.prod(s) for s in shapes),
                                          "compute_s": args.compute_ms / 1e3, "alpha_s": alpha,
                                          "codec_scale": args.codec_scale, "threads": args.threads,
                                          "profile_max_workers": args.profile_max_workers,
-                                         "profile_steps": args.profile_steps}
+                                         "profile_steps": args.profile_steps,
+                                         "transports": _transports(args.transports),
+                                         "workers_per_node": args.workers_per_node,
+                                         "intra_bps": args.intra_gbit * 1e9}
         print("### Projection\n")
         print(tables.codec_table(rows) + "\n")
         print(tables.projection_table(rows) + "\n")
