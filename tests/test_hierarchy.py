@@ -1,0 +1,175 @@
+"""The hierarchical exchange (gradzip.hierarchy; spec "Hierarchical exchange"; issue 15,
+item 3) and the group operations it needs (Group.split, Group.reduce_scatter)."""
+import pytest
+import torch
+
+import gradzip
+from gradzip.compressors import build
+from gradzip.errors import GradzipError
+from gradzip.exchange import PSync
+from gradzip.hierarchy import HierarchicalPSync, check_workers_per_node, shard_bounds
+from gradzip.launch import run_processes
+
+SHAPES = [(7, 3), (5,), (2,)]   # 21 elements (shards 11/10), 5 (3/2), 2 (1/1)
+
+
+def _inputs(rank, shapes=SHAPES):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+# ----------------------------------------------------------------------------- group operations
+
+
+def test_split_and_reduce_scatter_on_threads():
+    def work(comm):
+        nodes = comm.split([[0, 1], [2, 3]])
+        equal = comm.split([[0, 2], [1, 3]])
+        x = torch.arange(6.0).reshape(2, 3) + 10 * comm.rank
+        summed = nodes.reduce_scatter(x)
+        mean = nodes.reduce_scatter(x, mean=True)
+        gathered = equal.allgather(torch.tensor([float(comm.rank)]))
+        return (nodes.rank, nodes.world_size, equal.rank, summed, mean, gathered.reshape(-1).tolist(),
+                nodes.bytes_sent)
+
+    out = gradzip.simulate(4, work)
+    assert [(o[0], o[1], o[2]) for o in out] == [(0, 2, 0), (1, 2, 0), (0, 2, 1), (1, 2, 1)]
+    # node 0 = ranks 0, 1: rows summed; worker l gets row l
+    assert torch.equal(out[0][3], torch.tensor([10.0, 12.0, 14.0]))
+    assert torch.equal(out[1][3], torch.tensor([16.0, 18.0, 20.0]))
+    # node 1 = ranks 2, 3; rank 3 (local rank 1) gets the mean of row 1: ([23, 24, 25] + [33, 34, 35]) / 2
+    assert torch.equal(out[3][4], torch.tensor([28.0, 29.0, 30.0]))
+    assert [o[5] for o in out] == [[0.0, 2.0], [1.0, 3.0], [0.0, 2.0], [1.0, 3.0]]
+    assert out[0][6] == 2 * (1 * 24 // 2)   # two reduce-scatters of 24 bytes among 2: 12 each
+
+
+def test_bad_splits_and_shapes_are_refused():
+    def work(comm):
+        with pytest.raises(GradzipError, match="covering the group"):
+            comm.split([[0], [0, 1]])
+        with pytest.raises(GradzipError, match="shape \\(world_size=2"):
+            comm.reduce_scatter(torch.zeros(3))
+        return True
+
+    assert gradzip.simulate(2, work) == [True, True]
+
+
+def test_workers_per_node_is_checked():
+    assert check_workers_per_node(None, 8) == 1 and check_workers_per_node(4, 8) == 4
+    with pytest.raises(GradzipError, match="dividing the 6 workers"):
+        check_workers_per_node(4, 6)
+    assert shard_bounds(5, 2) == [(0, 3), (3, 5)] and shard_bounds(1, 2) == [(0, 1), (1, 1)]
+
+
+# ----------------------------------------------------------------------------- the exchange
+
+
+@pytest.mark.parametrize("codec", ["topk:ratio=0.4", "2bit:threshold=0.5", "randomk:ratio=0.5"])
+def test_one_worker_per_node_is_psync(codec):
+    """k = 1: the same aggregate and residual bits as PSync itself (same seeds)."""
+    def work(comm):
+        flat = PSync(comm, codec, seed=3)(_inputs(comm.rank), step=2)
+        hier = HierarchicalPSync(comm, codec, workers_per_node=1, seed=3)(_inputs(comm.rank), step=2)
+        return flat, hier
+
+    for flat, hier in gradzip.simulate(4, work):
+        for a, b in zip(flat.aggregate + flat.residual, hier.aggregate + hier.residual):
+            assert torch.equal(a, b)
+        assert hier.bytes_sent == flat.bytes_sent
+
+
+def test_one_node_is_exact():
+    """k = n: nothing is compressed; the aggregate is the mean, the residual 0."""
+    def work(comm):
+        return HierarchicalPSync(comm, "2bit:threshold=10", workers_per_node=4)(_inputs(comm.rank), step=1)
+
+    out = gradzip.simulate(4, work)
+    for t, _ in enumerate(SHAPES):
+        total = _inputs(0)[t].clone()
+        for r in (1, 2, 3):
+            total += _inputs(r)[t]
+        for res in out:
+            assert torch.allclose(res.aggregate[t], total / 4, rtol=0, atol=1e-6)
+            assert torch.equal(res.residual[t], torch.zeros(SHAPES[t]))
+
+
+def _reference(codec_spec, n, k):
+    """The spec's box written out by hand for a deterministic codec: node means, shard l
+    compressed per node, mean of the decoded over nodes, residual k·ρ on the own shard."""
+    codec = build(codec_spec)
+    v = [_inputs(r) for r in range(n)]
+    aggregate, residual = [], [[] for _ in range(n)]
+    for t, shape in enumerate(SHAPES):
+        d = v[0][t].numel()
+        nodes = [(v[m * k][t].reshape(-1) + v[m * k + 1][t].reshape(-1)) / 2 for m in range(n // k)]
+        full = torch.empty(d)
+        rho = {}
+        for ell, (lo, hi) in enumerate(shard_bounds(d, k)):
+            decoded = []
+            for m, u in enumerate(nodes):
+                dec = codec.decompress(codec.compress(u[lo:hi].clone()))
+                decoded.append(dec)
+                rho[(m, ell)] = u[lo:hi] - dec
+            full[lo:hi] = (decoded[0] + decoded[1]) / 2
+        aggregate.append(full.view(shape))
+        for r in range(n):
+            m, ell = divmod(r, k)
+            mine = torch.zeros(d)
+            lo, hi = shard_bounds(d, k)[ell]
+            mine[lo:hi] = k * rho[(m, ell)]
+            residual[r].append(mine.view(shape))
+    return aggregate, residual
+
+
+@pytest.mark.parametrize("codec", ["topk:ratio=0.4", "scaled_sign"])
+def test_two_nodes_of_two_against_the_box_by_hand(codec):
+    """n = 4, k = 2 on threads against :func:`_reference`; the mean over a node's workers
+    of their residuals is the node's error ρ (the residual rule)."""
+    def work(comm):
+        return HierarchicalPSync(comm, codec, workers_per_node=2)(_inputs(comm.rank), step=1)
+
+    out = gradzip.simulate(4, work)
+    aggregate, residual = _reference(codec, 4, 2)
+    for r, res in enumerate(out):
+        for t in range(len(SHAPES)):
+            assert torch.allclose(res.aggregate[t], aggregate[t], rtol=0, atol=1e-6), (r, t)
+            assert torch.allclose(res.residual[t], residual[r][t], rtol=0, atol=1e-6), (r, t)
+    # bytes: fp32 reduce-scatter + allgather inside the node (rows of 15 / 13 padded to 15:
+    # 60 bytes each, half sent), plus the PSync among 2 nodes
+    assert all(res.bytes_sent > 60 for res in out)
+
+
+def test_fp16_inside_the_node_and_timings_and_counters():
+    def work(comm):
+        hp = HierarchicalPSync(comm, "topk:ratio=0.4", workers_per_node=2, intra="fp16")
+        res = hp(_inputs(comm.rank), step=1)
+        return res, hp.bytes_sent, hp.timings.communicate_s, hp.counters()
+
+    for res, sent, comm_s, counters in gradzip.simulate(4, work):
+        assert sent == res.bytes_sent and comm_s >= 0 and counters["bytes_sent"] == sent
+    aggregate, _ = _reference("topk:ratio=0.4", 4, 2)
+    assert torch.allclose(res.aggregate[0], aggregate[0], atol=5e-3)
+    with pytest.raises(GradzipError, match="fp32 or fp16"):
+        gradzip.simulate(2, lambda c: HierarchicalPSync(c, "none", workers_per_node=1, intra="bf8"))
+
+
+def hier_worker(comm, codec):
+    out = []
+    for k in (1, 2):   # two processes: across "nodes" (k = 1) and inside one node (k = 2)
+        res = HierarchicalPSync(comm, codec, workers_per_node=k)(_inputs(comm.rank), step=1)
+        out.append(([a.clone() for a in res.aggregate], [r.clone() for r in res.residual], res.bytes_sent))
+    return out
+
+
+def test_real_gloo_groups_give_the_threads_bits():
+    """Two gloo processes (TorchGroup: new process groups, reduce_scatter_tensor) give
+    the bits and bytes of the in-process group (sums of two terms: no order to differ).
+    fp16 across: no compiled kernel to wait for in fresh processes."""
+    codec = "fp16"
+    real = run_processes(2, hier_worker, codec)
+    threads = gradzip.simulate(2, lambda c: hier_worker(c, codec))
+    for rank_real, rank_threads in zip(real, threads):
+        for (a1, r1, b1), (a2, r2, b2) in zip(rank_real, rank_threads):
+            assert b1 == b2 > 0
+            for x, y in zip(a1 + r1, a2 + r2):
+                assert torch.equal(x, y)
