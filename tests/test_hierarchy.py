@@ -173,3 +173,49 @@ def test_real_gloo_groups_give_the_threads_bits():
             assert b1 == b2 > 0
             for x, y in zip(a1 + r1, a2 + r2):
                 assert torch.equal(x, y)
+
+
+# ----------------------------------------------------------------------------- the methods' option
+
+
+def _one_step(comm, method, **options):
+    g = torch.Generator().manual_seed(7)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+    for p, grad in zip(params, _inputs(comm.rank)):
+        p.grad = grad
+    opt = method(params, lr=0.5, comm=comm, **options)
+    opt.step()
+    return [p.detach().clone() for p in params], opt
+
+
+def test_methods_take_hierarchy_through_the_common_options():
+    """EF-SGD with hierarchy=4 on 4 workers (one node) is S-SGD (exact mean, no error
+    left); hierarchy=2 uses HierarchicalPSync and agrees with its aggregate; hierarchy=1
+    is the flat exchange, bit for bit; a k that does not divide n is one error."""
+    def work(comm):
+        one_node, opt1 = _one_step(comm, gradzip.optim.EFSGD, compressor="topk:ratio=0.2", hierarchy=4)
+        plain, _ = _one_step(comm, gradzip.optim.SSGD)
+        flat, _ = _one_step(comm, gradzip.optim.EFSGD, compressor="topk:ratio=0.2")
+        k1, _ = _one_step(comm, gradzip.optim.EFSGD, compressor="topk:ratio=0.2", hierarchy=1)
+        two, opt2 = _one_step(comm, gradzip.optim.EFSGD, compressor="topk:ratio=0.2", hierarchy=2)
+        return one_node, plain, flat, k1, two, type(opt2.psync).__name__, opt2.describe()["hierarchy"]
+
+    for one_node, plain, flat, k1, two, kind, described in gradzip.simulate(4, work):
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(one_node, plain))
+        assert all(torch.equal(a, b) for a, b in zip(flat, k1))
+        assert kind == "HierarchicalPSync" and described == 2
+    g = torch.Generator().manual_seed(7)
+    start = [torch.randn(s, generator=g) for s in SHAPES]
+    aggregate, _ = _reference("topk:ratio=0.2", 4, 2)
+    for p0, a, p in zip(start, aggregate, two):
+        assert torch.allclose(p, p0 - 0.5 * a, atol=1e-6)
+    with pytest.raises(GradzipError, match="EFSGD: hierarchy: .*dividing the 4 workers, got 3"):
+        gradzip.simulate(4, lambda c: _one_step(c, gradzip.optim.EFSGD, hierarchy=3))
+
+
+def test_cli_refuses_a_node_size_that_does_not_divide_the_workers(capsys):
+    from gradzip.cli import main
+
+    assert main(["train", "--algo", "ssgd", "--workers", "4", "--workers-per-node", "3", "--epochs", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "dividing the 4 workers, got 3" in err, err

@@ -51,6 +51,7 @@ from ..compressors import Compressor
 from ..double_sync import refuse_ddp_double_sync
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync, Timings
+from ..hierarchy import HierarchicalPSync, check_workers_per_node
 from ..nonfinite import NONFINITE_POLICIES
 from ..replicas import parameter_digest
 from ..validation import is_int, require
@@ -78,7 +79,7 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float, *, comm: "comm_lib.Group | None" = None,
                  momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
-                 **options: Any):
+                 hierarchy: "int | str | None" = None, **options: Any):
         name = type(self).__name__
         require(nonfinite in NONFINITE_POLICIES, name,
                 f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
@@ -93,6 +94,10 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.nonfinite = nonfinite
+        try:   # k workers per node: every exchange hierarchical (gradzip.hierarchy); 1 = flat PSync
+            self._hierarchy = check_workers_per_node(hierarchy, self.comm.world_size)
+        except GradzipError as exc:
+            raise GradzipError(f"{name}: hierarchy: {exc}") from None
         self.steps = 0
         self.skipped_steps = 0   # steps skipped for a non-finite gradient (nonfinite="skip")
         self._verified = False   # settings compared across workers (first step)
@@ -123,8 +128,13 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
                    comm: "comm_lib.Group | None" = None) -> PSync:
         """A PSync on this optimizer's group (or ``comm``); ``salt`` separates the seeds of
         two exchanges."""
-        psync = PSync(comm or self.comm, compressor, seed=seeds.exchange_seed(self.seed, salt),
-                      bucket_bytes=self.bucket_bytes, check_finite=self.nonfinite != "off")
+        if self._hierarchy > 1:
+            psync = HierarchicalPSync(comm or self.comm, compressor, workers_per_node=self._hierarchy,
+                                      seed=seeds.exchange_seed(self.seed, salt), bucket_bytes=self.bucket_bytes,
+                                      check_finite=self.nonfinite != "off")
+        else:
+            psync = PSync(comm or self.comm, compressor, seed=seeds.exchange_seed(self.seed, salt),
+                          bucket_bytes=self.bucket_bytes, check_finite=self.nonfinite != "off")
         psync.tracer = self._tracer
         self._exchanges.append(psync)
         return psync
@@ -183,6 +193,8 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
                        and isinstance(v, (bool, int, float, str))})
         for i, psync in enumerate(self._exchanges):
             fields[f"exchange {i} codec"] = psync.compressor.spec
+        if self._hierarchy > 1:   # only then: settings (and checkpoints) of flat runs stay as they were
+            fields["hierarchy"] = self._hierarchy
         fields["frozen parameters"] = [i for i, p in enumerate(self._all_params()) if not p.requires_grad]
         if self.replicas_identical():
             for i, p in enumerate(self._all_params()):

@@ -75,6 +75,7 @@ class RunConfig:
     trace: bool = False           # record a timeline (gradzip.trace) of every step
     eval_on: str = "auto"         # "local" model, the workers' "average", or "auto" (average where they differ)
     nonfinite: str = "raise"      # a NaN/Inf gradient: "raise", "skip" the step on every worker, or "off"
+    workers_per_node: int | None = None  # hierarchical exchange with k workers per node (None: flat)
     checkpoint_dir: str | None = None   # write checkpoints here (per rank, atomically)
     checkpoint_every: int = 0     # steps between checkpoints; 0: at the end of every epoch
     resume: bool = False          # continue from the newest checkpoint in checkpoint_dir, if any
@@ -97,7 +98,8 @@ def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOpti
             f"{', '.join(sorted(accepted)) or 'none'}"
         )
     return cls(params, lr=cfg.lr, comm=comm, momentum=cfg.momentum, nesterov=cfg.nesterov,
-               weight_decay=cfg.weight_decay, seed=cfg.seed, nonfinite=cfg.nonfinite, **cfg.options)
+               weight_decay=cfg.weight_decay, seed=cfg.seed, nonfinite=cfg.nonfinite,
+               hierarchy=cfg.workers_per_node, **cfg.options)
 
 
 #: RunConfig fields that do not change a run's numbers: they may differ between workers and
