@@ -118,7 +118,12 @@ def test_profile_prices_the_recorded_exchanges_per_transport():
     p = timeline.predict(prof, 0.1, B, ALPHA, transport="twophase")
     assert p["uses"] == ["twophase"] and p["communicate"] == pytest.approx(expected.seconds)
     encode = prof.compress_s - prof.decode_s
-    assert p["compress"] == pytest.approx(encode * 1.25 + 2 * prof.decode_one_s)
+    assert p["compress"] == pytest.approx(max(encode * 1.25 + 2 * prof.decode_one_s, encode + prof.decode_one_s))
+    assert prof.decode_one_s == pytest.approx(prof.decode_s / 4)   # the allgather decoded 4 packets
+    # exact over an allgather: n packets decoded, as profiled; over an allreduce: one
+    assert prof.codec_time(["allgather"]) == pytest.approx(prof.compress_s)
+    assert prof.codec_time(["allreduce"]) == pytest.approx(encode + prof.decode_one_s)
+    assert prof.codec_time(["recorded"], hierarchy=2) == pytest.approx(prof.compress_s / 2)
 
 
 def test_projection_reports_the_transport_each_method_uses():

@@ -137,17 +137,23 @@ class MethodProfile:
     decode_one_s: float = 0.0            # decoding one packet of every tensor (an allreduce's from_sum)
 
     def codec_time(self, transports: Sequence[str] = (), hierarchy: int = 1) -> float:
-        """Codec seconds per step on this machine for the transports an exchange took:
-        as profiled for the exact ones; two-phase compresses every slice (the packet's
-        work) plus its own slice again (1/n of it) and decodes twice one packet's worth
-        (the n slices it receives, the n recompressed ones), whatever n. With ``hierarchy``
-        k a worker compresses and decodes its shard (1/k) only."""
-        encode = self.compress_s - self.decode_s
+        """Codec seconds per step on this machine for the transports the exchanges took
+        (``"recorded"``: as profiled). Encoding as profiled; decoding one packet's worth
+        per tensor for an allreduce (``from_sum``), ``n`` for an allgather; two-phase
+        compresses every slice (the packet's work) plus its own slice again (1/n of it)
+        and decodes one packet's worth twice (the n slices it receives, the n
+        recompressed ones), whatever n. Where a step mixes transports, the costliest
+        rule of those used. With ``hierarchy`` k a worker codes its shard (1/k) only,
+        among ``n/k`` workers."""
+        if not transports or "recorded" in transports:
+            return self.compress_s / hierarchy
+        encode, n = self.compress_s - self.decode_s, self.workers // hierarchy
+        options = [encode + self.decode_one_s]
+        if "allgather" in transports:
+            options.append(encode + n * self.decode_one_s)
         if "twophase" in transports:
-            seconds = encode * (1 + 1 / self.workers) + 2 * self.decode_one_s
-        else:
-            seconds = self.compress_s
-        return seconds / hierarchy
+            options.append(encode * (1 + 1 / n) + 2 * self.decode_one_s)
+        return max(options) / hierarchy
 
     def comm_time(self, bandwidth_Bps: float, alpha_s: float) -> float:
         """Mean network seconds per step, of the collectives as recorded."""
