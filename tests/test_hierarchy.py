@@ -219,3 +219,49 @@ def test_cli_refuses_a_node_size_that_does_not_divide_the_workers(capsys):
     assert main(["train", "--algo", "ssgd", "--workers", "4", "--workers-per-node", "3", "--epochs", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "dividing the 4 workers, got 3" in err, err
+
+
+# ----------------------------------------------------------------------------- the emulator's nodes
+
+
+def _emulator_available():
+    from gradzip.bench import netns
+
+    try:
+        netns.check_available()
+    except GradzipError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _emulator_available(), reason="network namespaces and tc need root (and ip / tc)")
+def test_emulated_nodes_share_one_shaped_uplink():
+    """4 workers, 2 per node: worker links unshaped into the node's bridge, one tbf-shaped
+    uplink per node (both ends); workers of different nodes reach each other through it."""
+    import subprocess
+    import sys
+
+    from gradzip.bench import netns
+
+    def qdisc(ns, dev):
+        return subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
+
+    with netns.Topology(4, 1e9, workers_per_node=2) as topo:
+        names = [n for n in netns.list_namespaces() if n.startswith(topo.prefix)]
+        assert sorted(names) == sorted([topo.switch, topo.node(0), topo.node(1)] + [topo.worker(r) for r in range(4)])
+        for m in range(2):
+            assert "rate 1Gbit" in qdisc(topo.node(m), "up0") and "rate 1Gbit" in qdisc(topo.switch, f"u{m}")
+        for r in range(4):
+            assert "tbf" not in qdisc(topo.worker(r), netns.IFNAME)
+        server = subprocess.Popen(topo.exec_prefix(3) + [sys.executable, "-c", (
+            "import socket; s = socket.create_server(('%s', 29600)); c, _ = s.accept(); c.sendall(b'node1')"
+            % netns.address(3))], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        client = ("import socket, time\nfor _ in range(100):\n    try:\n        c = socket.create_connection(('%s', 29600), 2); break\n"
+                  "    except OSError: time.sleep(0.1)\nprint(c.recv(5).decode())" % netns.address(3))
+        got = subprocess.run(topo.exec_prefix(0) + [sys.executable, "-c", client], capture_output=True, text=True,
+                             timeout=60)
+        server.wait(timeout=60)
+        assert got.stdout.strip() == "node1", got.stderr
+    assert topo.leftovers() == []
+    with pytest.raises(GradzipError, match="dividing the 4 workers"):
+        netns.Topology(4, 1e9, workers_per_node=3)

@@ -83,6 +83,9 @@ def add_net_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="steps before them, not measured (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker (default: %(default)s)")
     p.add_argument("--check-mb", type=float, default=100.0, help="largest shaping-check allreduce (default: %(default)s)")
+    p.add_argument("--workers-per-node", type=int, default=1,
+                   help="k workers per node: their links go unshaped to a node bridge, each node has ONE "
+                        "shaped uplink, and the methods exchange hierarchically (default: %(default)s, flat)")
     p.add_argument("--out", default="runs/bench-net", help="results.json and logs (default: %(default)s)")
     p.add_argument("--from", dest="from_results", metavar="RESULTS",
                    help="run nothing: print the tables of an earlier results.json")
@@ -97,6 +100,10 @@ def net_bench(args) -> emulated.NetBench:
             raise GradzipError(f"{name} must be >= {low}, got {value}")
     if not args.check_mb > 0:
         raise GradzipError(f"--check-mb must be > 0, got {args.check_mb}")
+    for n in parse_ints(args.workers, "--workers", 1):
+        if args.workers_per_node < 1 or n % args.workers_per_node:
+            raise GradzipError(f"--workers-per-node {args.workers_per_node} must be >= 1 and divide every "
+                               f"--workers count, got {n}")
     algos = parse_algos(args.algos, also=(peers.PEER,))
     for algo, codec in algos:
         if peers.is_peer(algo):
@@ -104,7 +111,7 @@ def net_bench(args) -> emulated.NetBench:
     return emulated.NetBench(workers=parse_ints(args.workers, "--workers", 1), bandwidths=parse_rates(args.bandwidth),
                              latencies=latencies, algos=algos, model=args.model, shape=args.shape,
                              batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, threads=args.threads,
-                             check_mb=args.check_mb, out=args.out)
+                             check_mb=args.check_mb, out=args.out, workers_per_node=args.workers_per_node)
 
 
 def _read_net_results(path: Path, flag: str) -> dict[str, Any]:

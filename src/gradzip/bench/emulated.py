@@ -183,8 +183,9 @@ def run_ranks(topo: "netns.Topology", code: str, log_dir: Path, timeout_s: float
     procs = []
     try:
         for rank in range(topo.n):
-            rank_env = dict(allocator.worker_env(), **(env or {}), RANK=str(rank), WORLD_SIZE=str(topo.n), LOCAL_RANK="0",
-                            LOCAL_WORLD_SIZE="1", MASTER_ADDR=netns.address(0), MASTER_PORT=str(MASTER_PORT),
+            rank_env = dict(allocator.worker_env(), **(env or {}), RANK=str(rank), WORLD_SIZE=str(topo.n),
+                            LOCAL_RANK=str(rank % topo.workers_per_node),
+                            LOCAL_WORLD_SIZE=str(topo.workers_per_node), MASTER_ADDR=netns.address(0), MASTER_PORT=str(MASTER_PORT),
                             GLOO_SOCKET_IFNAME=netns.IFNAME, TP_SOCKET_IFNAME=netns.IFNAME,
                             OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="")
             cmd = topo.exec_prefix(rank) + [sys.executable, "-c", code.replace("{rank}", str(rank))]
@@ -235,6 +236,7 @@ class NetBench:
     out: str = "runs/bench-net"
     timeout_s: float = 900.0
     seed: int = 0
+    workers_per_node: int = 1   # > 1: k workers per node behind one shaped uplink; methods exchange hierarchically
 
     def configs(self, n: int) -> list[dict[str, Any]]:
         total = self.warmup + self.steps
@@ -250,7 +252,8 @@ class NetBench:
             options = {"compressor": codec} if codec else {}
             cfg = RunConfig(algo=algo, options=options, label=method_label(algo, codec),
                             dataset=dataset, model=self.model, epochs=1, batch_size=self.batch_size,
-                            lr=0.01, seed=self.seed, trace=True, eval_on="local", progress=False)
+                            lr=0.01, seed=self.seed, trace=True, eval_on="local", progress=False,
+                            workers_per_node=self.workers_per_node if self.workers_per_node > 1 else None)
             cfgs.append(dataclasses.asdict(cfg))
         return cfgs
 
@@ -267,12 +270,13 @@ class NetBench:
         spec_path = out_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         began = time.perf_counter()
-        with netns.Topology(n, bandwidth, latency) as topo:
+        with netns.Topology(n, bandwidth, latency, workers_per_node=self.workers_per_node) as topo:
             run_ranks(topo, "from gradzip.bench.emulated import worker_main; "
                             f"worker_main({str(spec_path.resolve())!r}, {{rank}})",
                       out_dir, self.timeout_s, self.threads, what="emulated-network")
         ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(n)]
         record = merge(ranks, n, bandwidth, latency, nbytes)
+        record["workers_per_node"] = self.workers_per_node
         record["elapsed_s"] = time.perf_counter() - began
         return record
 

@@ -112,8 +112,8 @@ def validate(measured: dict[str, Any], alpha_s: float, host_Bps: float | None = 
     rows, profiles = [], {}
     ceilings = host_ceilings(measured) if host_Bps is None else {}
     for record in measured["records"]:
-        if record["bandwidth_bps"] is None or record["workers"] < 2:
-            continue
+        if record["bandwidth_bps"] is None or record["workers"] < 2 or record.get("workers_per_node", 1) > 1:
+            continue   # hierarchical runs: the model's flat profile does not describe them
         n = record["workers"]
         bandwidth = record["bandwidth_bps"] / 8
         host = host_Bps or ceilings.get(n)
