@@ -185,10 +185,10 @@ Predicted iteration time and speedup over the first method:
 
 {plots}
 """
-        heading = PROJECTION_HEADING + (f", {k} workers per node" if k > 1 else "")
-        heading = heading if ps["codec_scale"] == 1 else (
+        heading = PROJECTION_HEADING if ps["codec_scale"] == 1 else (
             f"{PROJECTION_HEADING}, codec and update free" if ps["codec_scale"] == 0
             else f"{PROJECTION_HEADING}, local work x {ps['codec_scale']:g}")
+        heading += f", {k} workers per node" if k > 1 else ""
         replace_section(heading, body)
         print(f"updated section '{heading}' of {DOC}")
 
