@@ -146,6 +146,13 @@ Produced by:
             local = ("Codec work per step as measured here (CPU, loaded machine: treat as an upper bound "
                      "for an accelerator; `--local-scale` rescales codec and update times):\n\n"
                      + tables.codec_table(rows))
+        transports = list(dict.fromkeys(r.get("transport", "recorded") for r in rows))
+        shown = "auto" if "auto" in transports else transports[0]
+        k = ps.get("workers_per_node", 1)
+        hier = (f" Hierarchical (`--workers-per-node {k}`): inside a node a reduce-scatter and an allgather "
+                f"of fp32 on {ps['intra_bps'] / 1e9:g} Gbit/s links, across nodes the exchange of a 1/{k} shard "
+                f"among the workers of equal local rank, the node's {k} workers sharing one uplink of the "
+                "given rate; codec work on the shard (1/k).") if k > 1 else ""
         body = f"""The same model projected to clusters: `{ps['model']}` ({ps['parameters'] / 1e6:.1f}M parameters, its
 real tensor shapes), {ps['compute_s'] * 1e3:g} ms of compute per iteration (given, about
 ResNet-50 at batch 32 on a V100), α = {ps['alpha_s'] * 1e6:g} µs, codec and update times measured on
@@ -154,7 +161,17 @@ recording group of each worker count up to {ps['profile_max_workers']}; above it
 a dry run at the real count and the decoding time is scaled by the packets decoded (an
 allgather decodes n packets, an allreduce one). Methods that overlap
 the exchange with the next step's compute (`overlaps_exchange`) cost
-`max(compute, compress + communicate) + update`, the others the sum. Produced by:
+`max(compute, compress + communicate) + update`, the others the sum.
+Transports (`--transports`, spec "Transports of PSync"; `gradzip.bench.costs`): *recorded* =
+the collectives the methods issue today; otherwise every PSync exchange is priced from its
+codec and tensor shapes: *exact* = allreduce of summands (2-bit codes as int8 up to 127
+workers, int16 up to 32767) or allgather of packets, the fewer bytes; *twophase* = per
+bucket an all-to-all of per-slice packets `Σ_(j≠i) |C(v_i[S_j])|` (`(n-1)α` + bytes/B) and a
+ring allgather of the recompressed slices `(n-1)·max_j |C(S_j)|` (`(n-1)α` + bytes/B),
+codec work: every slice compressed, one packet's worth decoded twice; *auto* = two-phase per
+bucket where it costs ≤ 1/2 of the exact transports. Each cell names the transport used;
+speedups are over the first method with the same transport; the plots show *{shown}*.{hier}
+Produced by:
 
 ```
 {command}
@@ -171,6 +188,7 @@ Predicted iteration time and speedup over the first method:
         heading = PROJECTION_HEADING if ps["codec_scale"] == 1 else (
             f"{PROJECTION_HEADING}, codec and update free" if ps["codec_scale"] == 0
             else f"{PROJECTION_HEADING}, local work x {ps['codec_scale']:g}")
+        heading += f", {k} workers per node" if k > 1 else ""
         replace_section(heading, body)
         print(f"updated section '{heading}' of {DOC}")
 
@@ -181,6 +199,9 @@ Predicted iteration time and speedup over the first method:
 def plot_projection(rows: list[dict], path_prefix: str) -> list[Path]:
     """Two PNGs: against worker count (one panel per bandwidth) and against bandwidth
     (one panel per worker count); iteration time on top, speedup over S-SGD below."""
+    transports = list(dict.fromkeys(r.get("transport", "recorded") for r in rows))
+    shown = "auto" if "auto" in transports else transports[0]   # one transport per plot: auto where projected
+    rows = [r for r in rows if r.get("transport", "recorded") == shown]
     algos = list(dict.fromkeys(r["algo"] for r in rows))
     workers = sorted({r["workers"] for r in rows})
     bws = sorted({r["bandwidth_bps"] for r in rows})

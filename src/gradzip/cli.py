@@ -26,6 +26,7 @@ from .comm import PeerFailure, init_from_env, simulate
 from .comm.base import DEFAULT_TIMEOUT_S
 from .comm.liveness import announce_failure
 from .errors import GradzipError
+from .hierarchy import check_workers_per_node
 from .launch import WorkerError, run_processes
 from .optim.options import FLOAT32_MAX
 from .bench import emulated, netns
@@ -128,6 +129,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "for bit, and keep writing checkpoints there; starts from scratch if DIR holds "
                         "none or does not exist (so the same command serves torchrun --max-restarts); "
                         "refuses a step-... directory and a directory of other files")
+    r.add_argument("--workers-per-node", type=int, default=None, metavar="K",
+                   help="hierarchical exchange: K workers per node (ranks node-major, as torchrun numbers "
+                        "them); fp32 reduce-scatter inside a node, the codec across nodes (default: flat)")
     r.add_argument("--nonfinite", choices=["raise", "skip", "off"], default="raise",
                    help="a NaN/Inf gradient on any worker: raise (stop every worker), skip the step "
                         "on every worker (one small extra collective per step), or off (default: %(default)s)")
@@ -220,6 +224,7 @@ def _configs(args) -> list:
                   progress=not args.quiet,
                   lr_scaling=args.lr_scaling, base_batch=args.base_batch or 0, warmup_epochs=args.warmup_epochs,
                   sam_rho=args.sam_rho, transport=args.transport,
+                  workers_per_node=args.workers_per_node,
                   straggler=_straggler(args.straggler), **_checkpointing(args))
     given = _given_options(args)
     if args.command == "train":
@@ -294,7 +299,8 @@ def _validate(cfgs, workers: int) -> None:
     ds = datasets.load(cfgs[0].dataset, cfgs[0].data_dir, download=cfgs[0].download)
     model = models.build(cfgs[0].model, ds.input_shape, ds.num_classes)
     for cfg in cfgs:
-        make_optimizer(cfg, model.parameters(), None)
+        check_workers_per_node(cfg.workers_per_node, workers)   # the optimizer below sees a world of one
+        make_optimizer(RunConfig(**{**vars(cfg), "workers_per_node": None}), model.parameters(), None)
         stragglers.check_rank(stragglers.parse(cfg.straggler), workers)
     if len(ds.train_x) // workers < cfgs[0].batch_size:
         raise GradzipError(

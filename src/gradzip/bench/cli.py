@@ -20,7 +20,8 @@ import torch
 from .. import stragglers
 from ..errors import GradzipError
 from ..train.config import parse_algos
-from . import emulated, tables, timeline
+from . import emulated, peers, tables, timeline
+from .costs import TRANSPORTS
 from .shapes import model_shapes, resnet50_shapes
 from .units import parse_ints, parse_non_negatives, parse_rates
 
@@ -74,7 +75,8 @@ def add_net_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-ms", default="0",
                    help="comma-separated one-way worker-to-worker latencies in ms (netem; default: %(default)s)")
     p.add_argument("--algos", default="ssgd,efsgd@topk:ratio=0.01,bitsgd",
-                   help="methods, METHOD[@CODEC] comma-separated (default: %(default)s)")
+                   help="methods, METHOD[@CODEC] comma-separated; PyTorch's own DDP as peers: ddp, ddp@fp16, "
+                        "ddp@powersgd:rank=R[,buckets=one|each] (default: %(default)s)")
     p.add_argument("--model", default="resnet18:width=32", help="default: %(default)s (2.8M parameters)")
     p.add_argument("--shape", default="3x32x32", help="synthetic input shape (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="per worker (default: %(default)s)")
@@ -85,6 +87,9 @@ def add_net_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--straggler", metavar="SPEC", default=None,
                    help="inject per-worker per-step delays in the runs: exp:mean=S | normal:mean=S,std=S | "
                         "slow:rank=R,factor=F (seeded by seed, rank, step; counted as compute)")
+    p.add_argument("--workers-per-node", type=int, default=1,
+                   help="k workers per node: their links go unshaped to a node bridge, each node has ONE "
+                        "shaped uplink, and the methods exchange hierarchically (default: %(default)s, flat)")
     p.add_argument("--out", default="runs/bench-net", help="results.json and logs (default: %(default)s)")
     p.add_argument("--from", dest="from_results", metavar="RESULTS",
                    help="run nothing: print the tables of an earlier results.json")
@@ -99,10 +104,19 @@ def net_bench(args) -> emulated.NetBench:
             raise GradzipError(f"{name} must be >= {low}, got {value}")
     if not args.check_mb > 0:
         raise GradzipError(f"--check-mb must be > 0, got {args.check_mb}")
+    for n in parse_ints(args.workers, "--workers", 1):
+        if args.workers_per_node < 1 or n % args.workers_per_node:
+            raise GradzipError(f"--workers-per-node {args.workers_per_node} must be >= 1 and divide every "
+                               f"--workers count, got {n}")
+    algos = parse_algos(args.algos, also=(peers.PEER,))
+    for algo, codec in algos:
+        if peers.is_peer(algo):
+            peers.parse_hook(codec)   # a bad hook is an error now, not after the namespaces are up
     return emulated.NetBench(workers=parse_ints(args.workers, "--workers", 1), bandwidths=parse_rates(args.bandwidth),
-                             latencies=latencies, algos=parse_algos(args.algos), model=args.model, shape=args.shape,
+                             latencies=latencies, algos=algos, model=args.model, shape=args.shape,
                              batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, threads=args.threads,
-                             check_mb=args.check_mb, out=args.out, straggler=_straggler(args.straggler))
+                             check_mb=args.check_mb, out=args.out, workers_per_node=args.workers_per_node,
+                             straggler=_straggler(args.straggler))
 
 
 def _straggler(raw: str | None) -> str | None:
@@ -171,6 +185,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--straggler", metavar="SPEC", default=None,
                    help="project with per-worker delays: each synchronous iteration waits E[max of K delays] "
                         "more (exp: mean·H_K; normal: mean + std·e_K; slow: (F-1)·compute)")
+    p.add_argument("--transports", default="recorded,auto",
+                   help="PSync transports to project, comma-separated: recorded (the collectives the methods "
+                        "issue today), exact, twophase, auto (default: %(default)s)")
+    p.add_argument("--workers-per-node", type=int, default=1,
+                   help="projection: hierarchical exchange with this many workers per node behind one "
+                        "uplink of --bandwidth (1: flat; default: %(default)s)")
+    p.add_argument("--intra-gbit", type=float, default=100.0,
+                   help="projection with --workers-per-node > 1: link rate inside a node, Gbit/s "
+                        "(default: %(default)s)")
     p.add_argument("--no-projection", action="store_true", help="only the validation")
     p.add_argument("--out", default="runs/bench-model.json", help="predictions as JSON (default: %(default)s)")
 
@@ -197,6 +220,17 @@ def _check_model_args(args) -> None:
     if args.threads < 1:
         raise GradzipError(f"--threads must be >= 1, got {args.threads}")
     stragglers.parse(args.straggler)
+    if args.workers_per_node < 1:
+        raise GradzipError(f"--workers-per-node must be >= 1, got {args.workers_per_node}")
+    if not args.intra_gbit > 0:
+        raise GradzipError(f"--intra-gbit must be > 0, got {args.intra_gbit}")
+    for t in _transports(args.transports):
+        if t != "recorded" and t not in TRANSPORTS:
+            raise GradzipError(f"unknown transport {t!r} in --transports; valid: recorded, {', '.join(TRANSPORTS)}")
+
+
+def _transports(text: str) -> list[str]:
+    return [t.strip().lower() for t in text.split(",") if t.strip()] or ["recorded"]
 
 
 def run_model(args, command: str) -> dict[str, Any]:
@@ -225,15 +259,20 @@ def run_model(args, command: str) -> dict[str, Any]:
         shapes = resnet50_shapes() if args.model == "resnet50" else model_shapes(
             args.model, [int(s) for s in args.shape.split("x")])
         alpha = (10.0 if args.alpha_us is None else args.alpha_us) * 1e-6
+        transports = [None if t == "recorded" else t for t in _transports(args.transports)]
         rows = timeline.project(algos, workers, bws, args.compute_ms / 1e3, alpha, args.codec_scale, shapes,
                                 log=_log, time_at_most=args.profile_max_workers, steps=args.profile_steps,
-                                straggler=stragglers.parse(args.straggler))
+                                transports=transports, hierarchy=args.workers_per_node,
+                                intra_bps=args.intra_gbit * 1e9, straggler=stragglers.parse(args.straggler))
         result["projection"] = rows
         result["projection_settings"] = {"model": args.model, "parameters": sum(math.prod(s) for s in shapes),
                                          "compute_s": args.compute_ms / 1e3, "alpha_s": alpha,
                                          "codec_scale": args.codec_scale, "threads": args.threads,
                                          "profile_max_workers": args.profile_max_workers,
                                          "profile_steps": args.profile_steps,
+                                         "transports": _transports(args.transports),
+                                         "workers_per_node": args.workers_per_node,
+                                         "intra_bps": args.intra_gbit * 1e9,
                                          "straggler": _straggler(args.straggler)}
         print("### Projection\n")
         print(tables.codec_table(rows) + "\n")

@@ -13,7 +13,9 @@ and in them:
    (:func:`gradzip.train.loop.run_worker`, tracing on) on synthetic data, one torch thread
    per worker, and reads each step's phases from the trace: iteration (compute start to
    the next compute start), compute, compress (+ decode), communicate (blocked on the
-   network), update, and what ran hidden on a background thread.
+   network), update, and what ran hidden on a background thread. ``ddp`` rows
+   (``ddp``, ``ddp@fp16``, ``ddp@powersgd:rank=R``) train PyTorch's own DDP with its
+   hooks on the same data instead (:mod:`gradzip.bench.peers`).
 
 :meth:`NetBench.run` returns the merged records as a dict and writes them to
 ``OUT/results.json`` (``gradzip bench model --measured`` validates against it). Only the
@@ -43,7 +45,7 @@ from ..errors import GradzipError
 from ..train.config import method_label
 from ..train.config import RunConfig
 from ..train.loop import run_worker
-from . import netns
+from . import netns, peers
 from .units import format_rate
 
 #: The shaping check passes when measured / predicted is within this fraction of 1.
@@ -146,6 +148,13 @@ def worker_main(spec_path: str, rank: int) -> None:
         os._exit(code)
 
 
+def run_row(comm, cfg: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """One row of the table on this worker: a gradzip method through the harness, or a
+    PyTorch DDP peer (``cfg["peer"]``); its summary and per-step phases after ``warmup``."""
+    result = peers.run_peer(comm, cfg) if cfg.get("peer") else run_worker(comm, RunConfig(**cfg))
+    return {"summary": result["summary"], "steps": step_breakdown(result["trace"], warmup)}
+
+
 def _work(spec: dict[str, Any], rank: int) -> None:
     torch.set_num_threads(spec["threads"])
     comm = init_from_env(timeout_s=spec["timeout_s"])
@@ -153,11 +162,7 @@ def _work(spec: dict[str, Any], rank: int) -> None:
         out: dict[str, Any] = {"rank": rank, "world_size": comm.world_size}
         if spec["check_bytes"]:
             out["check"] = _shaping_check(comm, spec["check_bytes"], spec["check_repeats"])
-        runs = []
-        for cfg in spec["configs"]:
-            result = run_worker(comm, RunConfig(**cfg))
-            runs.append({"summary": result["summary"], "steps": step_breakdown(result["trace"], spec["warmup"])})
-        out["runs"] = runs
+        out["runs"] = [run_row(comm, cfg, spec["warmup"]) for cfg in spec["configs"]]
         Path(spec["out_dir"], f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         if dist.is_initialized():
@@ -178,8 +183,9 @@ def run_ranks(topo: "netns.Topology", code: str, log_dir: Path, timeout_s: float
     procs = []
     try:
         for rank in range(topo.n):
-            rank_env = dict(allocator.worker_env(), **(env or {}), RANK=str(rank), WORLD_SIZE=str(topo.n), LOCAL_RANK="0",
-                            LOCAL_WORLD_SIZE="1", MASTER_ADDR=netns.address(0), MASTER_PORT=str(MASTER_PORT),
+            rank_env = dict(allocator.worker_env(), **(env or {}), RANK=str(rank), WORLD_SIZE=str(topo.n),
+                            LOCAL_RANK=str(rank % topo.workers_per_node),
+                            LOCAL_WORLD_SIZE=str(topo.workers_per_node), MASTER_ADDR=netns.address(0), MASTER_PORT=str(MASTER_PORT),
                             GLOO_SOCKET_IFNAME=netns.IFNAME, TP_SOCKET_IFNAME=netns.IFNAME,
                             OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="")
             cmd = topo.exec_prefix(rank) + [sys.executable, "-c", code.replace("{rank}", str(rank))]
@@ -231,17 +237,25 @@ class NetBench:
     timeout_s: float = 900.0
     seed: int = 0
     straggler: str | None = None   # gradzip.stragglers spec: delays injected in every run
+    workers_per_node: int = 1   # > 1: k workers per node behind one shaped uplink; methods exchange hierarchically
 
     def configs(self, n: int) -> list[dict[str, Any]]:
         total = self.warmup + self.steps
         dataset = f"synthetic:n={n * self.batch_size * total},test=64,shape={self.shape},classes=10"
         cfgs = []
         for algo, codec in self.algos:
+            if peers.is_peer(algo):   # PyTorch's DDP: the same data, model, batch, lr and seed
+                hook = peers.parse_hook(codec)
+                cfgs.append({"peer": True, "hook": hook, "label": peers.label(hook), "dataset": dataset,
+                             "model": self.model, "epochs": 1, "batch_size": self.batch_size, "lr": 0.01,
+                             "seed": self.seed})
+                continue
             options = {"compressor": codec} if codec else {}
             cfg = RunConfig(algo=algo, options=options, label=method_label(algo, codec),
                             dataset=dataset, model=self.model, epochs=1, batch_size=self.batch_size,
                             lr=0.01, seed=self.seed, trace=True, eval_on="local", progress=False,
-                            straggler=self.straggler)
+                            straggler=self.straggler,
+                            workers_per_node=self.workers_per_node if self.workers_per_node > 1 else None)
             cfgs.append(dataclasses.asdict(cfg))
         return cfgs
 
@@ -258,12 +272,13 @@ class NetBench:
         spec_path = out_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         began = time.perf_counter()
-        with netns.Topology(n, bandwidth, latency) as topo:
+        with netns.Topology(n, bandwidth, latency, workers_per_node=self.workers_per_node) as topo:
             run_ranks(topo, "from gradzip.bench.emulated import worker_main; "
                             f"worker_main({str(spec_path.resolve())!r}, {{rank}})",
                       out_dir, self.timeout_s, self.threads, what="emulated-network")
         ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(n)]
         record = merge(ranks, n, bandwidth, latency, nbytes)
+        record["workers_per_node"] = self.workers_per_node
         record["elapsed_s"] = time.perf_counter() - began
         return record
 
@@ -324,6 +339,7 @@ def merge(ranks: list[dict], n: int, bandwidth: float | None, latency: float, nb
         computes = [statistics.fmean(rows[j]["compute"] for rows in per_rank) for j in range(steps)]
         runs.append({
             "algo": summary["algo"], "method": summary["method"], "options": summary["options"],
+            "peer": bool(summary.get("peer")),
             "model": summary["model"], "parameters": summary["parameters"],
             "steps_total": summary["steps"], "steps_measured": steps,
             "bytes_per_step": summary["bytes_sent_per_worker"] / summary["steps"],

@@ -15,6 +15,13 @@ traffic instead). Addresses come from 198.18.0.0/15 (RFC 2544, reserved for
 network benchmarks) and exist only inside these namespaces; nothing is created in the
 namespace this process runs in.
 
+With ``workers_per_node=k`` > 1 the workers sit in nodes of k (ranks node-major): each
+worker's veth goes to a bridge in its node's namespace ``<prefix>-n<m>`` (unshaped: the
+fast links inside a node) and each node has one uplink to the switch, shaped as above::
+
+    w0, w1 ══ nb0 in <prefix>-n0 ══[up0]══ [u0]┐
+    w2, w3 ══ nb0 in <prefix>-n1 ══[up0]══ [u1]┴─ br0 in <prefix>-sw
+
 Every namespace (and with it every veth, the bridge and the qdiscs) is removed on exit
 from the ``with`` block, also on an exception, Ctrl-C (SIGINT) or SIGTERM; namespaces
 left behind by a run that was killed outright (SIGKILL) are removed by the next run
@@ -114,6 +121,7 @@ class Topology:
     n: int
     bandwidth_bps: float | None = None
     latency_s: float = 0.0
+    workers_per_node: int = 1
     prefix: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}x{secrets.token_hex(3)}")
     created: list[str] = field(default_factory=list, init=False)
     _old_handlers: dict = field(default_factory=dict, init=False, repr=False)
@@ -125,6 +133,9 @@ class Topology:
             raise GradzipError(f"link bandwidth must be > 0 bit/s, got {self.bandwidth_bps!r}")
         if not self.latency_s >= 0:
             raise GradzipError(f"latency must be >= 0 s, got {self.latency_s!r}")
+        k = self.workers_per_node
+        if not is_int(k) or k < 1 or self.n % k:
+            raise GradzipError(f"workers per node must be an integer >= 1 dividing the {self.n} workers, got {k!r}")
 
     # -- names ---------------------------------------------------------------------------
     @property
@@ -134,6 +145,10 @@ class Topology:
     def worker(self, rank: int) -> str:
         """The namespace of worker ``rank``."""
         return f"{self.prefix}-w{rank}"
+
+    def node(self, m: int) -> str:
+        """The namespace of node ``m``'s bridge (``workers_per_node`` > 1)."""
+        return f"{self.prefix}-n{m}"
 
     def exec_prefix(self, rank: int) -> list[str]:
         """Prefix a command with this to run it inside worker ``rank``'s namespace."""
@@ -183,18 +198,35 @@ class Topology:
         _run("ip", "-n", sw, "link", "set", "br0", "up")
         if self.latency_s > 0:
             self._check_netem()
+        k = self.workers_per_node
+        shaped = self.bandwidth_bps is not None or self.latency_s > 0
+        rate = self.bandwidth_bps or 100e9
+        if k > 1:   # one bridge per node; its uplink to the switch is the shaped link
+            for m in range(self.n // k):
+                node, uplink = self.node(m), f"u{m}"
+                self._add_namespace(node)
+                _run("ip", "-n", node, "link", "add", "nb0", "type", "bridge")
+                _run("ip", "-n", node, "link", "set", "nb0", "up")
+                _run("ip", "link", "add", "name", "up0", "netns", node, "type", "veth",
+                     "peer", "name", uplink, "netns", sw)
+                for namespace, dev, bridge in ((node, "up0", "nb0"), (sw, uplink, "br0")):
+                    _run("ip", "-n", namespace, "link", "set", dev, "master", bridge)
+                    _run("ip", "-n", namespace, "link", "set", dev, "up")
+                    if shaped:
+                        for cmd in shape_commands(namespace, dev, rate, self.latency_s / 2):
+                            _run(*cmd)
         for rank in range(self.n):
             ns, port = self.worker(rank), f"p{rank}"
+            hub, bridge = (sw, "br0") if k == 1 else (self.node(rank // k), "nb0")
             self._add_namespace(ns)
             # both ends are born in their namespaces: nothing appears in ours
             _run("ip", "link", "add", "name", IFNAME, "netns", ns, "type", "veth",
-                 "peer", "name", port, "netns", sw)
-            _run("ip", "-n", sw, "link", "set", port, "master", "br0")
-            _run("ip", "-n", sw, "link", "set", port, "up")
+                 "peer", "name", port, "netns", hub)
+            _run("ip", "-n", hub, "link", "set", port, "master", bridge)
+            _run("ip", "-n", hub, "link", "set", port, "up")
             _run("ip", "-n", ns, "addr", "add", f"{address(rank)}/{SUBNET_PREFIXLEN}", "dev", IFNAME)
             _run("ip", "-n", ns, "link", "set", IFNAME, "up")
-            if self.bandwidth_bps is not None or self.latency_s > 0:
-                rate = self.bandwidth_bps or 100e9
+            if shaped and k == 1:
                 for namespace, dev in ((ns, IFNAME), (sw, port)):
                     for cmd in shape_commands(namespace, dev, rate, self.latency_s / 2):
                         _run(*cmd)

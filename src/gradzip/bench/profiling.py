@@ -8,20 +8,29 @@ What the profile reads from the method is its public contract: ``step()``, ``tim
 ``tracer``, the step counter ``steps``, the class attribute ``overlaps_exchange`` (the
 exchange of step t runs while step t+1 computes) with ``synchronize()`` (wait for it),
 and ``close()`` where a method has a background thread to stop.
+
+It also notes every PSync exchange a step starts (:class:`Exchange`: codec, tensor
+shapes, and which of the recorded collectives were its own), so the model can price the
+exchange for a transport the recording never saw (two-phase, hierarchical:
+:meth:`MethodProfile.comm_cost`).
 """
 from __future__ import annotations
 
 import statistics
+import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from ..comm.base import Group, Work
+from ..compressors import build
+from ..exchange import PSync
 from ..trace import Tracer
 from ..train.config import method_class
-from .costs import collective_time
+from .costs import ExchangeCost, collective_time, hierarchical_cost
 
 
 class _DryRun(Exception):
@@ -90,6 +99,39 @@ class RecordingGroup(Group):
 
 
 @dataclass
+class Exchange:
+    """One PSync exchange a step started: its codec (spec), the shapes of its tensors and
+    the positions ``[first, end)`` of its own collectives in the step's recorded calls."""
+
+    codec: str
+    shapes: list[tuple[int, ...]]
+    first: int
+    end: int
+
+
+_RECORDING = threading.local()
+
+
+@contextmanager
+def _noting_exchanges(group: "RecordingGroup", into: list) -> Iterator[None]:
+    """While inside: every ``PSync.start`` on ``group`` (any thread) is noted in ``into``."""
+    original = PSync.start
+
+    def start(self, tensors, step, **kwargs):
+        first = len(group.calls)
+        pending = original(self, tensors, step, **kwargs)
+        if self.comm is group or getattr(self.comm, "calls", None) is group.calls:
+            into.append(Exchange(self.compressor.spec, [tuple(t.shape) for t in tensors], first, len(group.calls)))
+        return pending
+
+    PSync.start = start
+    try:
+        yield
+    finally:
+        PSync.start = original
+
+
+@dataclass
 class MethodProfile:
     """What one method does per step, for ``n`` workers (means over the profiled steps)."""
 
@@ -102,11 +144,72 @@ class MethodProfile:
     update_s: float                      # the rest of step(), measured here
     decode_s: float = 0.0                # the decoding part of compress_s
     timed_at: int = 0                    # worker count the times were measured at
+    exchanges: list[list[Exchange]] = field(default_factory=list)   # per profiled step
+    decode_one_s: float = 0.0            # decoding one packet of every tensor (an allreduce's from_sum)
+
+    def codec_time(self, transports: Sequence[str] = (), hierarchy: int = 1) -> float:
+        """Codec seconds per step on this machine for the transports the exchanges took
+        (``"recorded"``: as profiled). Encoding as profiled; decoding one packet's worth
+        per tensor for an allreduce (``from_sum``), ``n`` for an allgather; two-phase
+        compresses every slice (the packet's work) plus its own slice again (1/n of it)
+        and decodes one packet's worth twice (the n slices it receives, the n
+        recompressed ones), whatever n. Where a step mixes transports, the costliest
+        rule of those used. With ``hierarchy`` k a worker codes its shard (1/k) only,
+        among ``n/k`` workers."""
+        if not transports or "recorded" in transports:
+            return self.compress_s / hierarchy
+        encode, n = self.compress_s - self.decode_s, self.workers // hierarchy
+        options = [encode + self.decode_one_s]
+        if "allgather" in transports:
+            options.append(encode + n * self.decode_one_s)
+        if "twophase" in transports:
+            options.append(encode * (1 + 1 / n) + 2 * self.decode_one_s)
+        return max(options) / hierarchy
 
     def comm_time(self, bandwidth_Bps: float, alpha_s: float) -> float:
-        """Mean network seconds per step."""
+        """Mean network seconds per step, of the collectives as recorded."""
         return statistics.fmean(sum(collective_time(k, b, self.workers, bandwidth_Bps, alpha_s) for k, b in step)
                                 for step in self.calls)
+
+    def comm_cost(self, bandwidth_Bps: float, alpha_s: float, transport: str = "auto", hierarchy: int = 1,
+                  intra_Bps: float | None = None, intra_alpha_s: float = 0.0) -> dict[str, Any]:
+        """Mean network seconds and wire bytes per step with every PSync exchange priced for
+        ``transport`` (:func:`~gradzip.bench.costs.exchange_cost`; ``hierarchy`` = k workers
+        per node: :func:`~gradzip.bench.costs.hierarchical_cost`, inside a node links of
+        ``intra_Bps``); the method's other collectives as recorded. Also the transports the
+        exchanges took (``"transports"``, in order of first use)."""
+        seconds, wire, intra, used = [], [], [], []
+        for step, exchanges in zip(self.calls, self.exchanges or [[] for _ in self.calls]):
+            own = set()
+            s = w = i = 0.0
+            for ex in exchanges:
+                own.update(range(ex.first, ex.end))
+                if ex.end == ex.first:   # nothing on the wire (one worker)
+                    continue
+                cost: ExchangeCost = hierarchical_cost(transport, build(ex.codec), ex.shapes, self.workers, hierarchy,
+                                                       bandwidth_Bps, alpha_s, intra_Bps or bandwidth_Bps,
+                                                       intra_alpha_s)
+                s, w, i = s + cost.seconds, w + cost.wire_bytes, i + cost.intra_bytes
+                used.extend(cost.transport.split("+"))
+            for j, (kind, nbytes) in enumerate(step):
+                if j not in own:
+                    s += collective_time(kind, nbytes, self.workers, bandwidth_Bps, alpha_s)
+                    w += _ring_bytes(kind, nbytes, self.workers)
+            seconds.append(s)
+            wire.append(w)
+            intra.append(i)
+        return {"seconds": statistics.fmean(seconds), "wire_bytes": statistics.fmean(wire),
+                "intra_bytes": statistics.fmean(intra), "transports": list(dict.fromkeys(used)) or ["-"]}
+
+
+def _ring_bytes(kind: str, nbytes: int, n: int) -> int:
+    if n <= 1:
+        return 0
+    if kind == "allreduce":
+        return 2 * (n - 1) * nbytes // n
+    if kind == "allgather":
+        return (n - 1) * nbytes
+    return nbytes
 
 
 def _parameters(shapes: Sequence[tuple[int, ...]], seed: int = 0) -> list[torch.nn.Parameter]:
@@ -137,7 +240,7 @@ def _steps(algo, options, shapes, workers, steps, warmup, dry=False):
         return group, opt
 
     group, opt = make()
-    calls, compress, decode, update, sent = [], [], [], [], []
+    calls, compress, decode, update, sent, exchanges = [], [], [], [], [], []
     for i in range(warmup + steps):
         if dry:
             group, opt = make()
@@ -147,19 +250,22 @@ def _steps(algo, options, shapes, workers, steps, warmup, dry=False):
         group.calls.clear()
         opt.tracer.events = []
         before, b0 = opt.timings, group.total_bytes()
-        t0 = time.perf_counter()
-        try:
-            opt.step()
-        except _DryRun:
-            pass
-        elapsed = time.perf_counter() - t0
-        try:
-            getattr(opt, "synchronize", lambda: None)()  # overlapping methods: finish step t
-        except _DryRun:
-            pass
+        noted: list[Exchange] = []
+        with _noting_exchanges(group, noted):
+            t0 = time.perf_counter()
+            try:
+                opt.step()
+            except _DryRun:
+                pass
+            elapsed = time.perf_counter() - t0
+            try:
+                getattr(opt, "synchronize", lambda: None)()  # overlapping methods: finish step t
+            except _DryRun:
+                pass
         after = opt.timings
         if i >= warmup:
             calls.append(list(group.calls))
+            exchanges.append(noted)
             compress.append(after.compress_s - before.compress_s)
             decode.append(sum(e["dur"] for e in opt.tracer.events if e["name"] == "decode") / 1e6)
             update.append(max(0.0, elapsed - (after.inline_compress_s - before.inline_compress_s)
@@ -173,7 +279,7 @@ def _steps(algo, options, shapes, workers, steps, warmup, dry=False):
             except _DryRun:
                 pass
     return cls, calls, statistics.fmean(sent), statistics.median(compress), statistics.median(decode), \
-        statistics.median(update)
+        statistics.median(update), exchanges
 
 
 _TIMED: dict = {}  # timing runs by (method, options, shapes, workers, steps, warmup), reused above the cap
@@ -193,12 +299,13 @@ def profile_method(algo: str, options: dict[str, Any], shapes: Sequence[tuple[in
     key = (algo, tuple(sorted((k, str(v)) for k, v in options.items())), tuple(map(tuple, shapes)), n_t, steps, warmup)
     if key not in _TIMED:
         _TIMED[key] = _steps(algo, options, shapes, n_t, steps, warmup)
-    cls, calls, sent, compress, decode, update = _TIMED[key]
+    cls, calls, sent, compress, decode, update, exchanges = _TIMED[key]
+    gathers_t = any(k == "allgather" for step in calls for k, _ in step)
+    decode_one = decode / (n_t if gathers_t else 1)   # decoding one packet's worth of every tensor
     if n_t != workers:
-        gathers_t = any(k == "allgather" for step in calls for k, _ in step)
-        _, calls, sent, _, _, _ = _steps(algo, options, shapes, workers, steps, 0, dry=True)
+        _, calls, sent, _, _, _, exchanges = _steps(algo, options, shapes, workers, steps, 0, dry=True)
         gathers = any(k == "allgather" for step in calls for k, _ in step)
         scaled = decode * (workers if gathers else 1) / (n_t if gathers_t else 1)
         compress, decode = compress - decode + scaled, scaled
     return MethodProfile(label or algo, workers, bool(getattr(cls, "overlaps_exchange", False)), calls,
-                         sent, compress, update, decode, n_t)
+                         sent, compress, update, decode, n_t, exchanges, decode_one)

@@ -71,34 +71,41 @@ def validation_table(rows: list[dict]) -> str:
 
 
 def projection_table(rows: list[dict]) -> str:
-    """Predicted iteration time (speedup over the first method) per worker count and link."""
+    """Predicted iteration time (speedup over the first method) per worker count, link and
+    transport asked for; where that is not ``recorded``, each cell names the transport the
+    method's exchanges took (``auto`` picks per bucket)."""
     algos = list(dict.fromkeys(r["algo"] for r in rows))
     head = " | ".join(f"`{a}` ms (speedup)" for a in algos)
     waits = any(r.get("straggler_wait_s") for r in rows)   # E[max of K delays], in every iteration
-    lines = [f"| workers | link |{' E[max δ] ms |' if waits else ''} {head} |",
-             "|---:|---|" + ("---:|" if waits else "") + "---:|" * len(algos)]
-    keys = list(dict.fromkeys((r["workers"], r["bandwidth_bps"]) for r in rows))
-    for n, bw in keys:
+    lines = [f"| workers | link | transport |{' E[max δ] ms |' if waits else ''} {head} |",
+             "|---:|---|---|" + ("---:|" if waits else "") + "---:|" * len(algos)]
+    keys = list(dict.fromkeys((r["workers"], r["bandwidth_bps"], r.get("transport", "recorded")) for r in rows))
+    for n, bw, transport in keys:
         cells = []
         if waits:
             first = next(x for x in rows if x["workers"] == n and x["bandwidth_bps"] == bw)
             cells.append(f"{first['straggler_wait_s'] * 1e3:.1f}")
         for a in algos:
-            r = next(x for x in rows if x["workers"] == n and x["bandwidth_bps"] == bw and x["algo"] == a)
-            cells.append(f"{r['iteration_s'] * 1e3:.0f} ({r['speedup']:.2f}×)")
-        lines.append(f"| {n} | {format_rate(bw)} | " + " | ".join(cells) + " |")
+            r = next(x for x in rows if x["workers"] == n and x["bandwidth_bps"] == bw and x["algo"] == a
+                     and x.get("transport", "recorded") == transport)
+            uses = f", {r['uses']}" if transport != "recorded" else ""
+            cells.append(f"{r['iteration_s'] * 1e3:.0f} ({r['speedup']:.2f}×{uses})")
+        k = next((x.get("hierarchy", 1) for x in rows if x["workers"] == n), 1)
+        where = f"{transport}" + (f", {k} per node" if k > 1 else "")
+        lines.append(f"| {n} | {format_rate(bw)} | {where} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def codec_table(rows: list[dict]) -> str:
     """Per method and worker count: codec and update time, bytes on the wire, overlap."""
-    seen, lines = set(), ["| method | workers | compress + decode ms (measured here) | update ms | MB on the wire / step / worker | overlaps exchange |",
-                          "|---|---:|---:|---:|---:|---|"]
+    seen, lines = set(), ["| method | workers | transport (used) | compress + decode ms (measured here) | update ms | MB on the wire / step / worker | overlaps exchange |",
+                          "|---|---:|---|---:|---:|---:|---|"]
     for r in rows:
-        key = (r["algo"], r["workers"])
+        key = (r["algo"], r["workers"], r.get("transport"), r.get("uses"))
         if key in seen:
             continue
         seen.add(key)
-        lines.append(f"| `{r['algo']}` | {r['workers']} | {r['compress_s'] * 1e3:.0f} | {r['update_s'] * 1e3:.0f} | "
+        used = r.get("transport", "recorded") + (f" ({r['uses']})" if r.get("transport", "recorded") != "recorded" else "")
+        lines.append(f"| `{r['algo']}` | {r['workers']} | {used} | {r['compress_s'] * 1e3:.0f} | {r['update_s'] * 1e3:.0f} | "
                      f"{r['wire_bytes_per_step'] / 1e6:.2f} | {'yes' if r['overlaps'] else 'no'} |")
     return "\n".join(lines)

@@ -67,17 +67,30 @@ def timeline(compute: float, compress: float, communicate: float, update: float,
 
 
 def predict(profile: MethodProfile, compute: float, bandwidth_Bps: float, alpha_s: float,
-            codec_scale: float = 1.0, straggler_wait: float = 0.0) -> dict[str, float]:
+            codec_scale: float = 1.0, transport: str | None = None, hierarchy: int = 1,
+            intra_Bps: float | None = None, intra_alpha_s: float = 0.0,
+            straggler_wait: float = 0.0) -> dict[str, Any]:
     """Predicted phases and iteration time of ``profile`` at ``bandwidth_Bps``; the times
     measured on this machine (codec, update) are multiplied by ``codec_scale``.
-    ``straggler_wait``: the expected synchronous wait ``E[max of K delays]``
+    ``transport`` None: the collectives as recorded; else every PSync exchange priced for
+    that transport (``exact``, ``twophase``, ``auto``) and, with ``hierarchy`` = k > 1,
+    hierarchically with k workers per node behind one uplink of ``bandwidth_Bps`` and links
+    of ``intra_Bps`` inside a node (:meth:`MethodProfile.comm_cost`). Also returns
+    ``wire_bytes`` per step and worker and the transports used. ``straggler_wait``: the
+    expected synchronous wait ``E[max of K delays]``
     (:meth:`gradzip.stragglers.Straggler.expected_wait`), added to the compute: every
     worker's exchange starts when the slowest worker's does."""
-    comm = profile.comm_time(bandwidth_Bps, alpha_s)
-    compress, update = profile.compress_s * codec_scale, profile.update_s * codec_scale
+    if transport is None:
+        comm, wire, uses = profile.comm_time(bandwidth_Bps, alpha_s), profile.wire_bytes_per_step, ["recorded"]
+        compress = profile.compress_s * codec_scale
+    else:
+        cost = profile.comm_cost(bandwidth_Bps, alpha_s, transport, hierarchy, intra_Bps, intra_alpha_s)
+        comm, wire, uses = cost["seconds"], cost["wire_bytes"], cost["transports"]
+        compress = profile.codec_time(uses, hierarchy) * codec_scale
+    update = profile.update_s * codec_scale
     tl = timeline(compute + straggler_wait, compress, comm, update, profile.overlaps)
     return {"iteration": tl.period, "compute": compute, "straggler_wait": straggler_wait, "compress": compress,
-            "communicate": comm, "update": update}
+            "communicate": comm, "update": update, "wire_bytes": wire, "uses": uses}
 
 
 def host_ceilings(measured: dict[str, Any]) -> dict[int, float]:
@@ -104,8 +117,8 @@ def validate(measured: dict[str, Any], alpha_s: float, host_Bps: float | None = 
     rows, profiles = [], {}
     ceilings = host_ceilings(measured) if host_Bps is None else {}
     for record in measured["records"]:
-        if record["bandwidth_bps"] is None or record["workers"] < 2:
-            continue
+        if record["bandwidth_bps"] is None or record["workers"] < 2 or record.get("workers_per_node", 1) > 1:
+            continue   # hierarchical runs: the model's flat profile does not describe them
         n = record["workers"]
         bandwidth = record["bandwidth_bps"] / 8
         host = host_Bps or ceilings.get(n)
@@ -113,6 +126,8 @@ def validate(measured: dict[str, Any], alpha_s: float, host_Bps: float | None = 
             bandwidth = min(bandwidth, host)
         alpha = alpha_s + record["latency_s"]
         for run in record["runs"]:
+            if run.get("peer"):   # PyTorch's DDP rows: measured for comparison, not modelled
+                continue
             key = (run["method"], tuple(sorted(run["options"].items())), n)
             if key not in profiles:
                 profiles[key] = profile_method(run["method"], dict(run["options"]), shapes, n,
@@ -137,8 +152,13 @@ def validate(measured: dict[str, Any], alpha_s: float, host_Bps: float | None = 
 def project(algos: Sequence[tuple[str, str | None]], workers: Sequence[int], bandwidths_bps: Sequence[float],
             compute_s: float, alpha_s: float, codec_scale: float = 1.0, shapes=None, steps: int = 5,
             log: Callable[[str], None] | None = None, time_at_most: int | None = 8,
-            straggler: Straggler | None = None) -> list[dict[str, Any]]:
-    """Predicted iteration time of each method for every (workers, bandwidth); with a
+            transports: Sequence[str | None] = (None,), hierarchy: int = 1,
+            intra_bps: float | None = None, straggler: Straggler | None = None) -> list[dict[str, Any]]:
+    """Predicted iteration time of each method for every (workers, bandwidth, transport):
+    ``transports`` None (the collectives as the method issues them today), ``exact``,
+    ``twophase`` or ``auto`` (:func:`predict`); ``hierarchy`` k > 1 with ``intra_bps``
+    links inside a node. Each row says which transports the method's exchanges took
+    (``uses``); ``speedup`` is over the first method with the same transport. With a
     ``straggler``, each iteration waits ``E[max of K delays]`` more (K = workers)."""
     shapes = shapes or resnet50_shapes()
     rows = []
@@ -151,13 +171,17 @@ def project(algos: Sequence[tuple[str, str | None]], workers: Sequence[int], ban
             prof = profile_method(algo, options, shapes, n, steps=steps, warmup=0, label=label,
                                   time_at_most=time_at_most)
             wait = straggler.expected_wait(n, compute_s) if straggler is not None else 0.0
+            k = hierarchy if n % hierarchy == 0 else 1
             for bw in bandwidths_bps:
-                p = predict(prof, compute_s, bw / 8, alpha_s, codec_scale, wait)
-                rows.append({"workers": n, "bandwidth_bps": bw, "algo": label, "overlaps": prof.overlaps,
-                             "timed_at": prof.timed_at, "decode_s": prof.decode_s * codec_scale,
-                             "wire_bytes_per_step": prof.wire_bytes_per_step, **{f"{k}_s": v for k, v in p.items()}})
+                for transport in transports:
+                    p = predict(prof, compute_s, bw / 8, alpha_s, codec_scale, transport, k,
+                                intra_bps / 8 if intra_bps else None, straggler_wait=wait)
+                    rows.append({"workers": n, "bandwidth_bps": bw, "algo": label, "overlaps": prof.overlaps,
+                                 "transport": transport or "recorded", "hierarchy": k, "uses": "+".join(p.pop("uses")),
+                                 "timed_at": prof.timed_at, "decode_s": prof.decode_s * codec_scale,
+                                 "wire_bytes_per_step": p.pop("wire_bytes"), **{f"{k_}_s": v for k_, v in p.items()}})
     for r in rows:
         base = next(x for x in rows if x["workers"] == r["workers"] and x["bandwidth_bps"] == r["bandwidth_bps"]
-                    and x["algo"] == rows[0]["algo"])
+                    and x["algo"] == rows[0]["algo"] and x["transport"] == r["transport"])
         r["speedup"] = base["iteration_s"] / r["iteration_s"]
     return rows

@@ -208,6 +208,43 @@ class Group(abc.ABC):
     def _all_to_all(self, tensors: list[torch.Tensor], recv_sizes: list[int], nbytes: int) -> Work:
         raise NotImplementedError(f"{type(self).__name__} has no all_to_all")
 
+    # -- the hierarchical exchange's collectives (spec "Hierarchical exchange") ----------
+    def reduce_scatter(self, tensor: torch.Tensor, mean: bool = False, async_op: bool = False):
+        """``tensor`` of shape ``(world_size, *s)`` summed over the workers (``mean``: divided
+        by ``world_size``); this worker gets row ``rank`` of the sum, shape ``s``. Ring
+        bytes: ``(n - 1) / n`` of the tensor."""
+        n = self.world_size
+        if tensor.dim() < 1 or tensor.shape[0] != n:
+            raise GradzipError(f"reduce_scatter takes a tensor of shape (world_size={n}, ...), got "
+                               f"{tuple(tensor.shape)}; stack one row per worker")
+        nbytes = (n - 1) * _nbytes(tensor) // n
+        if tensor.numel() == 0 or n == 1:
+            row = tensor[self.rank].clone()
+            work = Work.completed(row.div_(n) if mean else row)
+        else:
+            self.bytes_sent += nbytes
+            inner = self._reduce_scatter(tensor.contiguous(), nbytes)
+            work = Work(lambda: inner.wait().div_(n) if mean else inner.wait(), nbytes)
+        return work if async_op else work.wait()
+
+    def split(self, parts) -> "Group":
+        """The group of the workers in this worker's part of ``parts``: disjoint lists of
+        this group's ranks that cover it, the same on every worker (ranks in the new group
+        in ascending order of these ranks, as torch.distributed numbers them). Collective: every worker calls it with the same ``parts``,
+        e.g. ``[[0, 1], [2, 3]]`` (two nodes of two) or ``[[0, 2], [1, 3]]`` (equal local ranks)."""
+        parts = [list(p) for p in parts]
+        flat = sorted(r for p in parts for r in p)
+        if flat != list(range(self.world_size)) or any(not p for p in parts):
+            raise GradzipError(f"split takes disjoint, non-empty lists of the ranks 0..{self.world_size - 1} "
+                               f"covering the group, got {parts}")
+        return self._split(parts)
+
+    def _reduce_scatter(self, tensor: torch.Tensor, nbytes: int) -> Work:
+        raise NotImplementedError(f"{type(self).__name__} has no reduce_scatter")
+
+    def _split(self, parts: list[list[int]]) -> "Group":
+        raise NotImplementedError(f"{type(self).__name__} cannot split into subgroups")
+
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()

@@ -214,6 +214,25 @@ class ThreadGroup(Group):
 
         return self._launch("all_to_all", list(tensors), nbytes, list, finish)
 
+    def _reduce_scatter(self, tensor, nbytes):
+        return self._launch("reduce_scatter", tensor, nbytes, _sum_in_rank_order,
+                            lambda total: total[self.rank].clone())
+
+    def _split(self, parts):
+        parent = self._hub
+        mine = next(i for i, p in enumerate(parts) if self.rank in p)
+
+        def make(inputs):
+            if any(x != inputs[0] for x in inputs):
+                raise GradzipError(f"split: the workers gave different parts ({inputs[0]} and others); "
+                                   "every worker must pass the same parts")
+            hubs = [_Hub(len(p), parent.timeout_s) for p in inputs[0]]
+            parent.children.extend(hubs)  # called with parent.cond held
+            return hubs
+
+        work = self._launch("split", parts, 0, make, lambda hubs: ThreadGroup(hubs[mine], sorted(parts[mine]).index(self.rank)))
+        return work.wait()
+
 
 def make_group(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[ThreadGroup]:
     """The ``world_size`` worker handles of one new in-process group."""

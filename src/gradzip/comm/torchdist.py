@@ -25,6 +25,7 @@ from .liveness import Heartbeat, Verdict, sequence
 
 # all_gather_single is the newer name of all_gather_into_tensor (same signature).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # gloo / c10d errors that mean "the other side went away or did not answer in time"
 _COMM_ERROR = re.compile(r"timed? ?out|timeout|connection|closed|reset by peer|broken pipe|socket|"
@@ -107,6 +108,22 @@ class TorchGroup(Group):
         return self._issue("all_to_all", lambda: dist.all_to_all_single(
             out, flat, output_split_sizes=list(recv_sizes), input_split_sizes=[t.numel() for t in tensors],
             group=self.group, async_op=True), lambda: list(out.split(list(recv_sizes))), nbytes)
+
+    def _reduce_scatter(self, tensor, nbytes):
+        out = tensor.new_empty(tensor.shape[1:])
+        return self._issue("reduce_scatter",
+                           lambda: _reduce_scatter_flat(out.view(-1), tensor.view(-1), group=self.group, async_op=True),
+                           lambda: out, nbytes)
+
+    def _split(self, parts):
+        # every process creates every part's group, in the same order (torch.distributed's rule)
+        mine = None
+        for part in parts:
+            pg = dist.new_group(ranks=[self._global_ranks[r] for r in part],
+                                timeout=datetime.timedelta(seconds=self.timeout_s))
+            if self.rank in part:
+                mine = TorchGroup(pg)
+        return mine
 
     # -- failures ------------------------------------------------------------------------
     def _issue(self, kind: str, launch, result, nbytes: int) -> Work:

@@ -53,6 +53,7 @@ from ..double_sync import refuse_ddp_double_sync
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync, Timings
 from ..twophase import TRANSPORTS
+from ..hierarchy import HierarchicalPSync, check_workers_per_node
 from ..nonfinite import NONFINITE_POLICIES
 from ..replicas import parameter_digest
 from ..validation import is_int, require
@@ -83,7 +84,7 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float, *, comm: "comm_lib.Group | None" = None,
                  momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
-                 transport: str = "auto", **options: Any):
+                 transport: str = "auto", hierarchy: "int | str | None" = None, **options: Any):
         name = type(self).__name__
         require(nonfinite in NONFINITE_POLICIES, name,
                 f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
@@ -103,6 +104,10 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         self.bucket_bytes = int(bucket_bytes)
         self.nonfinite = nonfinite
         self.transport = transport
+        try:   # k workers per node: every exchange hierarchical (gradzip.hierarchy); 1 = flat PSync
+            self._hierarchy = check_workers_per_node(hierarchy, self.comm.world_size)
+        except GradzipError as exc:
+            raise GradzipError(f"{name}: hierarchy: {exc}") from None
         self.steps = 0
         self.skipped_steps = 0   # steps skipped for a non-finite gradient (nonfinite="skip")
         self._verified = False   # settings compared across workers (first step)
@@ -143,10 +148,16 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
                    comm: "comm_lib.Group | None" = None, transport: str | None = None) -> PSync:
         """A PSync on this optimizer's group (or ``comm``); ``salt`` separates the seeds of
         two exchanges; ``transport``: this exchange's own (e.g. ``"twophase"`` for a
-        method whose box says so), else the optimizer's ``transport``."""
-        psync = PSync(comm or self.comm, compressor, seed=seeds.exchange_seed(self.seed, salt),
-                      bucket_bytes=self.bucket_bytes, check_finite=self.nonfinite != "off",
-                      transport=transport or self.transport, allow_twophase=not self.reads_packets)
+        method whose box says so), else the optimizer's ``transport``; with
+        ``hierarchy`` > 1 a :class:`~gradzip.hierarchy.HierarchicalPSync` (the transport
+        applies to its exchange across nodes)."""
+        common = dict(seed=seeds.exchange_seed(self.seed, salt), bucket_bytes=self.bucket_bytes,
+                      check_finite=self.nonfinite != "off", transport=transport or self.transport,
+                      allow_twophase=not self.reads_packets)
+        if self._hierarchy > 1:
+            psync = HierarchicalPSync(comm or self.comm, compressor, workers_per_node=self._hierarchy, **common)
+        else:
+            psync = PSync(comm or self.comm, compressor, **common)
         psync.tracer = self._tracer
         psync.names = self._names   # shared: names of groups added later reach it too
         self._exchanges.append(psync)
@@ -208,6 +219,8 @@ class DistributedOptimizer(NonFiniteGuard, torch.optim.Optimizer):
         for i, psync in enumerate(self._exchanges):
             fields[f"exchange {i} codec"] = psync.compressor.spec
             fields[f"exchange {i} transport"] = plans[f"exchange {i}"]
+        if self._hierarchy > 1:   # only then: settings (and checkpoints) of flat runs stay as they were
+            fields["hierarchy"] = self._hierarchy
         fields["frozen parameters"] = [i for i, p in enumerate(self._all_params()) if not p.requires_grad]
         if self.replicas_identical():
             for i, p in enumerate(self._all_params()):

@@ -35,9 +35,10 @@ def method_label(algo: str, codec: str | None = None) -> str:
     return f"{algo}@{codec}" if codec else algo
 
 
-def parse_algos(text: str) -> list[tuple[str, str | None]]:
+def parse_algos(text: str, also: tuple[str, ...] = ()) -> list[tuple[str, str | None]]:
     """``"ssgd,efsgd@topk:ratio=0.01,unbiased=true,bitsgd"`` → [(algo, codec or None), ...];
-    every method must be registered."""
+    every method must be registered, or one of the names ``also`` (``gradzip bench net``'s
+    ``ddp`` peer)."""
     if not isinstance(text, str) or not text.strip():
         raise GradzipError("--algos is empty; give e.g. ssgd,efsgd@topk:ratio=0.01")
     out = []
@@ -49,7 +50,8 @@ def parse_algos(text: str) -> list[tuple[str, str | None]]:
         if not re.fullmatch(r"[a-z_]\w*", algo):  # '', 'ssgd,,' (stray commas), '@@', ...
             raise GradzipError(f"bad entry {item!r} in --algos: expected METHOD or METHOD@CODEC, comma-separated "
                                f"(e.g. ssgd,efsgd@topk:ratio=0.01); valid methods: {', '.join(optim.METHODS)}")
-        method_class(algo, " in --algos")
+        if algo not in also:
+            method_class(algo, " in --algos")
         out.append((algo, codec.strip() or None))
     return out
 
@@ -83,6 +85,7 @@ class RunConfig:
     device: str = "cpu"           # "cpu", "cuda" (rank r on cuda:LOCAL_RANK % device_count) or "auto" (train.device)
     amp: str = "none"             # autocast precision: "none", "bf16", or "fp16" (with GradScaler)
     transport: str = "auto"       # PSync transport: auto, allreduce, allgather, twophase
+    workers_per_node: int | None = None  # hierarchical exchange with k workers per node (None: flat)
     checkpoint_dir: str | None = None   # write checkpoints here (per rank, atomically)
     checkpoint_every: int = 0     # steps between checkpoints; 0: at the end of every epoch
     resume: bool = False          # continue from the newest checkpoint in checkpoint_dir, if any
@@ -109,6 +112,7 @@ def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOpti
     options = device.method_options(cfg.amp, cfg.options, cls)   # fp16: the exchange after unscaling
     return cls(params, lr=cfg.lr, comm=comm, momentum=cfg.momentum, nesterov=cfg.nesterov,
                weight_decay=cfg.weight_decay, seed=cfg.seed, nonfinite=cfg.nonfinite,
+               hierarchy=cfg.workers_per_node,
                **({"transport": cfg.transport} if cfg.transport != "auto" else {}), **options)
 
 

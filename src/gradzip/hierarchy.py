@@ -1,0 +1,227 @@
+"""The hierarchical exchange: PSync across nodes, uncompressed inside them (spec
+"Transports of PSync", box "Hierarchical exchange").
+
+Workers are grouped by node, ``k`` per node (``workers_per_node``; ``"auto"``: torchrun's
+``LOCAL_WORLD_SIZE``), ranks node-major as torchrun numbers them: node ``m = rank // k``,
+local rank ``ℓ = rank % k``. Shard ℓ of a tensor of ``d`` elements (flattened) is
+``tensor_split(arange(d), k)[ℓ]``. One exchange of tensors ``v_i``::
+
+    inside node m:   u = reduce_scatter_mean over local ranks of v_i     # fp32 (or fp16); worker ℓ gets shard ℓ
+    across nodes:    (a, ρ) = PSync(u; C) among the n/k workers with local rank ℓ
+    inside node m:   aggregate = allgather over local ranks of a
+    residual r_i:    k·ρ on worker i's shard, 0 elsewhere
+
+With that residual a method's error rule is unchanged: the mean over a node's workers of
+``e_i`` is the node's error (sharded over its workers). ``k = 1`` is PSync itself (same
+seeds, same bits); with one node (``k = n``) nothing is compressed: the aggregate is the
+exact mean and the residual 0. Every tensor of an exchange travels in one reduce-scatter
+and one allgather inside the node (row ℓ holds shard ℓ of every tensor, padded to the
+longest row); the PSync across nodes buckets as usual and may use any transport.
+
+:class:`HierarchicalPSync` is a :class:`~gradzip.exchange.PSync` (the same ``start`` /
+``wait`` / ``__call__``, counters, tracer), so a method takes it where it takes a PSync.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .comm import Group
+from .errors import GradzipError
+from .exchange import DEFAULT_BUCKET_BYTES, PSync, Result, Timings
+from .validation import is_int
+
+INTRA_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def check_workers_per_node(value, world_size: int) -> int:
+    """``value`` (an int k, ``"auto"`` = ``LOCAL_WORLD_SIZE``, or None = 1) checked against
+    ``world_size``: k >= 1 dividing it."""
+    if value is None:
+        return 1
+    if value == "auto":
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        if env is None or not env.isdigit():
+            raise GradzipError("hierarchy='auto' reads LOCAL_WORLD_SIZE (set by torchrun), which is not set; "
+                               "give the workers per node as an integer")
+        value = int(env)
+    if not is_int(value) or value < 1 or world_size % value:
+        raise GradzipError(f"workers per node must be an integer >= 1 dividing the {world_size} workers, "
+                           f"got {value!r}; e.g. --workers-per-node 8 for 8 GPUs per node")
+    return int(value)
+
+
+def shard_bounds(d: int, k: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of the ``k`` shards ``tensor_split(arange(d), k)``."""
+    base, extra = divmod(d, k)
+    out, start = [], 0
+    for j in range(k):
+        end = start + base + (1 if j < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+@dataclass
+class _HierPending:
+    """A hierarchical exchange in flight: the PSync across nodes (None with one node)."""
+
+    psync: "HierarchicalPSync"
+    tensors: list[torch.Tensor]           # this worker's inputs (shapes, dtypes)
+    shards: list[torch.Tensor]            # u: the node means of this worker's shards
+    inner: object | None                  # the cross-node Pending
+    residual: bool
+    intra_bytes: int
+    packet_bytes: int = 0
+
+    @property
+    def packets(self):
+        return self.inner.packets if self.inner is not None else []
+
+    def wait(self) -> Result:
+        return self.psync._finish_hier(self)
+
+
+class HierarchicalPSync(PSync):
+    """PSync with ``workers_per_node`` = k workers per node (module docstring). Creating it
+    is collective on ``comm`` (it splits the group into nodes and into equal local ranks)."""
+
+    def __init__(self, comm: Group, compressor="none", *, workers_per_node, seed: int = 0,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_finite: bool = False, intra: str = "fp32",
+                 transport: str = "auto", allow_twophase: bool = True):
+        super().__init__(comm, compressor, seed=seed, bucket_bytes=bucket_bytes, check_finite=check_finite)
+        n = comm.world_size
+        k = check_workers_per_node(workers_per_node, n)
+        if intra not in INTRA_DTYPES:
+            raise GradzipError(f"intra={intra!r}: the exchange inside a node is fp32 or fp16")
+        self.workers_per_node, self.intra = k, intra
+        self.node, self.local_rank = divmod(comm.rank, k)
+        nodes = n // k
+        self.node_comm = comm.split([[m * k + j for j in range(k)] for m in range(nodes)])
+        self.cross_comm = comm.split([[m * k + j for m in range(nodes)] for j in range(k)])
+        # the exchange across nodes: any transport (its two-phase server errors are this one's state)
+        self.inner = PSync(self.cross_comm, self.compressor, seed=seed, bucket_bytes=bucket_bytes,
+                           check_finite=check_finite, transport=transport, allow_twophase=allow_twophase)
+        self.server_errors = self.inner.server_errors
+
+    def plan(self, tensors):
+        """The transport of each tensor's exchange across nodes (its shard on this worker)."""
+        return self.inner.plan([self._shard_shape(t) for t in tensors])
+
+    def _shard_shape(self, t) -> tuple[int]:
+        d = 1
+        for s in (tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t)):
+            d *= s
+        k, j = self.workers_per_node, self.local_rank
+        return (d // k + (1 if j < d % k else 0),)
+
+    @property
+    def tracer(self):
+        return self._tracer
+
+    @tracer.setter
+    def tracer(self, tracer) -> None:
+        self._tracer = tracer
+        if getattr(self, "inner", None) is not None:
+            self.inner.tracer = tracer
+
+    def _take_inner_timings(self) -> None:
+        self.timings = self.timings + self.inner.timings
+        self.inner.timings = Timings()
+
+    def _intra_wait(self, work, began_kind: str):
+        began = time.perf_counter()
+        out = work.wait()
+        self.count_wait_intra(began, time.perf_counter(), began_kind)
+        return out
+
+    def count_wait_intra(self, began: float, ended: float, kind: str) -> None:
+        self.timings.communicate_s += ended - began
+        if self._owner == threading.get_ident():
+            self.timings.wait_s += ended - began
+        if self.tracer is not None:
+            self.tracer.add("communicate", began, ended, kind=kind)
+
+    def start(self, tensors: Sequence[torch.Tensor], step: int, *,
+              keys: Sequence[int] | None = None, residual: bool = True) -> _HierPending:
+        """Reduce-scatter inside the node (waited for), then start the PSync across nodes."""
+        keys = list(range(len(tensors)) if keys is None else keys)
+        k, node = self.workers_per_node, self.node_comm
+        dtype = INTRA_DTYPES[self.intra]
+        flats = [t.detach().reshape(-1) for t in tensors]
+        bounds = [shard_bounds(f.numel(), k) for f in flats]
+        rows = [sum(b[j][1] - b[j][0] for b in bounds) for j in range(k)]
+        width = max(rows, default=0)
+        stacked = torch.zeros(k, width, dtype=dtype)
+        for j in range(k):
+            at = 0
+            for f, b in zip(flats, bounds):
+                lo, hi = b[j]
+                if k > 1 and dtype != f.dtype:   # divide in fp32 first: k terms of x/k cannot overflow
+                    stacked[j, at:at + hi - lo] = (f[lo:hi].float() / k).to(dtype)
+                else:
+                    stacked[j, at:at + hi - lo] = f[lo:hi]
+                at += hi - lo
+        before = node.bytes_sent
+        if k > 1 and dtype != torch.float32:
+            mine = self._intra_wait(node.reduce_scatter(stacked, async_op=True), "reduce_scatter").float()
+        else:
+            mine = self._intra_wait(node.reduce_scatter(stacked, mean=True, async_op=True), "reduce_scatter")
+        shards, at = [], 0
+        for f, b, t in zip(flats, bounds, tensors):
+            lo, hi = b[self.local_rank]
+            shards.append(mine[at:at + hi - lo].to(t.dtype))
+            at += hi - lo
+        inner = None
+        if self.cross_comm.world_size > 1:
+            inner = self.inner.start(shards, step, keys=keys, residual=residual)
+            self._take_inner_timings()
+        return _HierPending(self, list(tensors), shards, inner, residual, node.bytes_sent - before)
+
+    def _finish_hier(self, pending: _HierPending) -> Result:
+        k, node = self.workers_per_node, self.node_comm
+        if pending.inner is not None:
+            result = pending.inner.wait()
+            self._take_inner_timings()
+            agg, rho = result.aggregate, result.residual
+            cross_bytes, payload = result.bytes_sent, result.packet_bytes
+        else:   # one node: exact
+            agg = [u.clone() for u in pending.shards]
+            rho = [torch.zeros_like(u) for u in pending.shards] if pending.residual else None
+            cross_bytes = payload = 0
+        flats = [t.reshape(-1) for t in pending.tensors]
+        bounds = [shard_bounds(f.numel(), k) for f in flats]
+        width = max((sum(b[j][1] - b[j][0] for b in bounds) for j in range(k)), default=0)
+        row = torch.zeros(width, dtype=torch.float32)
+        at = 0
+        for a in agg:
+            row[at:at + a.numel()] = a.reshape(-1)
+            at += a.numel()
+        before = node.bytes_sent
+        gathered = self._intra_wait(node.allgather(row, async_op=True), "allgather")
+        intra = pending.intra_bytes + node.bytes_sent - before
+        out, ats = [], [0] * k
+        for f, b, t in zip(flats, bounds, pending.tensors):
+            full = torch.empty(f.numel(), dtype=t.dtype)
+            for j in range(k):
+                lo, hi = b[j]
+                full[lo:hi] = gathered[j, ats[j]:ats[j] + hi - lo]
+                ats[j] += hi - lo
+            out.append(full.view(t.shape))
+        residuals = None
+        if pending.residual:
+            residuals = []
+            for f, b, t, r in zip(flats, bounds, pending.tensors, rho):
+                full = torch.zeros(f.numel(), dtype=t.dtype)
+                lo, hi = b[self.local_rank]
+                full[lo:hi] = r.reshape(-1) * k
+                residuals.append(full.view(t.shape))
+        sent = intra + cross_bytes
+        self.bytes_sent += sent
+        self.payload_bytes += payload
+        return Result(out, residuals, sent, payload)
