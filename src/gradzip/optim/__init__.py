@@ -8,6 +8,7 @@ from .dgc import DGC
 from .cser import CSER, CSERPL
 from .efsgd import EFSGD
 from .localsgd import LocalSGD
+from .onebit import OneBitAdam, OneBitLAMB, ZeroOneAdam
 from .powersgd import PowerSGD
 from .qsparse import QSparseLocalSGD
 from .ssgd import SSGD
@@ -16,8 +17,9 @@ from .ssgd import SSGD
 METHODS = {"ssgd": SSGD, "efsgd": EFSGD, "bitsgd": BitSGD,
            "localsgd": LocalSGD, "qsparse": QSparseLocalSGD, "csea": CSEA, "cser": CSER, "cserpl": CSERPL,
            "dgc": DGC, "powersgd": PowerSGD,
-           "odsgd": ODSGD, "cdsgd": CDSGD, "cpsgd": CPSGD}
+           "odsgd": ODSGD, "cdsgd": CDSGD, "cpsgd": CPSGD,
+           "onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam, "onebitlamb": OneBitLAMB}
 
 __all__ = ["DistributedOptimizer", "method_options", "COMMON_OPTIONS", "SSGD", "EFSGD", "BitSGD",
            "LocalSGD", "QSparseLocalSGD", "CSEA", "CSER", "CSERPL", "DGC", "PowerSGD",
-           "ODSGD", "CDSGD", "CPSGD", "METHODS"]
+           "ODSGD", "CDSGD", "CPSGD", "OneBitAdam", "ZeroOneAdam", "OneBitLAMB", "METHODS"]
