@@ -237,7 +237,12 @@ RESUME_RUNS = {
     "qsparse": {"H": 5}, "csea": {}, "cser": {"H": 6}, "cserpl": {"H": 6},
     "dgc": {"warmup_steps": 10, "ratio": 0.01}, "powersgd": {"start_iter": 10, "rank": 2},
     "odsgd": {"warmup_steps": 5}, "cdsgd": {"warmup_steps": 5, "k": 3}, "cpsgd": {"k": 4},
+    # eps 1e-3: digits' constant pixels leave v ≈ 0 where the 1-bit momentum is not 0 (docs/adaptive.md)
+    "onebitadam": {"freeze_step": 20, "eps": 1e-3}, "onebitlamb": {"freeze_step": 20, "eps": 1e-3},
+    "zerooneadam": {"var_freeze_step": 20, "var_update_scaler": 3, "local_step_scaler": 5, "eps": 1e-3},
 }
+#: Common settings other than resume_runs' own, per method (the adaptive methods take no momentum).
+RESUME_COMMON = {m: {"momentum": 0.0, "lr": 0.002} for m in ("onebitadam", "onebitlamb", "zerooneadam")}
 INTERRUPT_AFTER = 27
 
 
@@ -261,8 +266,9 @@ def resume_runs(comm, root: str, methods=tuple(RESUME_RUNS), epochs: int = 2):
 
     out = {}
     for name in methods:
-        base = RunConfig(algo=name, options=RESUME_RUNS[name], epochs=epochs, momentum=0.5,
-                         weight_decay=1e-4, lr=0.05, progress=False, checkpoint_every=8)
+        common = {"momentum": 0.5, "weight_decay": 1e-4, "lr": 0.05, **RESUME_COMMON.get(name, {})}
+        base = RunConfig(algo=name, options=RESUME_RUNS[name], epochs=epochs, progress=False,
+                         checkpoint_every=8, **common)
         whole = run_worker(comm, RunConfig(**{**vars(base), "checkpoint_dir": f"{root}/{name}-whole"}))
         cut = RunConfig(**{**vars(base), "checkpoint_dir": f"{root}/{name}-resumed", "resume": True})
         try:
