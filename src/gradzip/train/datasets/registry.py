@@ -14,7 +14,7 @@ from typing import Callable
 from ... import specs
 from ...errors import GradzipError
 
-from . import cifar, digits, generated, mnist, storage
+from . import algorithmic, cifar, digits, generated, mnist, storage
 from .base import Dataset
 
 
@@ -62,6 +62,7 @@ def _synthetic(options: list[specs.Option]) -> Dataset:
 
 
 register("digits")(lambda options: digits.load())
+register("modadd", options=True)(lambda options: algorithmic.modadd(**algorithmic.parse_options(options)))
 register("synthetic", options=True)(_synthetic)
 register("mnist", files=True)(functools.partial(mnist.load, "mnist"))
 register("fashion-mnist", files=True, aliases=("fashion_mnist", "fashionmnist"))(
