@@ -62,12 +62,12 @@ def _synthetic(options: list[specs.Option]) -> Dataset:
 
 
 register("digits")(lambda options: digits.load())
-register("modadd", options=True)(lambda options: algorithmic.modadd(**algorithmic.parse_options(options)))
 register("synthetic", options=True)(_synthetic)
 register("mnist", files=True)(functools.partial(mnist.load, "mnist"))
 register("fashion-mnist", files=True, aliases=("fashion_mnist", "fashionmnist"))(
     functools.partial(mnist.load, "fashion-mnist"))
 register("cifar10", files=True, aliases=("cifar-10", "cifar_10"))(cifar.load)
+register("modadd", options=True)(lambda options: algorithmic.modadd(**algorithmic.parse_options(options)))
 
 
 def names() -> list[str]:
