@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from benchmarks.docs_section import replace_section
 
 import gradzip  # noqa: E402
+from gradzip.bench import emulated  # noqa: E402
 from gradzip.train import datasets, models  # noqa: E402
 
 
@@ -118,8 +119,6 @@ def accuracy_part(args) -> str:
 
 
 def speed_part(args) -> str:
-    from gradzip.bench import emulated   # the network bench (root) only for this part
-
     algos = {"onebitadam": {"freeze_step": 0}, "zerooneadam": {"var_freeze_step": 0},
              "onebitlamb": {"freeze_step": 0}, "ssgd": {}}
 

@@ -299,6 +299,8 @@ SHORT_RUNS = {
     "cserpl": {"H": 2, "c1": "topk:ratio=0.3"}, "dgc": {"warmup_steps": 2, "ratio": 0.3, "momentum": 0.9},
     "powersgd": {"start_iter": 2, "momentum": 0.9}, "odsgd": {"warmup_steps": 1},
     "cdsgd": {"warmup_steps": 1, "k": 2, "compressor": "2bit:threshold=0.05"}, "cpsgd": {"k": 3},
+    "onebitadam": {"freeze_step": 2}, "onebitlamb": {"freeze_step": 2},
+    "zerooneadam": {"var_freeze_step": 4, "var_update_scaler": 1, "local_step_scaler": 1},
 }
 
 
