@@ -170,7 +170,7 @@ def main() -> None:
     if args.write:
         title = ("Adaptive optimizers on the transformer task" if args.part == "accuracy"
                  else "Adaptive optimizers: time per step on 1 Gbit/s links")
-        replace_section(title, text, path=Path(__file__).resolve().parents[1] / "docs/adaptive.md")
+        replace_section(title, text, doc=Path(__file__).resolve().parents[1] / "docs/adaptive.md")
 
 
 if __name__ == "__main__":
