@@ -18,7 +18,7 @@ from gradzip.kernels import elementwise as ek  # noqa: E402
 
 from cases import same_bits  # noqa: E402
 
-FUSED = ["sign", "scaled_sign", "2bit", "2bit:threshold=0.5", "2bit:threshold=1e-40"]
+FUSED = ["sign", "scaled_sign", "scaled_sign:scale=rms", "2bit", "2bit:threshold=0.5", "2bit:threshold=1e-40"]
 CASTS = ["fp16", "bf16"]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-45, -1e-45, 1e-40, 0.01, -0.01,

@@ -6,18 +6,21 @@ bit cannot say 0, so sign(0) is +1 here. ``sign`` decodes to ±1 and aggregates 
 vote ``sign(Σ_j sign_j)`` (ties -> 0); as int8 ±1 its packets also sum exactly through an
 allreduce for n <= 127, which the exchange picks from 16 workers on (``2bit``: from 8).
 ``scaled_sign`` decodes to ``(‖v‖₁/d)·sign(v)`` with the scale sent as float32 (4 more
-bytes); its aggregate is the plain mean and it does not sum.
+bytes); its aggregate is the plain mean and it does not sum. ``scaled_sign:scale=rms`` uses
+the ℓ2-preserving scale ``‖v‖₂/√d`` instead (1-bit Adam's codec, docs/algorithms.md
+§"1-bit Adam, 0/1 Adam, 1-bit LAMB: the boxes"); the bits are the same.
 
 On the CPU the fused kernels of :mod:`gradzip.kernels.elementwise` encode (float32 and
 float64 inputs; bits and residual in one pass, into the ``reuse`` packet's buffer), decode
 (any float dtype, into ``out``) and aggregate; the torch code below them is the reference
 they are tested bit-identical to (``gradzip.kernels.use("torch")`` runs it). The
-``scaled_sign`` scale ``‖v‖₁/d`` is a torch sum shared by both paths.
+``scaled_sign`` scale (``‖v‖₁/d`` or ``‖v‖₂/√d``) is a torch reduction shared by both paths.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -29,6 +32,7 @@ from ._util import abs_sum as _abs_sum
 from .base import Compressor, Packet, deliver
 from .bitpack import packed_nbytes
 from .registry import register
+from ..validation import require
 
 _PM1 = (-1, 1)
 _SIGN3 = (-1, 0, 1)
@@ -149,10 +153,26 @@ class Sign(Compressor):
         return torch.sign(total).to(packet.dtype).view(packet.shape)
 
 
+def rms_scale(flat: torch.Tensor) -> torch.Tensor:
+    """``‖v‖₂/√d`` of a flat tensor as a float32 0-d tensor (0 for an empty one), the norm
+    taken in float32 or wider (one function for the torch and the fused path)."""
+    wide = torch.promote_types(flat.dtype, torch.float32)
+    norm = torch.linalg.vector_norm(flat, dtype=wide) if flat.numel() else torch.zeros((), dtype=wide)
+    return (norm / math.sqrt(max(flat.numel(), 1))).to(torch.float32)
+
+
 @register
 @dataclass(frozen=True)
 class ScaledSign(Compressor):
+    """``scale``: ``l1`` (``‖v‖₁/d``, the default, also when not given) or ``rms``
+    (``‖v‖₂/√d``: the decoded tensor keeps ``v``'s ℓ2 norm; 1-bit Adam / LAMB)."""
+
     name = "scaled_sign"
+    scale: Optional[str] = None
+
+    def __post_init__(self):
+        require(self.scale in (None, "l1", "rms"), "scaled_sign",
+                f"scale must be l1 or rms, got {self.scale!r}")
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         if fused(tensor) and tensor.dtype in FUSED_DTYPES:
@@ -160,6 +180,8 @@ class ScaledSign(Compressor):
             ek.sign_encode(kernels.array(x), kernels.array(bits))
             return Packet({"bits": bits, "scale": scale}, tensor.shape, tensor.dtype)
         v = tensor.detach().reshape(-1)
+        if self.scale == "rms":
+            return Packet({"bits": sign_bits(v), "scale": rms_scale(v).reshape(1)}, tensor.shape, tensor.dtype)
         l1 = torch.zeros((), dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
         bits = sign_bits(v, abs_sum=l1)
         scale = (l1 / max(v.numel(), 1)).to(torch.float32)  # ‖v‖₁ / d
@@ -183,10 +205,13 @@ class ScaledSign(Compressor):
             return Packet({"bits": bits, "scale": scale}, tensor.shape, tensor.dtype)
         return super().compress_residual(tensor, seed, out, reuse)
 
-    @staticmethod
-    def _fused_scale(tensor: torch.Tensor, reuse: Packet | None):
-        """(flat input, bits buffer, scale wire ``‖v‖₁/d`` as the reference computes it)."""
+    def _fused_scale(self, tensor: torch.Tensor, reuse: Packet | None):
+        """(flat input, bits buffer, scale wire ``‖v‖₁/d`` or ``‖v‖₂/√d`` as the reference
+        computes it)."""
         x, bits = _fused_bits(tensor, reuse)
         scale = wire_buffer(reuse, "scale", 1, torch.float32)
-        scale.copy_((_abs_sum(x) / max(x.numel(), 1)).to(torch.float32).reshape(1))
+        if self.scale == "rms":
+            scale.copy_(rms_scale(x).reshape(1))
+        else:
+            scale.copy_((_abs_sum(x) / max(x.numel(), 1)).to(torch.float32).reshape(1))
         return x, bits, scale

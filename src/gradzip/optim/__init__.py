@@ -10,6 +10,7 @@ from .diloco import DiLoCo, DiLoCoMethod
 from .cser import CSER, CSERPL
 from .efsgd import EFSGD
 from .localsgd import LocalSGD
+from .onebit import OneBitAdam, OneBitLAMB, ZeroOneAdam
 from .powersgd import PowerSGD
 from .qsparse import QSparseLocalSGD
 from .ssgd import SSGD
@@ -24,6 +25,7 @@ METHODS = {"ssgd": SSGD, "efsgd": EFSGD, "bitsgd": BitSGD,
            "localsgd": LocalSGD, "qsparse": QSparseLocalSGD, "csea": CSEA, "cser": CSER, "cserpl": CSERPL,
            "dgc": DGC, "powersgd": PowerSGD,
            "odsgd": ODSGD, "cdsgd": CDSGD, "cpsgd": CPSGD, "asgd": ASGD,
+           "onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam, "onebitlamb": OneBitLAMB,
            "diloco": DiLoCoMethod,
            "lars": LARSMethod, "lamb": LAMBMethod, "adamw": AdamWMethod}
 
@@ -31,4 +33,5 @@ __all__ = ["DistributedOptimizer", "method_options", "COMMON_OPTIONS", "SSGD", "
            "LocalSGD", "QSparseLocalSGD", "CSEA", "CSER", "CSERPL", "DGC", "PowerSGD",
            "ODSGD", "CDSGD", "CPSGD", "METHODS",
            "Compressed", "LARS", "LAMB", "SAM", "LARSMethod", "LAMBMethod", "AdamWMethod",
-           "LinearScalingWarmup", "lr_at", "scaled_lr", "DiLoCo", "DiLoCoMethod", "ASGD"]
+           "LinearScalingWarmup", "lr_at", "scaled_lr", "DiLoCo", "DiLoCoMethod", "ASGD",
+           "OneBitAdam", "ZeroOneAdam", "OneBitLAMB"]

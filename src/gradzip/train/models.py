@@ -17,6 +17,12 @@ Names (``names()``), with optional ``name:key=value,...`` options:
   stages of two basic blocks with 64/128/256/512 channels, 11.2M parameters at 10 classes:
   ImageNet-sized communication at small resolution (benchmarks). Options ``width=`` (first
   stage's channels, default 64; parameters scale with its square) and ``norm=bn|gn|none``.
+- ``transformer``: a small pre-LayerNorm transformer encoder over token ids (the
+  ``modadd`` task): inputs ``(N, T)`` of token ids in ``[0, num_classes)`` (tokens and
+  classes share one vocabulary; float ids are rounded), learned token and position
+  embeddings, a learned query token appended, ``layers`` encoder layers (``heads`` heads,
+  feed-forward 4·``d``, GELU, no dropout), LayerNorm, and a linear head on the query token.
+  Options ``layers=2,d=64,heads=4`` (the defaults).
 - ``mlp10m``: flatten -> two hidden layers of equal width -> classes, the width chosen so
   the model has about 10M parameters whatever the input (width 2048 at 3x32x32); option
   ``params=`` sets another target (e.g. ``mlp10m:params=2000000``).
@@ -40,7 +46,7 @@ from .. import specs
 from ..errors import GradzipError
 from ..validation import is_int
 
-__all__ = ["names", "build", "MLP", "LeNet", "ResNet", "ResNet18"]
+__all__ = ["names", "build", "MLP", "LeNet", "ResNet", "ResNet18", "TinyTransformer"]
 
 _GLOBAL_RNG_LOCK = threading.Lock()
 
@@ -162,6 +168,27 @@ class ResNet18(_ResNetBase):
                 stages.append(_BasicBlock(cin, width * mult, 2 if (i > 0 and j == 0) else 1, norm))
                 cin = width * mult
         self._finish(stages, cin, num_classes)
+
+
+class TinyTransformer(nn.Module):
+    """A pre-LN transformer encoder over ``length`` token ids (see the module docstring)."""
+
+    def __init__(self, length: int, vocab: int, layers: int = 2, d: int = 64, heads: int = 4):
+        super().__init__()
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, d)
+        self.query = nn.Parameter(torch.randn(d) * 0.02)
+        self.position = nn.Parameter(torch.randn(length + 1, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, heads, dim_feedforward=4 * d, dropout=0.0,
+                                           activation="gelu", batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x.round().long().clamp_(0, self.vocab - 1))
+        h = torch.cat([tokens, self.query.expand(len(x), 1, -1)], dim=1) + self.position
+        return self.head(self.norm(self.encoder(h)[:, -1]))
 
 
 def mlp_width_for(params: int, features: int, num_classes: int) -> int:
@@ -294,6 +321,19 @@ def _resnet18(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
     _need_image("resnet18", shape, 1)
     width = _int_option("resnet18", "width", opts["width"], 1)
     return ResNet18(shape, num_classes, width=width, norm=_norm_option("resnet18", opts))
+
+
+@register("transformer", layers="2", d="64", heads="4")
+def _transformer(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
+    if len(shape) != 1:
+        raise GradzipError(f"model 'transformer' needs token sequences (N, T) as input, got input_shape "
+                           f"{shape}; use it with a sequence dataset such as 'modadd'.")
+    layers = _int_option("transformer", "layers", opts["layers"], 1)
+    d = _int_option("transformer", "d", opts["d"], 1)
+    heads = _int_option("transformer", "heads", opts["heads"], 1)
+    if d % heads:
+        raise GradzipError(f"model 'transformer' option d must be a multiple of heads, got d={d}, heads={heads}.")
+    return TinyTransformer(shape[0], num_classes, layers=layers, d=d, heads=heads)
 
 
 @register("mlp10m", params="10000000")

@@ -8,6 +8,9 @@
 - ``synthetic``: generated, no file. Options as a spec string,
   ``synthetic:n=8192,test=2048,shape=1x28x28,classes=10,seed=0`` (these are the defaults;
   ``shape=784`` gives flat features). See :func:`synthetic`.
+- ``modadd``: modular addition ``(a, b) -> (a + b) mod p`` as two float32 token ids
+  (not normalized), for the ``transformer`` model; ``modadd:p=97,train=0.5,seed=0``. See
+  :mod:`.algorithmic`.
 - ``mnist``, ``fashion-mnist``: the standard IDX files (``train-images-idx3-ubyte.gz`` ...,
   gzipped or not) in ``data_dir/<name>/`` or ``data_dir``; downloaded into
   ``data_dir/<name>/`` from the standard mirrors (MD5-checked) when missing.
@@ -20,7 +23,7 @@ are the same across runs; the per-epoch shuffling is :func:`shard`'s job.
 
 Modules: :mod:`.registry` (names -> loaders; :func:`register` adds one), :mod:`.base` (``Dataset``, normalisation),
 :mod:`.sampler` (``shard``), :mod:`.generated` (``synthetic``), :mod:`.digits`,
-:mod:`.storage` (finding, downloading and checking files), :mod:`.mnist` (IDX),
+:mod:`.algorithmic` (``modadd``), :mod:`.storage` (finding, downloading and checking files), :mod:`.mnist` (IDX),
 :mod:`.cifar`.
 """
 from .base import Dataset

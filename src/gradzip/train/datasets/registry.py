@@ -14,7 +14,7 @@ from typing import Callable
 from ... import specs
 from ...errors import GradzipError
 
-from . import cifar, digits, generated, mnist, storage
+from . import algorithmic, cifar, digits, generated, mnist, storage
 from .base import Dataset
 
 
@@ -67,6 +67,7 @@ register("mnist", files=True)(functools.partial(mnist.load, "mnist"))
 register("fashion-mnist", files=True, aliases=("fashion_mnist", "fashionmnist"))(
     functools.partial(mnist.load, "fashion-mnist"))
 register("cifar10", files=True, aliases=("cifar-10", "cifar_10"))(cifar.load)
+register("modadd", options=True)(lambda options: algorithmic.modadd(**algorithmic.parse_options(options)))
 
 
 def names() -> list[str]:
