@@ -112,7 +112,7 @@ def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOpti
     options = device.method_options(cfg.amp, cfg.options, cls)   # fp16: the exchange after unscaling
     return cls(params, lr=cfg.lr, comm=comm, momentum=cfg.momentum, nesterov=cfg.nesterov,
                weight_decay=cfg.weight_decay, seed=cfg.seed, nonfinite=cfg.nonfinite,
-               hierarchy=cfg.workers_per_node,
+               **({"hierarchy": cfg.workers_per_node} if cfg.workers_per_node is not None else {}),
                **({"transport": cfg.transport} if cfg.transport != "auto" else {}), **options)
 
 
