@@ -1,10 +1,8 @@
 """The timeline model's PSync transport costs (gradzip.bench.costs; issue 15, item 5):
 bytes per transport against values computed by hand from the spec's boxes."""
-import math
-
 import pytest
 
-from gradzip import optim, twophase
+from gradzip import twophase
 from gradzip.bench import costs, profiling, timeline
 from gradzip.compressors import build
 from gradzip.errors import GradzipError

@@ -183,7 +183,6 @@ def test_streaming_fragment_is_the_mean_at_its_syncs_and_untouched_otherwise():
 
 
 def test_alpha_one_leaves_the_local_model_while_the_global_copy_advances():
-    record = []
     plain = gradzip.simulate(2, lambda comm: run_diloco(
         comm, 6, lambda ps: torch.optim.SGD(ps, lr=0.05), H=1, outer_lr=0.0, outer_momentum=0.0,
         outer_nesterov=False, alpha=1.0))   # lr 0: θ̂ stays; α = 1: x untouched = pure local SGD

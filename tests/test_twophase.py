@@ -321,6 +321,7 @@ def test_2bit_sums_as_int16_from_128_workers_and_stays_on_allreduce():
 def test_two_phase_during_backward_equals_two_phase_in_step(name):
     """Hooked (several buckets launched during backward) = overlap off (one PSync call),
     bit for bit: the two-phase rule is per tensor, bucketing changes no number."""
+    import cases
     import cases_overlap
 
     def run(comm):
@@ -331,6 +332,8 @@ def test_two_phase_during_backward_equals_two_phase_in_step(name):
         (a, sa), (b, sb) = out["hooked"], out["off"]
         assert all(torch.equal(x, y) for x, y in zip(a, b))
         assert sa["gradzip"]["exchange_states"] and sa["gradzip"]["exchange_states"][0]["server_errors"]
+        cases.assert_bitwise_equal(sa["gradzip"]["exchange_states"], sb["gradzip"]["exchange_states"],
+                                   "server errors, hooked vs in step")
 
 
 def test_cdsgd_runs_two_phase_on_its_exchange_thread():

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import Group
-from ..evaluation import evaluation_model  # the library's; the loop calls it from here
+from ..evaluation import evaluation_model  # noqa: F401  (the library's; the loop calls it from here)
 
 
 @torch.no_grad()
