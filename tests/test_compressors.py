@@ -491,7 +491,8 @@ def test_which_codecs_sum():
     # 2bit: int8 to 127 workers, then int16 to 32767 (spec "Summand width"; was None from 128)
     assert build("2bit").sum_dtype(127) == torch.int8 and build("2bit").sum_dtype(128) == torch.int16
     assert build("2bit").sum_dtype(32767) == torch.int16 and build("2bit").sum_dtype(32768) is None
-    assert build("sign").sum_dtype(127) == torch.int8 and build("sign").sum_dtype(128) is None
+    assert build("sign").sum_dtype(127) == torch.int8 and build("sign").sum_dtype(128) == torch.int16
+    assert build("sign").sum_dtype(32768) is None
     assert build("none").sum_dtype(4, torch.float16) == torch.float16
     assert build("fp16").sum_dtype(4) == torch.float16 and build("randomk").sum_dtype(4) == torch.float32
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import gradzip
+from gradzip import kernels
 from gradzip import twophase as tp
 from gradzip.bench.profiling import RecordingGroup
 from gradzip.comm import make_group, simulate
@@ -310,6 +311,27 @@ def test_2bit_sums_as_int16_from_128_workers_and_stays_on_allreduce():
     packets = [codec.compress(torch.full((6,), 1.0)) for _ in range(200)]
     total = sum(codec.summand(p, 200).to(torch.int32) for p in packets).to(torch.int16)
     assert codec.summand(packets[0], 200).dtype == torch.int16
+    assert torch.equal(codec.from_sum(total, packets[0], 200), codec.aggregate(packets))
+    comm = RecordingGroup(200)
+    PSync(comm, codec, allow_twophase=False)([torch.randn(1000)], 1)
+    assert [k for k, _ in comm.calls] == ["allreduce"]
+
+
+@pytest.mark.parametrize("mode", ["torch", "auto"])
+def test_sign_sums_as_int16_from_128_workers_and_its_vote_is_the_allgather_vote(mode):
+    """The majority vote of 200 workers from the int16 sum equals the vote decoded from the
+    packets (ties: 0), on the torch and the fused path; the route stays allreduce."""
+    with kernels.use(mode):
+        _sign_int16_vote()
+
+
+def _sign_int16_vote():
+    codec = build("sign")
+    assert codec.sum_dtype(128) == torch.int16 and codec.sum_dtype(32768) is None
+    packets = [codec.compress(torch.randn(37, generator=torch.Generator().manual_seed(i)) + (i % 3 == 0))
+               for i in range(200)]
+    assert codec.summand(packets[0], 200).dtype == torch.int16
+    total = sum(codec.summand(p, 200).to(torch.int32) for p in packets).to(torch.int16)
     assert torch.equal(codec.from_sum(total, packets[0], 200), codec.aggregate(packets))
     comm = RecordingGroup(200)
     PSync(comm, codec, allow_twophase=False)([torch.randn(1000)], 1)

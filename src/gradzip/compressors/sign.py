@@ -133,15 +133,19 @@ class Sign(Compressor):
         return self.from_sum(total, first, len(packets))
 
     def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
-        return torch.int8 if world_size <= 127 else None
+        """int8 up to 127 workers, int16 up to 32767 (exact sums of ±1 codes; spec
+        "Summand width")."""
+        return torch.int8 if world_size <= 127 else torch.int16 if world_size <= 32767 else None
 
     def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
         if fused(packet.wire["bits"]):
             out = torch.empty(packet.numel, dtype=torch.int8)
             ek.decode1(kernels.array(packet.wire["bits"].contiguous()), kernels.array(value_table(_PM1, torch.int8)),
                        kernels.array(out))
-            return out
-        return decode_lut(packet.wire["bits"], 1, _PM1, packet.numel, torch.int8)
+        else:
+            out = decode_lut(packet.wire["bits"], 1, _PM1, packet.numel, torch.int8)
+        width = self.sum_dtype(world_size) or torch.int8
+        return out if width == torch.int8 else out.to(width)
 
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
         if (fused(total) and packet.dtype.is_floating_point
