@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import gradzip
+from gradzip.nonfinite import NonFiniteGradient
 from gradzip import compressors, seeds
 from gradzip.errors import GradzipError
 from gradzip.launch import run_processes
@@ -237,3 +238,27 @@ def test_real_gloo_path_conserves_and_evaluates_the_servers_model():
         server = runs[0][2]
         assert server["server_version"] == n * steps and server["pushes_per_worker"] == [steps] * n
         assert all("staleness_mean" in r[2] for r in runs[1:])   # the other workers' own statistics
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_a_codec_overflow_is_refused_before_the_push(nonfinite):
+    """fp16 turns a finite 1e6 into Inf: the worker raises before pushing (the server's
+    version and model stay), naming the tensor; "off" pushes it."""
+    model = torch.nn.Linear(3, 1)
+    opt = ASGD(model.parameters(), lr=0.1, compressor="fp16", nonfinite=nonfinite)
+    before = [p.detach().clone() for p in model.parameters()]
+    model.weight.grad = torch.full((1, 3), 1e6)
+    model.bias.grad = torch.zeros(1)
+    with pytest.raises(NonFiniteGradient, match="tensor #0 decodes to NaN or Inf"):
+        opt.step()
+    assert opt.steps == 0 and opt.metrics()["server_version"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    off = ASGD(model.parameters(), lr=0.1, compressor="fp16", nonfinite="off")
+    off.step()
+    assert not torch.isfinite(model.weight).all()
+
+
+@pytest.mark.parametrize("option", [dict(transport="twophase"), dict(hierarchy=2)])
+def test_transport_and_hierarchy_are_refused(option):
+    with pytest.raises(GradzipError, match="point to point to the parameter server"):
+        ASGD(torch.nn.Linear(2, 1).parameters(), lr=0.1, **option)

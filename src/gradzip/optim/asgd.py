@@ -78,6 +78,7 @@ from ..comm.p2p import TorchStar, shared_object
 from ..compressors import Compressor, Packet, build
 from ..errors import GradzipError
 from ..exchange import Timings
+from ..nonfinite import NonFiniteGradient, first_nonfinite
 from ..validation import is_int, require
 from .base import DistributedOptimizer
 
@@ -418,6 +419,9 @@ class ASGD(DistributedOptimizer):
         if codec.name in _REFUSED:
             raise GradzipError(f"{name}: compressor {codec.spec!r} cannot be pushed to a parameter server "
                                f"({_REFUSED[codec.name]}); use another codec, e.g. topk:ratio=0.01")
+        require(kwargs.get("transport", "auto") == "auto" and kwargs.get("hierarchy") in (None, 1), name,
+                "pushes go point to point to the parameter server, not through a PSync transport: leave "
+                "transport and hierarchy (CLI --transport, --workers-per-node) unset")
         super().__init__(params, lr, **kwargs)
         self.staleness = staleness
         self.order = order
@@ -494,7 +498,7 @@ class ASGD(DistributedOptimizer):
         if skipped:
             return loss
         began = time.perf_counter()
-        packets = []
+        packets, residuals = [], []
         for key, (group, p) in enumerate(pairs):
             seed = codec_seed(self.codec, self._codec_seed, self.steps, key, self.comm.rank)
             if self.error_feedback:
@@ -502,9 +506,12 @@ class ASGD(DistributedOptimizer):
                 v = p.grad if error is None else error.add(p.grad)
                 residual = torch.empty_like(v, memory_format=torch.contiguous_format)
                 packets.append(self.codec.compress_residual(v, seed, residual))
-                self.state[p]["error"] = residual                     # e_i = p − dec(c)
+                residuals.append((p, residual))
             else:
                 packets.append(self.codec.compress(p.grad, seed))
+        self._refuse_overflow(packets)
+        for p, residual in residuals:
+            self.state[p]["error"] = residual                         # e_i = p − dec(c)
         head = torch.tensor([self.comm.rank, self.steps, self._pulled_version, len(self.param_groups)],
                             dtype=torch.int64)
         lrs = torch.tensor([g["lr"] for g in self.param_groups], dtype=torch.float64)
@@ -526,6 +533,23 @@ class ASGD(DistributedOptimizer):
         self._wire_sent += wire
         self._load_reply(reply, params)
         return loss
+
+    def _refuse_overflow(self, packets: list[Packet]) -> None:
+        """The server applies every push as it comes, so a packet that decodes to NaN/Inf
+        from a finite gradient (a codec overflow: fp16 above 65504, ...) is refused here,
+        before it is pushed and before the error memory changes (``nonfinite="off"``: not
+        checked). A-SGD cannot skip a push (the server and its clocks count each one), so
+        ``"skip"`` raises too."""
+        if self.nonfinite == "off" or self.codec.name == "none":
+            return
+        bad = first_nonfinite([self.codec.decompress(pk) for pk in packets])
+        if bad >= 0:
+            self.steps -= 1
+            raise NonFiniteGradient(
+                f"ASGD step {self.steps + 1}: the {self.codec.spec} packet of tensor #{bad} decodes to NaN or Inf "
+                "from a finite gradient (the codec overflowed); nothing was pushed and the error memory is "
+                "unchanged. Lower the learning rate, clip gradients or pick a codec with a wider range "
+                "(A-SGD cannot skip a push: its server applies every one)")
 
     def _load_reply(self, reply: torch.Tensor, params: list[torch.Tensor]) -> None:
         version, staleness = reply[:16].view(torch.int64).tolist()
