@@ -6,7 +6,8 @@ rank, the evaluation history and a summary; rank 0's are the run's record.
 
 Time per step is split into *compute* (forward + backward, less the exchange work that
 gradient hooks run during backward, plus an injected straggler delay: ``cfg.straggler``,
-:mod:`gradzip.stragglers`, slept after the backward pass and before ``optimizer.step()``;
+:mod:`gradzip.stragglers`, slept before the forward pass, so it also holds back an exchange
+that gradient hooks start during backward;
 the seconds injected are also recorded as ``straggler_delay_s``), *compress* (codec work:
 compress, decode, packing — measured inside PSync), *communicate* (time blocked waiting
 for collectives) and *update* (the rest of ``optimizer.step()``). Bytes are what this
@@ -106,6 +107,7 @@ class _Job:
     bar: Any = None
     began: float = 0.0             # perf_counter() at which the run's clock (resumed: its clock) started
     straggler: stragglers.Straggler | None = None
+    last_compute_s: float = 0.0    # the previous step's compute without its delay (slow:rank=R,factor=F)
 
     @property
     def total(self) -> int:
@@ -197,6 +199,9 @@ def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
                 group["lr"] = optim.lr_at(opt.steps + 1, *job.lr_rule)
         t0 = time.perf_counter()
         blocked = _exchange_blocked_s(opt)
+        # seeded by (seed, rank, step), slept before the forward pass so that it also delays an
+        # exchange the gradient hooks start during backward; counted as compute
+        slept = _straggle(job, state.done + 1, job.last_compute_s) if job.straggler is not None else 0.0
         if job.sam is None:
             opt.zero_grad(set_to_none=True)
             x, y = job.ds.train_x[idx].to(job.device), job.ds.train_y[idx].to(job.device)
@@ -204,15 +209,12 @@ def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
                 loss = F.cross_entropy(job.model(x), y)
             job.precision.backward(loss)
             in_backward = _exchange_blocked_s(opt) - blocked   # codec work the gradient hooks did
-            if job.straggler is not None:   # seeded by (seed, rank, step); counted as compute
-                _straggle(job, state.done + 1, time.perf_counter() - t0 - in_backward)
             t1 = time.perf_counter()
             job.precision.step(opt)
         else:
             loss, forward_s = _sam_step(job, idx)
-            if job.straggler is not None:
-                forward_s += _straggle(job, state.done + 1, forward_s)
-            t1, in_backward = t0 + forward_s, 0.0   # SAM's passes run with the hooks idle
+            t1, in_backward = t0 + slept + forward_s, 0.0   # SAM's passes run with the hooks idle
+        job.last_compute_s = t1 - t0 - slept - in_backward   # the next step's slow:factor delay
         t2 = time.perf_counter()
         state.compute_s += t1 - t0 - in_backward
         state.step_s += t2 - t1 + in_backward
@@ -246,7 +248,8 @@ def _sam_step(job: _Job, idx) -> tuple[torch.Tensor, float]:
 
 def _straggle(job: _Job, step: int, compute_s: float) -> float:
     """Sleep this worker's straggler delay for ``step`` (1-based, over the whole run),
-    record it and return it."""
+    record it and return it. ``compute_s``: the previous step's compute, which a
+    ``slow:rank=R,factor=F`` worker stretches by F (none on a run's first step)."""
     delay = job.straggler.delay(job.cfg.seed, job.comm.rank, step, compute_s)
     if delay > 0:
         with maybe_span(job.tracer, "straggler", cat="harness", step=step):
