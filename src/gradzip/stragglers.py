@@ -16,8 +16,9 @@ max_i δ_i + communication. :func:`parse` reads the ``--straggler`` spec:
 Delays are drawn from ``random.Random(seeds.straggler_seed(seed, rank, step))``: a function
 of the run's seed, the rank and the step only, so every method compared in one run sees
 the same delays, and a resumed run the same as an uninterrupted one. The training loop
-(:mod:`gradzip.train.loop`) sleeps the delay after the backward pass, before the
-optimizer's exchange, and counts it as **compute** (a straggler is a worker that computes
+(:mod:`gradzip.train.loop`) sleeps the delay before the forward pass, so it also holds
+back an exchange that gradient hooks start during backward (``slow`` stretches the previous
+step's compute), and counts it as **compute** (a straggler is a worker that computes
 slowly); the seconds injected are recorded (``straggler_delay_s``). The timeline model
 (:mod:`gradzip.bench.timeline`) adds :meth:`Straggler.expected_wait` to the compute of a
 synchronous iteration, with these same formulas.
