@@ -221,7 +221,9 @@ class Heartbeat:
                     self.store_error = _first_line(exc)
             if self.store_error is not None:
                 return
-        if self.store_error is None:
+        # "left" tells peers still in the group; once the group is destroyed its store's host
+        # may be going away, and a store call then could outlive the interpreter's exit
+        if self.store_error is None and dist.is_initialized() and dist.group.WORLD is self._pg():
             self.announce("left", "", ())
 
     def stop(self) -> None:
