@@ -225,7 +225,7 @@ def _configs(args) -> list:
                   lr_scaling=args.lr_scaling, base_batch=args.base_batch or 0, warmup_epochs=args.warmup_epochs,
                   sam_rho=args.sam_rho, transport=args.transport,
                   workers_per_node=args.workers_per_node,
-                  straggler=_straggler(args.straggler), **_checkpointing(args))
+                  straggler=stragglers.canonical(args.straggler), **_checkpointing(args))
     given = _given_options(args)
     if args.command == "train":
         label = method_label(args.algo, given.get("compressor"))
@@ -249,11 +249,6 @@ def _configs(args) -> list:
         checkpoint.check_directory(cfg.checkpoint_dir)
     return cfgs
 
-
-def _straggler(raw: str | None) -> str | None:
-    """``--straggler`` checked, as its canonical spec (None for none)."""
-    parsed = stragglers.parse(raw)
-    return parsed.spec if parsed is not None else None
 
 
 def _file_safe(label: str) -> str:

@@ -164,6 +164,13 @@ def parse(spec: "str | Straggler | None") -> Straggler | None:
     return Straggler(kind, mean=values["mean"], std=values.get("std", 0.0))
 
 
+def canonical(spec: "str | Straggler | None") -> str | None:
+    """``spec`` checked (:func:`parse`) and written in its canonical form; None for none
+    (what ``--straggler`` stores in a run's config)."""
+    parsed = parse(spec)
+    return parsed.spec if parsed is not None else None
+
+
 def check_rank(straggler: Straggler | None, world_size: int) -> None:
     """``slow:rank=R`` must name a worker of the run."""
     if straggler is not None and straggler.kind == "slow" and straggler.rank >= world_size:

@@ -116,12 +116,8 @@ def net_bench(args) -> emulated.NetBench:
                              latencies=latencies, algos=algos, model=args.model, shape=args.shape,
                              batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, threads=args.threads,
                              check_mb=args.check_mb, out=args.out, workers_per_node=args.workers_per_node,
-                             straggler=_straggler(args.straggler))
+                             straggler=stragglers.canonical(args.straggler))
 
-
-def _straggler(raw: str | None) -> str | None:
-    parsed = stragglers.parse(raw)
-    return parsed.spec if parsed is not None else None
 
 
 def _read_net_results(path: Path, flag: str) -> dict[str, Any]:
@@ -273,7 +269,7 @@ def run_model(args, command: str) -> dict[str, Any]:
                                          "transports": _transports(args.transports),
                                          "workers_per_node": args.workers_per_node,
                                          "intra_bps": args.intra_gbit * 1e9,
-                                         "straggler": _straggler(args.straggler)}
+                                         "straggler": stragglers.canonical(args.straggler)}
         print("### Projection\n")
         print(tables.codec_table(rows) + "\n")
         print(tables.projection_table(rows) + "\n")
