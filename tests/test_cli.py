@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from gradzip.cli import main, parse_algos
+from gradzip.cli import _configs, build_parser, main, parse_algos
 from gradzip.errors import GradzipError
 
 from conftest import SHARED_DATA
@@ -226,3 +226,21 @@ def test_resume_at_a_step_directory_or_a_foreign_directory_is_refused(tmp_path, 
     assert main(["train", "--epochs", "1", "--quiet", "--resume", str(target)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--algo", "ssgd"], [0.1]),
+    (["train", "--algo", "onebitadam"], [1e-3]),
+    (["train", "--algo", "adamw"], [1e-3]),
+    (["train", "--algo", "lamb"], [1e-3]),
+    (["train", "--algo", "lars"], [1.0]),
+    (["train", "--algo", "diloco"], [1e-3]),
+    (["train", "--algo", "diloco", "--inner", "sgd"], [0.1]),
+    (["train", "--algo", "onebitadam", "--lr", "0.05"], [0.05]),
+    (["compare", "--algos", "ssgd,zerooneadam,onebitlamb"], [0.1, 1e-3, 1e-3]),
+    (["compare", "--algos", "ssgd,zerooneadam", "--lr", "0.2"], [0.2, 0.2]),
+])
+def test_lr_defaults_to_the_methods_own(argv, expected):
+    """Without --lr each method takes its own default (momentum SGD's 0.1 diverged 1-bit /
+    0/1 Adam and AdamW on digits); a given --lr applies to every method."""
+    assert [cfg.lr for cfg in _configs(build_parser().parse_args(argv))] == expected

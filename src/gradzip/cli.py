@@ -32,7 +32,7 @@ from .optim.options import FLOAT32_MAX
 from .bench import emulated, netns
 from .bench.units import format_rate, parse_ints, parse_rates
 from .train import checkpoint, config_file, datasets, device, models, projection, report
-from .train.config import SEED_LIMIT, RunConfig, make_optimizer, method_label, parse_algos
+from .train.config import SEED_LIMIT, RunConfig, make_optimizer, method_class, method_label, parse_algos
 from .train.loop import run_many
 
 DEFAULT_COMPARE = "ssgd,efsgd@topk:ratio=0.01,efsgd@1bit,bitsgd,ssgd@qsgd,ssgd@terngrad"
@@ -81,7 +81,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="mlp", help=f"one of {', '.join(models.names())} (default: %(default)s)")
     g.add_argument("--epochs", type=positive_int, default=20, help="default: %(default)s")
     g.add_argument("--batch-size", type=positive_int, default=32, help="per worker (default: %(default)s)")
-    g.add_argument("--lr", type=non_negative, default=0.1, help="learning rate (default: %(default)s)")
+    g.add_argument("--lr", type=non_negative, default=None,
+                   help="learning rate (default: the method's own: 0.1 for the SGD methods, 1.0 for LARS "
+                        "(its trust coefficient scales it), 0.001 for the Adam and LAMB methods and "
+                        "DiLoCo's AdamW)")
     g.add_argument("--momentum", type=fraction, default=0.0,
                    help="default: %(default)s (BIT-SGD with momentum 0.9 at lr 0.1 is unstable: docs/benchmarks.md)")
     g.add_argument("--nesterov", action="store_true")
@@ -218,7 +221,7 @@ def parse_args(argv: Sequence[str] | None = None, parser: argparse.ArgumentParse
 
 def _configs(args) -> list:
     common = dict(dataset=args.dataset, data_dir=args.data_dir, download=args.download, model=args.model, epochs=args.epochs,
-                  batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
+                  batch_size=args.batch_size, momentum=args.momentum, nesterov=args.nesterov,
                   weight_decay=args.weight_decay, seed=args.seed, eval_on=args.eval_on,
                   nonfinite=args.nonfinite, device=args.device, amp=args.amp, trace=bool(args.trace),
                   progress=not args.quiet,
@@ -229,7 +232,7 @@ def _configs(args) -> list:
     given = _given_options(args)
     if args.command == "train":
         label = method_label(args.algo, given.get("compressor"))
-        return [RunConfig(algo=args.algo, options=given, label=label, **common)]
+        return [RunConfig(algo=args.algo, options=given, label=label, lr=_lr(args, args.algo, given), **common)]
     cfgs, used = [], set()
     for algo, codec in parse_algos(args.algos):
         accepted = optim.method_options(optim.METHODS[algo])
@@ -241,7 +244,7 @@ def _configs(args) -> list:
         run = dict(common)
         if run["checkpoint_dir"]:  # one subdirectory per method
             run["checkpoint_dir"] = str(Path(run["checkpoint_dir"]) / _file_safe(label))
-        cfgs.append(RunConfig(algo=algo, options=options, label=label, **run))
+        cfgs.append(RunConfig(algo=algo, options=options, label=label, lr=_lr(args, algo, options), **run))
     unused = sorted(set(given) - used)
     if unused:
         raise GradzipError(f"no method in --algos takes --{', --'.join(u.replace('_', '-') for u in unused)}")
@@ -249,6 +252,11 @@ def _configs(args) -> list:
         checkpoint.check_directory(cfg.checkpoint_dir)
     return cfgs
 
+
+
+def _lr(args, algo: str, options: dict) -> float:
+    """``--lr``, or the method's own default where it is not given (``default_lr``)."""
+    return args.lr if args.lr is not None else method_class(algo).default_lr(options)
 
 
 def _file_safe(label: str) -> str:

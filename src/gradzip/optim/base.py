@@ -51,7 +51,7 @@ from .. import consistency
 from ..double_sync import refuse_ddp_double_sync
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync
-from ..twophase import TRANSPORTS
+from ..twophase import check_transport
 from ..hierarchy import check_workers_per_node
 from ..nonfinite import NONFINITE_POLICIES
 from ..replicas import parameter_digest
@@ -81,6 +81,12 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
     #: its exchanges keep to the exact transports (``transport="twophase"`` is refused).
     reads_packets: bool = False
 
+    @classmethod
+    def default_lr(cls, options: dict) -> float:
+        """The learning rate the CLI uses where ``--lr`` is not given, for this method with
+        ``options``: 0.1 (momentum SGD); the Adam and LAMB methods say 0.001."""
+        return 0.1
+
     def __init__(self, params: Iterable, lr: float, *, comm: "comm_lib.Group | None" = None,
                  momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
@@ -92,7 +98,7 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
         require(is_int(bucket_bytes) and bucket_bytes >= 1, name,
                 f"bucket_bytes must be an integer >= 1, got {bucket_bytes!r}")
         require(is_int(seed), name, f"seed must be an integer, got {seed!r}")
-        require(transport in TRANSPORTS, name, f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        check_transport(transport, name)
         require(transport != "twophase" or not self.reads_packets, name,
                 "transport='twophase' is not available: this method reads the whole-tensor packets of its "
                 "exchange; use transport='auto', 'allreduce' or 'allgather'")

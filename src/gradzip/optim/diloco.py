@@ -233,6 +233,11 @@ class DiLoCoMethod(DiLoCo):
 
     INNER = ("adamw", "sgd")
 
+    @classmethod
+    def default_lr(cls, options: dict) -> float:
+        """The inner optimizer's: AdamW's 0.001, or momentum SGD's 0.1."""
+        return 0.1 if options.get("inner", "adamw") == "sgd" else 1e-3
+
     def __init__(self, params, lr, *, inner: str = "adamw", inner_lr: float | None = None, H: int = 8,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True,
                  compressor: str = "none", fragments: int = 1, delay: int = 0, alpha: float = 0.0,

@@ -62,6 +62,10 @@ def _norm(t: torch.Tensor) -> float:
 class _CompressedAdaptive(DistributedOptimizer):
     """What 1-bit Adam, 0/1 Adam and 1-bit LAMB share (module docstring)."""
 
+    @classmethod
+    def default_lr(cls, options: dict) -> float:
+        return 1e-3   # Adam's (Kingma & Ba); 0.1, momentum SGD's, diverges on digits
+
     def __init__(self, params, lr, *, betas: "tuple[float, float] | str" = (0.9, 0.999), eps: float = 1e-8,
                  compressor: str = DEFAULT_CODEC, **kwargs):
         name = type(self).__name__
