@@ -66,6 +66,64 @@ def timeline(compute: float, compress: float, communicate: float, update: float,
     return t
 
 
+#: Share of the compute (forward + backward) that is backward: backward costs about twice
+#: the forward's FLOPs (a gradient for the input and one for the weights per layer).
+BACKWARD_SHARE = 2 / 3
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket of an exchange that starts during backward (:mod:`gradzip.optim.overlap`),
+    in launch order (reverse parameter order). ``share``: the fraction of backward's time
+    spent on its parameters' gradients; ``compress``: encoding seconds, run by the gradient
+    hook on the training thread (it delays the rest of backward); ``communicate``: seconds
+    on the link; ``decode``: seconds in ``step()`` once its collective completed."""
+
+    share: float
+    compress: float
+    communicate: float
+    decode: float = 0.0
+
+
+def backward_timeline(forward: float, backward: float, buckets: Sequence[Bucket], update: float,
+                      tail: float = 0.0) -> Timeline:
+    """The event model of one iteration of a method whose exchange starts during backward
+    (``overlap_backward``). Track ``main``: forward, then per bucket its share of backward
+    and its encoding (the hook's); when that is done the bucket's collective joins the
+    ``link`` track, which carries one collective at a time in launch order (FIFO, as one
+    process group does). ``step()`` then decodes each bucket once its collective is done,
+    runs ``tail`` (the step's other exchanges and collectives, e.g. CSER's error reset,
+    in sequence) and the update. So the period is ``forward + max(backward end, last
+    bucket done) + decode + tail + update`` with the buckets' communication hidden behind
+    the rest of backward as far as the link keeps up: one bucket = no overlap (the
+    sequential sum); many small buckets on a fast link = only the last bucket's
+    communication shows."""
+    t = Timeline()
+    clock, link, done = forward, 0.0, []
+    t.spans.append(("forward", "main", 0.0, forward))
+    for b in buckets:
+        for phase, seconds in (("backward", b.share * backward), ("compress", b.compress)):
+            t.spans.append((phase, "main", clock, clock + seconds))
+            clock += seconds
+        start = max(clock, link)
+        link = start + b.communicate
+        t.spans.append(("communicate", "link", start, link))
+        done.append(link)
+    rest = backward * (1.0 - sum(b.share for b in buckets))   # backward not covered by a bucket
+    if rest > 0:
+        t.spans.append(("backward", "main", clock, clock + rest))
+        clock += rest
+    for b, ready in zip(buckets, done):
+        clock = max(clock, ready)
+        t.spans.append(("decode", "main", clock, clock + b.decode))
+        clock += b.decode
+    for phase, seconds in (("tail", tail), ("update", update)):
+        t.spans.append((phase, "main", clock, clock + seconds))
+        clock += seconds
+    t.period = clock
+    return t
+
+
 def predict(profile: MethodProfile, compute: float, bandwidth_Bps: float, alpha_s: float,
             codec_scale: float = 1.0, transport: str | None = None, hierarchy: int = 1,
             intra_Bps: float | None = None, intra_alpha_s: float = 0.0,

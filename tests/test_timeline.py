@@ -1,0 +1,50 @@
+"""The timeline model of an exchange that starts during backward (gradzip.bench.timeline):
+hand-computed cases of backward_timeline, and its use by predict() for the methods with
+overlap_backward on."""
+import pytest
+
+from gradzip.bench import timeline
+from gradzip.bench.profiling import profile_method
+from gradzip.bench.timeline import Bucket, backward_timeline
+
+
+def test_one_bucket_is_the_sequential_sum():
+    # forward 1, backward 2, encode 0.5, link 3, decode 0.25, update 0.125: nothing overlaps
+    t = backward_timeline(1.0, 2.0, [Bucket(1.0, 0.5, 3.0, 0.25)], 0.125)
+    assert t.period == pytest.approx(1 + 2 + 0.5 + 3 + 0.25 + 0.125)
+    seq = timeline.timeline(3.0, 0.75, 3.0, 0.125, overlaps=False)
+    assert t.period == pytest.approx(seq.period)
+
+
+def test_many_equal_buckets_on_a_fast_link_hide_all_but_the_last():
+    # 10 buckets of backward 0.1 each, link 0.05 each (< backward per bucket): every
+    # collective ends before the next bucket is ready; only the last one's 0.05 shows
+    buckets = [Bucket(0.1, 0.0, 0.05) for _ in range(10)]
+    t = backward_timeline(0.5, 1.0, buckets, 0.2)
+    assert t.period == pytest.approx(0.5 + 1.0 + 0.05 + 0.2)
+    links = [s for s in t.spans if s[1] == "link"]
+    assert [s[2] for s in links] == pytest.approx([0.5 + 0.1 * (i + 1) for i in range(10)])
+
+
+def test_a_slow_link_serialises_the_buckets():
+    # 4 buckets of backward 0.25, link 1.0 each: the link starts at the first bucket's
+    # readiness (forward 1 + 0.25) and then runs back to back: 1.25 + 4 = 5.25, + update 0.5
+    t = backward_timeline(1.0, 1.0, [Bucket(0.25, 0.0, 1.0) for _ in range(4)], 0.5)
+    assert t.period == pytest.approx(5.75)
+    # the sum model would say 1 + 1 + 4 + 0.5 = 6.5; the overlap saves the 0.75 of backward
+    assert timeline.timeline(2.0, 0.0, 4.0, 0.5, overlaps=False).period - t.period == pytest.approx(0.75)
+
+
+def test_encoding_runs_on_the_training_thread_and_decoding_after_each_collective():
+    # two buckets: backward 1 each, encode 0.5 each (delays backward), link 0.1, decode 0.2
+    t = backward_timeline(0.0, 2.0, [Bucket(0.5, 0.5, 0.1, 0.2), Bucket(0.5, 0.5, 0.1, 0.2)], 0.0, tail=0.3)
+    # main: bw 0-1, enc 1-1.5, bw 1.5-2.5, enc 2.5-3; link 1.5-1.6, 3-3.1; decode the first
+    # at once 3-3.2, the second (done at 3.1) 3.2-3.4; tail 3.4-3.7
+    assert t.period == pytest.approx(3.7)
+    decodes = [s[2:] for s in t.spans if s[0] == "decode"]
+    assert decodes == [pytest.approx((3.0, 3.2)), pytest.approx((3.2, 3.4))]
+
+
+def test_backward_outside_the_buckets_still_counts():
+    assert backward_timeline(1.0, 2.0, [], 0.5).period == pytest.approx(3.5)
+    assert backward_timeline(0.0, 2.0, [Bucket(0.5, 0.0, 0.0)], 0.0).period == pytest.approx(2.0)
