@@ -48,3 +48,38 @@ def test_encoding_runs_on_the_training_thread_and_decoding_after_each_collective
 def test_backward_outside_the_buckets_still_counts():
     assert backward_timeline(1.0, 2.0, [], 0.5).period == pytest.approx(3.5)
     assert backward_timeline(0.0, 2.0, [Bucket(0.5, 0.0, 0.0)], 0.0).period == pytest.approx(2.0)
+
+
+SHAPES = [(64, 32), (64,), (32, 16), (16,)]
+
+
+def test_profile_notes_the_buckets_of_an_overlapping_method():
+    # bucket_bytes of one small tensor: several buckets, in reverse parameter order
+    prof = profile_method("ssgd", {"bucket_bytes": 4096}, SHAPES, 4, steps=1, warmup=0)
+    assert prof.overlaps_backward and not prof.overlaps
+    (part,) = prof.bucket_costs(1e9 / 8, 1e-5)
+    assert [n for n, _ in part["buckets"]] == [16 + 32 * 16 + 64, 64 * 32]
+    assert all(s > 0 for _, s in part["buckets"])
+    off = profile_method("ssgd", {"overlap_backward": False}, SHAPES, 4, steps=1, warmup=0)
+    assert not off.overlaps_backward and off.bucket_costs(1e9 / 8, 1e-5)[0]["buckets"] == []
+
+
+def test_predict_credits_the_exchange_during_backward():
+    on = profile_method("ssgd", {"bucket_bytes": 4096}, SHAPES, 4, steps=1, warmup=0)
+    off = profile_method("ssgd", {"overlap_backward": False}, SHAPES, 4, steps=1, warmup=0)
+    slow = 1e6 / 8   # 1 Mbit/s: the network dominates
+    p_on, p_off = timeline.predict(on, 0.3, slow, 1e-5), timeline.predict(off, 0.3, slow, 1e-5)
+    assert p_on["communicate"] == pytest.approx(p_off["communicate"], rel=1e-3)   # buckets: extra latency only
+    # sequential: compute + compress + comm + update; with the buckets, the first bucket's
+    # collective hides behind the rest of backward (its share: 2/3 of 0.3 s x 2048/2640)
+    assert p_off["iteration"] == pytest.approx(0.3 + p_off["compress"] + p_off["communicate"] + p_off["update"])
+    hidden = p_off["iteration"] - p_on["iteration"]
+    assert 0 < hidden <= 0.2 * 2048 / 2640 + 1e-6
+    # a fast link: everything hidden but the last (small) bucket's collective
+    fast = timeline.predict(on, 0.3, 1e12, 1e-3)
+    (part,) = on.bucket_costs(1e12, 1e-3)
+    last = part["buckets"][-1][1]
+    # (the first bucket's decoding also runs while the last one's collective is in flight)
+    local = 0.3 + fast["compress"] + part["other_s"] + fast["update"]
+    assert local - 1e-9 <= fast["iteration"] <= local + last + 1e-9
+    assert last < fast["communicate"]

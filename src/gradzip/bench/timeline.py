@@ -5,7 +5,10 @@ emulated network and its projection to large clusters.
 (the training thread, a background exchange); its period is
 
 * ``compute + compress + communicate + update`` for a method that exchanges inside
-  ``step()`` (S-SGD, EF-SGD, BIT-SGD, ...);
+  ``step()`` (local SGD, PowerSGD, any method with ``overlap_backward=False``, ...);
+* ``forward + max(backward end, last bucket done) + decode + update`` for one whose
+  exchange starts during backward (``overlap_backward``: S-SGD, EF-SGD, BIT-SGD, CSEA,
+  DGC, CSER's gradient exchange; :func:`backward_timeline`, :func:`backward_period`);
 * ``max(compute, compress + communicate) + update`` for one that overlaps the exchange
   with the next step's computation (``overlaps_exchange``: OD-SGD, CD-SGD): the max, not
   the sum.
@@ -23,6 +26,7 @@ each method for many worker counts and link rates (a ResNet-50-sized model by de
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -124,6 +128,34 @@ def backward_timeline(forward: float, backward: float, buckets: Sequence[Bucket]
     return t
 
 
+def backward_period(profile: MethodProfile, compute: float, compress: float, update: float,
+                    parts: Sequence[dict[str, Any]], wait: float = 0.0, scale: float = 1.0) -> float:
+    """Mean period of :func:`backward_timeline` over profiled steps (``parts``:
+    :meth:`MethodProfile.bucket_costs`, network seconds times ``scale``). ``compute`` is
+    split :data:`BACKWARD_SHARE` to backward (``wait``, a straggler's, comes before the
+    forward), and backward's time over the buckets in proportion to their elements, as is
+    the codec work ``compress`` (its decoding part as in the profile; what the step's
+    other exchanges code goes to the ``tail``).
+
+    Assumption: backward time per parameter ∝ its elements (exact for dense layers at a
+    fixed batch). A convolution's FLOPs also scale with its output's spatial size, so in a
+    CNN the last layers (the first buckets, many parameters on small maps) take less of
+    backward than their elements say: their buckets are ready earlier than modelled, and
+    the model errs on the side of less overlap."""
+    decode = compress * profile.decode_s / profile.compress_s if profile.compress_s > 0 else 0.0
+    encode, periods = compress - decode, []
+    for part in parts:
+        sizes = [elements for elements, _ in part["buckets"]]
+        coded = sum(sizes) + part["other_elements"]
+        per = (encode / coded, decode / coded) if coded else (0.0, 0.0)
+        buckets = [Bucket(n / sum(sizes), n * per[0], seconds * scale, n * per[1])
+                   for n, seconds in part["buckets"]]
+        tail = part["other_s"] * scale + part["other_elements"] * (per[0] + per[1])
+        periods.append(backward_timeline((1 - BACKWARD_SHARE) * compute + wait, BACKWARD_SHARE * compute,
+                                         buckets, update, tail).period)
+    return statistics.fmean(periods)
+
+
 def predict(profile: MethodProfile, compute: float, bandwidth_Bps: float, alpha_s: float,
             codec_scale: float = 1.0, transport: str | None = None, hierarchy: int = 1,
             intra_Bps: float | None = None, intra_alpha_s: float = 0.0,
@@ -146,8 +178,12 @@ def predict(profile: MethodProfile, compute: float, bandwidth_Bps: float, alpha_
         comm, wire, uses = cost["seconds"], cost["wire_bytes"], cost["transports"]
         compress = profile.codec_time(uses, hierarchy) * codec_scale
     update = profile.update_s * codec_scale
-    tl = timeline(compute + straggler_wait, compress, comm, update, profile.overlaps)
-    return {"iteration": tl.period, "compute": compute, "straggler_wait": straggler_wait, "compress": compress,
+    if profile.overlaps_backward and not profile.overlaps:
+        parts = profile.bucket_costs(bandwidth_Bps, alpha_s, transport, hierarchy, intra_Bps, intra_alpha_s)
+        period = backward_period(profile, compute, compress, update, parts, straggler_wait)
+    else:
+        period = timeline(compute + straggler_wait, compress, comm, update, profile.overlaps).period
+    return {"iteration": period, "compute": compute, "straggler_wait": straggler_wait, "compress": compress,
             "communicate": comm, "update": update, "wire_bytes": wire, "uses": uses}
 
 
