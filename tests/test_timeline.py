@@ -6,6 +6,7 @@ import pytest
 from gradzip.bench import timeline
 from gradzip.bench.profiling import profile_method
 from gradzip.bench.timeline import Bucket, backward_timeline
+from gradzip.train import projection
 
 
 def test_one_bucket_is_the_sequential_sum():
@@ -83,3 +84,19 @@ def test_predict_credits_the_exchange_during_backward():
     local = 0.3 + fast["compress"] + part["other_s"] + fast["update"]
     assert local - 1e-9 <= fast["iteration"] <= local + last + 1e-9
     assert last < fast["communicate"]
+
+
+def test_the_main_jobs_projection_credits_the_exchange_during_backward():
+    # a run's summary and history as the loop writes them (phase times: epoch totals)
+    shapes, steps = [list(s) for s in SHAPES], 10
+    history = [{"epoch": e, "step": e * steps, "time_compute_s": 0.01 * steps, "time_compress_s": 0.0,
+                "time_update_s": 0.001 * steps, "bytes_sent_per_worker": 0.0} for e in (1, 2)]
+    def run(options):
+        summary = {"algo": "ssgd", "method": "ssgd", "options": options, "workers": 4, "steps": 2 * steps,
+                   "batch_size_per_worker": 8, "training_samples": steps * 4 * 8, "parameter_shapes": shapes,
+                   "bytes_sent_per_worker": 0.0, "time_compute_s": 0.2, "time_compress_s": 0.0, "time_update_s": 0.02}
+        return {"summary": summary, "history": history}
+    on, off = projection.project_runs([run({"bucket_bytes": 4096}), run({"overlap_backward": False})], [1e6])
+    assert off[0]["iteration_s"] == pytest.approx(0.01 + off[0]["communicate_s"] + 0.001)
+    # the first bucket (2048 of 2640 elements) communicates behind the rest of backward
+    assert 0 < off[0]["iteration_s"] - on[0]["iteration_s"] <= 0.01 * 2 / 3 * 2048 / 2640 + 1e-9
