@@ -202,7 +202,9 @@ def validate(measured: dict[str, Any], alpha_s: float, host_Bps: float | None = 
     """Predicted vs measured iteration time for every shaped run of a ``bench net``
     results file. Compute, codec and update come from the run itself (the slowest
     worker's local work per step, mean over steps); the network time from the model,
-    with the collectives the method's own ``step()`` issues on a recording group. The link
+    with the collectives the method's own ``step()`` issues on a recording group (a method
+with ``overlap_backward`` on: :func:`backward_period`, its codec work in ``step()``
+after the buckets). The link
     rate is capped at ``host_Bps``, by default what an unshaped run of as many workers
     achieved (:func:`host_ceilings`): this host's own limit."""
     settings = measured["settings"]
@@ -231,6 +233,9 @@ def validate(measured: dict[str, Any], alpha_s: float, host_Bps: float | None = 
             local = run["critical_local_s"]
             if prof.overlaps:
                 predicted = max(local, run["hidden_compress_s"] + run.get("hidden_other_s", 0.0) + comm)
+            elif prof.overlaps_backward:   # the hooks' encoding is inside the measured compute
+                after = run["compress_s"] + run["update_s"] + run["loop_s"]
+                predicted = backward_period(prof, local - after, 0.0, after, prof.bucket_costs(bandwidth, alpha))
             else:
                 predicted = local + comm
             rows.append({"workers": n, "bandwidth_bps": record["bandwidth_bps"], "latency_s": record["latency_s"],
