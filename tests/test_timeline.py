@@ -113,3 +113,16 @@ def test_validation_models_a_measured_ssgd_step_with_its_buckets():
     (row,) = timeline.validate(measured, 1e-4, host_Bps=1e12)
     assert row["predicted_s"] < row["local_s"] + row["communicate_model_s"]
     assert row["predicted_s"] >= 0.02 + row["communicate_model_s"]   # step()'s work and the link at least
+
+
+def test_cdsgd_full_precision_step_is_priced_in_its_own_step():
+    # k = 5 over 5 profiled steps: four 2-bit exchanges and one full-precision one; on a
+    # slow link the full one outlasts the compute, the 2-bit ones do not
+    prof = profile_method("cdsgd", {"k": 5}, SHAPES, 4, steps=5, warmup=0)
+    bw, compute = 1e6 / 8, 0.05
+    steps = prof.comm_times(bw, 1e-5)
+    assert max(steps) > 4 * min(steps) and min(steps) < compute < max(steps)
+    p = timeline.predict(prof, compute, bw, 1e-5)
+    per_step = sum(max(compute, p["compress"] + c) + p["update"] for c in steps) / 5
+    assert p["iteration"] == pytest.approx(per_step)
+    assert p["iteration"] > max(compute, p["compress"] + p["communicate"]) + p["update"] + 1e-3

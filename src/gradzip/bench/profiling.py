@@ -187,10 +187,14 @@ class MethodProfile:
             options.append(encode * (1 + 1 / n) + 2 * self.decode_one_s)
         return max(options) / hierarchy
 
+    def comm_times(self, bandwidth_Bps: float, alpha_s: float) -> list[float]:
+        """Network seconds of each profiled step, of the collectives as recorded."""
+        return [sum(collective_time(k, b, self.workers, bandwidth_Bps, alpha_s) for k, b in step)
+                for step in self.calls]
+
     def comm_time(self, bandwidth_Bps: float, alpha_s: float) -> float:
         """Mean network seconds per step, of the collectives as recorded."""
-        return statistics.fmean(sum(collective_time(k, b, self.workers, bandwidth_Bps, alpha_s) for k, b in step)
-                                for step in self.calls)
+        return statistics.fmean(self.comm_times(bandwidth_Bps, alpha_s))
 
     def bucket_costs(self, bandwidth_Bps: float, alpha_s: float, transport: str | None = None, hierarchy: int = 1,
                      intra_Bps: float | None = None, intra_alpha_s: float = 0.0) -> list[dict[str, Any]]:
@@ -227,7 +231,8 @@ class MethodProfile:
         ``transport`` (:func:`~gradzip.bench.costs.exchange_cost`; ``hierarchy`` = k workers
         per node: :func:`~gradzip.bench.costs.hierarchical_cost`, inside a node links of
         ``intra_Bps``); the method's other collectives as recorded. Also the transports the
-        exchanges took (``"transports"``, in order of first use)."""
+        exchanges took (``"transports"``, in order of first use) and the seconds of each step
+        (``"per_step"``)."""
         seconds, wire, intra, used = [], [], [], []
         for step, exchanges in zip(self.calls, self.exchanges or [[] for _ in self.calls]):
             own = set()
@@ -248,7 +253,7 @@ class MethodProfile:
             seconds.append(s)
             wire.append(w)
             intra.append(i)
-        return {"seconds": statistics.fmean(seconds), "wire_bytes": statistics.fmean(wire),
+        return {"seconds": statistics.fmean(seconds), "per_step": seconds, "wire_bytes": statistics.fmean(wire),
                 "intra_bytes": statistics.fmean(intra), "transports": list(dict.fromkeys(used)) or ["-"]}
 
 

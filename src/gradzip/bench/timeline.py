@@ -11,7 +11,7 @@ emulated network and its projection to large clusters.
   DGC, CSER's gradient exchange; :func:`backward_timeline`, :func:`backward_period`);
 * ``max(compute, compress + communicate) + update`` for one that overlaps the exchange
   with the next step's computation (``overlaps_exchange``: OD-SGD, CD-SGD): the max, not
-  the sum.
+  the sum, taken per step and then averaged (:func:`overlapped_period`).
 
 The network time is the alpha-beta model of :mod:`gradzip.bench.costs`, applied to the
 collectives the method's own ``step()`` issues (:mod:`gradzip.bench.profiling`).
@@ -128,6 +128,15 @@ def backward_timeline(forward: float, backward: float, buckets: Sequence[Bucket]
     return t
 
 
+def overlapped_period(compute: float, compress: float, communicate: Sequence[float], update: float) -> float:
+    """Mean period over the profiled steps of a method that overlaps its exchange with the
+    next step (:func:`timeline` with ``overlaps``), one step per network time in
+    ``communicate``: the max is taken per step, so a periodic exchange (CD-SGD's
+    full-precision step every k) that outlasts one step's compute costs what it does in
+    that step, which the max of the means would hide."""
+    return statistics.fmean(timeline(compute, compress, c, update, True).period for c in communicate)
+
+
 def backward_period(profile: MethodProfile, compute: float, compress: float, update: float,
                     parts: Sequence[dict[str, Any]], wait: float = 0.0, scale: float = 1.0) -> float:
     """Mean period of :func:`backward_timeline` over profiled steps (``parts``:
@@ -172,15 +181,18 @@ def predict(profile: MethodProfile, compute: float, bandwidth_Bps: float, alpha_
     worker's exchange starts when the slowest worker's does."""
     if transport is None:
         comm, wire, uses = profile.comm_time(bandwidth_Bps, alpha_s), profile.wire_bytes_per_step, ["recorded"]
+        steps = profile.comm_times(bandwidth_Bps, alpha_s)
         compress = profile.compress_s * codec_scale
     else:
         cost = profile.comm_cost(bandwidth_Bps, alpha_s, transport, hierarchy, intra_Bps, intra_alpha_s)
-        comm, wire, uses = cost["seconds"], cost["wire_bytes"], cost["transports"]
+        comm, wire, uses, steps = cost["seconds"], cost["wire_bytes"], cost["transports"], cost["per_step"]
         compress = profile.codec_time(uses, hierarchy) * codec_scale
     update = profile.update_s * codec_scale
     if profile.overlaps_backward and not profile.overlaps:
         parts = profile.bucket_costs(bandwidth_Bps, alpha_s, transport, hierarchy, intra_Bps, intra_alpha_s)
         period = backward_period(profile, compute, compress, update, parts, straggler_wait)
+    elif profile.overlaps:
+        period = overlapped_period(compute + straggler_wait, compress, steps, update)
     else:
         period = timeline(compute + straggler_wait, compress, comm, update, profile.overlaps).period
     return {"iteration": period, "compute": compute, "straggler_wait": straggler_wait, "compress": compress,
@@ -231,8 +243,9 @@ after the buckets). The link
             prof = profiles[key]
             comm = prof.comm_time(bandwidth, alpha)
             local = run["critical_local_s"]
-            if prof.overlaps:
-                predicted = max(local, run["hidden_compress_s"] + run.get("hidden_other_s", 0.0) + comm)
+            if prof.overlaps:   # per step: the k-th step's full-precision exchange may outlast the compute
+                hidden = run["hidden_compress_s"] + run.get("hidden_other_s", 0.0)
+                predicted = statistics.fmean(max(local, hidden + c) for c in prof.comm_times(bandwidth, alpha))
             elif prof.overlaps_backward:   # the hooks' encoding is inside the measured compute
                 after = run["compress_s"] + run["update_s"] + run["loop_s"]
                 predicted = backward_period(prof, local - after, 0.0, after, prof.bucket_costs(bandwidth, alpha))
