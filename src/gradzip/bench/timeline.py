@@ -215,9 +215,9 @@ def validate(measured: dict[str, Any], alpha_s: float, host_Bps: float | None = 
     results file. Compute, codec and update come from the run itself (the slowest
     worker's local work per step, mean over steps); the network time from the model,
     with the collectives the method's own ``step()`` issues on a recording group (a method
-with ``overlap_backward`` on: :func:`backward_period`, its codec work in ``step()``
-after the buckets). The link
-    rate is capped at ``host_Bps``, by default what an unshaped run of as many workers
+    with ``overlap_backward`` on: :func:`backward_period`, its codec work in ``step()``
+    after the buckets; an overlapping one: per step, :func:`overlapped_period`'s rule). The
+    link rate is capped at ``host_Bps``, by default what an unshaped run of as many workers
     achieved (:func:`host_ceilings`): this host's own limit."""
     settings = measured["settings"]
     shape = [int(s) for s in str(settings["shape"]).lower().split("x")]
