@@ -338,9 +338,10 @@ def merge(ranks: list[dict], n: int, bandwidth: float | None, latency: float, nb
                      for rows in per_rank) for j in range(steps)]
         computes = [statistics.fmean(rows[j]["compute"] for rows in per_rank) for j in range(steps)]
         # per step, the slower of compute and the exchange running beside it (a periodic
-        # exchange, CD-SGD's full-precision step, exceeds the compute of its own step only)
-        bound = [max(max(rows[j]["compute"], rows[j]["hidden_compress"] + rows[j]["hidden_communicate"]
-                         + rows[j]["hidden_other"]) for rows in per_rank) for j in range(steps)]
+        # exchange, CD-SGD's full-precision step, exceeds the compute of its own step only);
+        # mean over workers, as the phases
+        bound = [statistics.fmean(max(rows[j]["compute"], rows[j]["hidden_compress"] + rows[j]["hidden_communicate"]
+                                      + rows[j]["hidden_other"]) for rows in per_rank) for j in range(steps)]
         runs.append({
             "algo": summary["algo"], "method": summary["method"], "options": summary["options"],
             "peer": bool(summary.get("peer")),
