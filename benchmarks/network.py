@@ -116,7 +116,10 @@ of the collectives the method issues (ring allreduce `2(n-1)α + 2(n-1)/n·S/B`,
 allgather `(n-1)α + (n-1)·S/B`, α = {result['validation_alpha_s'] * 1e6:g} µs per message step, B = the link
 rate, capped at the host ceiling that the unshaped run of as many workers measured).
 For a method that overlaps its exchange (`cdsgd`) the prediction is
-`max(local work, background codec + update + network)`.
+`max(local work, background codec + update + network)`, per step, then averaged (CD-SGD's
+full-precision step every k); for one whose exchange starts during backward (`ssgd`,
+`efsgd`, `bitsgd`, ...) the buckets' collectives run behind the rest of backward
+(`timeline.backward_timeline`: backward = 2/3 of compute, split over the buckets by elements).
 Which collectives, and how many bytes, comes from running the method's own `step()` on a
 recording group; the last column checks those bytes against the bytes the run counted.
 Produced by:

@@ -360,3 +360,26 @@ def test_leaving_the_with_block_on_an_error_does_not_wait_and_stops_the_thread()
             opt.step()
             raise ValueError("user error")
     assert opt._pool is None
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_gradient_copies_are_reused_across_steps(overlap):
+    """G_i goes to the exchange in a buffer per parameter that every step reuses (a fresh
+    clone each step cost the training thread page faults); the next backward, which
+    overwrites p.grad, leaves the exchange's copy alone (the numbers: the tests above)."""
+    def worker(comm):
+        model = torch.nn.Linear(4, 2)
+        gradzip.broadcast_parameters(model, comm=comm)
+        handed = []
+        with CDSGD(model.parameters(), lr=0.1, k=2, overlap=overlap, comm=comm) as opt:
+            exchange = opt._exchange
+            opt._exchange = lambda pairs, grads, *rest: (handed.append(list(grads)), exchange(pairs, grads, *rest))
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.ones(3, 4)).sum().backward()
+                opt.step()
+        return handed
+
+    for handed in gradzip.simulate(2, worker):
+        assert len(handed) == 3
+        assert all(a is b for a, b in zip(handed[0], handed[2]))

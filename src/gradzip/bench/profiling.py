@@ -16,6 +16,7 @@ exchange for a transport the recording never saw (two-phase, hierarchical:
 """
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -101,15 +102,33 @@ class RecordingGroup(Group):
 @dataclass
 class Exchange:
     """One PSync exchange a step started: its codec (spec), the shapes of its tensors and
-    the positions ``[first, end)`` of its own collectives in the step's recorded calls."""
+    the positions ``[first, end)`` of its own collectives in the step's recorded calls;
+    ``bucket``: launched as a bucket of an exchange that starts during backward
+    (``overlap_backward``: ``GradientExchange.start_bucket``)."""
 
     codec: str
     shapes: list[tuple[int, ...]]
     first: int
     end: int
+    bucket: bool = False
 
 
-_RECORDING = threading.local()
+_RECORDING = threading.local()   # .bucket: inside a start_bucket (this thread)
+
+
+def _marking_buckets(opt) -> None:
+    """``opt.start_bucket`` (an instance attribute over the class's) notes, while it runs,
+    that the exchanges it starts are buckets."""
+    method = opt.start_bucket
+
+    def start_bucket(*args, **kwargs):
+        _RECORDING.bucket = True
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _RECORDING.bucket = False
+
+    opt.start_bucket = start_bucket
 
 
 @contextmanager
@@ -121,7 +140,8 @@ def _noting_exchanges(group: "RecordingGroup", into: list) -> Iterator[None]:
         first = len(group.calls)
         pending = original(self, tensors, step, **kwargs)
         if self.comm is group or getattr(self.comm, "calls", None) is group.calls:
-            into.append(Exchange(self.compressor.spec, [tuple(t.shape) for t in tensors], first, len(group.calls)))
+            into.append(Exchange(self.compressor.spec, [tuple(t.shape) for t in tensors], first, len(group.calls),
+                                 getattr(_RECORDING, "bucket", False)))
         return pending
 
     PSync.start = start
@@ -146,6 +166,7 @@ class MethodProfile:
     timed_at: int = 0                    # worker count the times were measured at
     exchanges: list[list[Exchange]] = field(default_factory=list)   # per profiled step
     decode_one_s: float = 0.0            # decoding one packet of every tensor (an allreduce's from_sum)
+    overlaps_backward: bool = False      # its exchange starts during backward (the instance's overlap_backward)
 
     def codec_time(self, transports: Sequence[str] = (), hierarchy: int = 1) -> float:
         """Codec seconds per step on this machine for the transports the exchanges took
@@ -166,10 +187,43 @@ class MethodProfile:
             options.append(encode * (1 + 1 / n) + 2 * self.decode_one_s)
         return max(options) / hierarchy
 
+    def comm_times(self, bandwidth_Bps: float, alpha_s: float) -> list[float]:
+        """Network seconds of each profiled step, of the collectives as recorded."""
+        return [sum(collective_time(k, b, self.workers, bandwidth_Bps, alpha_s) for k, b in step)
+                for step in self.calls]
+
     def comm_time(self, bandwidth_Bps: float, alpha_s: float) -> float:
         """Mean network seconds per step, of the collectives as recorded."""
-        return statistics.fmean(sum(collective_time(k, b, self.workers, bandwidth_Bps, alpha_s) for k, b in step)
-                                for step in self.calls)
+        return statistics.fmean(self.comm_times(bandwidth_Bps, alpha_s))
+
+    def bucket_costs(self, bandwidth_Bps: float, alpha_s: float, transport: str | None = None, hierarchy: int = 1,
+                     intra_Bps: float | None = None, intra_alpha_s: float = 0.0) -> list[dict[str, Any]]:
+        """Per profiled step, for the timeline of an exchange that starts during backward:
+        ``buckets``, ``(elements, network seconds)`` of each bucket exchange in launch order,
+        and the step's other exchanges and collectives (``other_s`` seconds, ``other_elements``
+        elements coded). ``transport`` None: the collectives as recorded; else every exchange
+        priced for that transport, as :meth:`comm_cost`."""
+        out = []
+        for step, exchanges in zip(self.calls, self.exchanges or [[] for _ in self.calls]):
+            own, buckets, other_s, other_elements = set(), [], 0.0, 0
+            for ex in exchanges:
+                own.update(range(ex.first, ex.end))
+                if transport is None:
+                    s = sum(collective_time(k, b, self.workers, bandwidth_Bps, alpha_s) for k, b in step[ex.first:ex.end])
+                elif ex.end == ex.first:
+                    s = 0.0
+                else:
+                    s = hierarchical_cost(transport, build(ex.codec), ex.shapes, self.workers, hierarchy, bandwidth_Bps,
+                                          alpha_s, intra_Bps or bandwidth_Bps, intra_alpha_s).seconds
+                elements = sum(math.prod(shape) for shape in ex.shapes)
+                if ex.bucket:
+                    buckets.append((elements, s))
+                else:
+                    other_s, other_elements = other_s + s, other_elements + elements
+            other_s += sum(collective_time(k, b, self.workers, bandwidth_Bps, alpha_s)
+                           for j, (k, b) in enumerate(step) if j not in own)
+            out.append({"buckets": buckets, "other_s": other_s, "other_elements": other_elements})
+        return out
 
     def comm_cost(self, bandwidth_Bps: float, alpha_s: float, transport: str = "auto", hierarchy: int = 1,
                   intra_Bps: float | None = None, intra_alpha_s: float = 0.0) -> dict[str, Any]:
@@ -177,7 +231,8 @@ class MethodProfile:
         ``transport`` (:func:`~gradzip.bench.costs.exchange_cost`; ``hierarchy`` = k workers
         per node: :func:`~gradzip.bench.costs.hierarchical_cost`, inside a node links of
         ``intra_Bps``); the method's other collectives as recorded. Also the transports the
-        exchanges took (``"transports"``, in order of first use)."""
+        exchanges took (``"transports"``, in order of first use) and the seconds of each step
+        (``"per_step"``)."""
         seconds, wire, intra, used = [], [], [], []
         for step, exchanges in zip(self.calls, self.exchanges or [[] for _ in self.calls]):
             own = set()
@@ -198,7 +253,7 @@ class MethodProfile:
             seconds.append(s)
             wire.append(w)
             intra.append(i)
-        return {"seconds": statistics.fmean(seconds), "wire_bytes": statistics.fmean(wire),
+        return {"seconds": statistics.fmean(seconds), "per_step": seconds, "wire_bytes": statistics.fmean(wire),
                 "intra_bytes": statistics.fmean(intra), "transports": list(dict.fromkeys(used)) or ["-"]}
 
 
@@ -237,6 +292,8 @@ def _steps(algo, options, shapes, workers, steps, warmup, dry=False):
         group = RecordingGroup(workers, dry=dry)
         opt = cls(params, lr=0.01, comm=group, **options)
         opt.tracer = Tracer()
+        if getattr(opt, "overlap_backward", False):
+            _marking_buckets(opt)
         return group, opt
 
     group, opt = make()
@@ -279,7 +336,7 @@ def _steps(algo, options, shapes, workers, steps, warmup, dry=False):
             except _DryRun:
                 pass
     return cls, calls, statistics.fmean(sent), statistics.median(compress), statistics.median(decode), \
-        statistics.median(update), exchanges
+        statistics.median(update), exchanges, bool(getattr(opt, "overlap_backward", False))
 
 
 _TIMED: dict = {}  # timing runs by (method, options, shapes, workers, steps, warmup), reused above the cap
@@ -299,13 +356,13 @@ def profile_method(algo: str, options: dict[str, Any], shapes: Sequence[tuple[in
     key = (algo, tuple(sorted((k, str(v)) for k, v in options.items())), tuple(map(tuple, shapes)), n_t, steps, warmup)
     if key not in _TIMED:
         _TIMED[key] = _steps(algo, options, shapes, n_t, steps, warmup)
-    cls, calls, sent, compress, decode, update, exchanges = _TIMED[key]
+    cls, calls, sent, compress, decode, update, exchanges, backward = _TIMED[key]
     gathers_t = any(k == "allgather" for step in calls for k, _ in step)
     decode_one = decode / (n_t if gathers_t else 1)   # decoding one packet's worth of every tensor
     if n_t != workers:
-        _, calls, sent, _, _, _, exchanges = _steps(algo, options, shapes, workers, steps, 0, dry=True)
+        _, calls, sent, _, _, _, exchanges, _ = _steps(algo, options, shapes, workers, steps, 0, dry=True)
         gathers = any(k == "allgather" for step in calls for k, _ in step)
         scaled = decode * (workers if gathers else 1) / (n_t if gathers_t else 1)
         compress, decode = compress - decode + scaled, scaled
     return MethodProfile(label or algo, workers, bool(getattr(cls, "overlaps_exchange", False)), calls,
-                         sent, compress, update, decode, n_t, exchanges, decode_one)
+                         sent, compress, update, decode, n_t, exchanges, decode_one, backward)

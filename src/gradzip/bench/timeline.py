@@ -5,10 +5,13 @@ emulated network and its projection to large clusters.
 (the training thread, a background exchange); its period is
 
 * ``compute + compress + communicate + update`` for a method that exchanges inside
-  ``step()`` (S-SGD, EF-SGD, BIT-SGD, ...);
+  ``step()`` (local SGD, PowerSGD, any method with ``overlap_backward=False``, ...);
+* ``forward + max(backward end, last bucket done) + decode + update`` for one whose
+  exchange starts during backward (``overlap_backward``: S-SGD, EF-SGD, BIT-SGD, CSEA,
+  DGC, CSER's gradient exchange; :func:`backward_timeline`, :func:`backward_period`);
 * ``max(compute, compress + communicate) + update`` for one that overlaps the exchange
   with the next step's computation (``overlaps_exchange``: OD-SGD, CD-SGD): the max, not
-  the sum.
+  the sum, taken per step and then averaged (:func:`overlapped_period`).
 
 The network time is the alpha-beta model of :mod:`gradzip.bench.costs`, applied to the
 collectives the method's own ``step()`` issues (:mod:`gradzip.bench.profiling`).
@@ -23,6 +26,7 @@ each method for many worker counts and link rates (a ResNet-50-sized model by de
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -66,6 +70,101 @@ def timeline(compute: float, compress: float, communicate: float, update: float,
     return t
 
 
+#: Share of the compute (forward + backward) that is backward: backward costs about twice
+#: the forward's FLOPs (a gradient for the input and one for the weights per layer).
+BACKWARD_SHARE = 2 / 3
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket of an exchange that starts during backward (:mod:`gradzip.optim.overlap`),
+    in launch order (reverse parameter order). ``share``: the fraction of backward's time
+    spent on its parameters' gradients; ``compress``: encoding seconds, run by the gradient
+    hook on the training thread (it delays the rest of backward); ``communicate``: seconds
+    on the link; ``decode``: seconds in ``step()`` once its collective completed."""
+
+    share: float
+    compress: float
+    communicate: float
+    decode: float = 0.0
+
+
+def backward_timeline(forward: float, backward: float, buckets: Sequence[Bucket], update: float,
+                      tail: float = 0.0) -> Timeline:
+    """The event model of one iteration of a method whose exchange starts during backward
+    (``overlap_backward``). Track ``main``: forward, then per bucket its share of backward
+    and its encoding (the hook's); when that is done the bucket's collective joins the
+    ``link`` track, which carries one collective at a time in launch order (FIFO, as one
+    process group does). ``step()`` then decodes each bucket once its collective is done,
+    runs ``tail`` (the step's other exchanges and collectives, e.g. CSER's error reset,
+    in sequence) and the update. So the period is ``forward + max(backward end, last
+    bucket done) + decode + tail + update`` with the buckets' communication hidden behind
+    the rest of backward as far as the link keeps up: one bucket = no overlap (the
+    sequential sum); many small buckets on a fast link = only the last bucket's
+    communication shows."""
+    t = Timeline()
+    clock, link, done = forward, 0.0, []
+    t.spans.append(("forward", "main", 0.0, forward))
+    for b in buckets:
+        for phase, seconds in (("backward", b.share * backward), ("compress", b.compress)):
+            t.spans.append((phase, "main", clock, clock + seconds))
+            clock += seconds
+        start = max(clock, link)
+        link = start + b.communicate
+        t.spans.append(("communicate", "link", start, link))
+        done.append(link)
+    rest = backward * (1.0 - sum(b.share for b in buckets))   # backward not covered by a bucket
+    if rest > 0:
+        t.spans.append(("backward", "main", clock, clock + rest))
+        clock += rest
+    for b, ready in zip(buckets, done):
+        clock = max(clock, ready)
+        t.spans.append(("decode", "main", clock, clock + b.decode))
+        clock += b.decode
+    for phase, seconds in (("tail", tail), ("update", update)):
+        t.spans.append((phase, "main", clock, clock + seconds))
+        clock += seconds
+    t.period = clock
+    return t
+
+
+def overlapped_period(compute: float, compress: float, communicate: Sequence[float], update: float) -> float:
+    """Mean period over the profiled steps of a method that overlaps its exchange with the
+    next step (:func:`timeline` with ``overlaps``), one step per network time in
+    ``communicate``: the max is taken per step, so a periodic exchange (CD-SGD's
+    full-precision step every k) that outlasts one step's compute costs what it does in
+    that step, which the max of the means would hide."""
+    return statistics.fmean(timeline(compute, compress, c, update, True).period for c in communicate)
+
+
+def backward_period(profile: MethodProfile, compute: float, compress: float, update: float,
+                    parts: Sequence[dict[str, Any]], wait: float = 0.0, scale: float = 1.0) -> float:
+    """Mean period of :func:`backward_timeline` over profiled steps (``parts``:
+    :meth:`MethodProfile.bucket_costs`, network seconds times ``scale``). ``compute`` is
+    split :data:`BACKWARD_SHARE` to backward (``wait``, a straggler's, comes before the
+    forward), and backward's time over the buckets in proportion to their elements, as is
+    the codec work ``compress`` (its decoding part as in the profile; what the step's
+    other exchanges code goes to the ``tail``).
+
+    Assumption: backward time per parameter ∝ its elements (exact for dense layers at a
+    fixed batch). A convolution's FLOPs also scale with its output's spatial size, so in a
+    CNN the last layers (the first buckets, many parameters on small maps) take less of
+    backward than their elements say: their buckets are ready earlier than modelled, and
+    the model errs on the side of less overlap."""
+    decode = compress * profile.decode_s / profile.compress_s if profile.compress_s > 0 else 0.0
+    encode, periods = compress - decode, []
+    for part in parts:
+        sizes = [elements for elements, _ in part["buckets"]]
+        coded = sum(sizes) + part["other_elements"]
+        per = (encode / coded, decode / coded) if coded else (0.0, 0.0)
+        buckets = [Bucket(n / sum(sizes), n * per[0], seconds * scale, n * per[1])
+                   for n, seconds in part["buckets"]]
+        tail = part["other_s"] * scale + part["other_elements"] * (per[0] + per[1])
+        periods.append(backward_timeline((1 - BACKWARD_SHARE) * compute + wait, BACKWARD_SHARE * compute,
+                                         buckets, update, tail).period)
+    return statistics.fmean(periods)
+
+
 def predict(profile: MethodProfile, compute: float, bandwidth_Bps: float, alpha_s: float,
             codec_scale: float = 1.0, transport: str | None = None, hierarchy: int = 1,
             intra_Bps: float | None = None, intra_alpha_s: float = 0.0,
@@ -82,14 +181,21 @@ def predict(profile: MethodProfile, compute: float, bandwidth_Bps: float, alpha_
     worker's exchange starts when the slowest worker's does."""
     if transport is None:
         comm, wire, uses = profile.comm_time(bandwidth_Bps, alpha_s), profile.wire_bytes_per_step, ["recorded"]
+        steps = profile.comm_times(bandwidth_Bps, alpha_s)
         compress = profile.compress_s * codec_scale
     else:
         cost = profile.comm_cost(bandwidth_Bps, alpha_s, transport, hierarchy, intra_Bps, intra_alpha_s)
-        comm, wire, uses = cost["seconds"], cost["wire_bytes"], cost["transports"]
+        comm, wire, uses, steps = cost["seconds"], cost["wire_bytes"], cost["transports"], cost["per_step"]
         compress = profile.codec_time(uses, hierarchy) * codec_scale
     update = profile.update_s * codec_scale
-    tl = timeline(compute + straggler_wait, compress, comm, update, profile.overlaps)
-    return {"iteration": tl.period, "compute": compute, "straggler_wait": straggler_wait, "compress": compress,
+    if profile.overlaps_backward and not profile.overlaps:
+        parts = profile.bucket_costs(bandwidth_Bps, alpha_s, transport, hierarchy, intra_Bps, intra_alpha_s)
+        period = backward_period(profile, compute, compress, update, parts, straggler_wait)
+    elif profile.overlaps:
+        period = overlapped_period(compute + straggler_wait, compress, steps, update)
+    else:
+        period = timeline(compute + straggler_wait, compress, comm, update, profile.overlaps).period
+    return {"iteration": period, "compute": compute, "straggler_wait": straggler_wait, "compress": compress,
             "communicate": comm, "update": update, "wire_bytes": wire, "uses": uses}
 
 
@@ -108,8 +214,10 @@ def validate(measured: dict[str, Any], alpha_s: float, host_Bps: float | None = 
     """Predicted vs measured iteration time for every shaped run of a ``bench net``
     results file. Compute, codec and update come from the run itself (the slowest
     worker's local work per step, mean over steps); the network time from the model,
-    with the collectives the method's own ``step()`` issues on a recording group. The link
-    rate is capped at ``host_Bps``, by default what an unshaped run of as many workers
+    with the collectives the method's own ``step()`` issues on a recording group (a method
+    with ``overlap_backward`` on: :func:`backward_period`, its codec work in ``step()``
+    after the buckets; an overlapping one: per step, :func:`overlapped_period`'s rule). The
+    link rate is capped at ``host_Bps``, by default what an unshaped run of as many workers
     achieved (:func:`host_ceilings`): this host's own limit."""
     settings = measured["settings"]
     shape = [int(s) for s in str(settings["shape"]).lower().split("x")]
@@ -135,8 +243,12 @@ def validate(measured: dict[str, Any], alpha_s: float, host_Bps: float | None = 
             prof = profiles[key]
             comm = prof.comm_time(bandwidth, alpha)
             local = run["critical_local_s"]
-            if prof.overlaps:
-                predicted = max(local, run["hidden_compress_s"] + run.get("hidden_other_s", 0.0) + comm)
+            if prof.overlaps:   # per step: the k-th step's full-precision exchange may outlast the compute
+                hidden = run["hidden_compress_s"] + run.get("hidden_other_s", 0.0)
+                predicted = statistics.fmean(max(local, hidden + c) for c in prof.comm_times(bandwidth, alpha))
+            elif prof.overlaps_backward:   # the hooks' encoding is inside the measured compute
+                after = run["compress_s"] + run["update_s"] + run["loop_s"]
+                predicted = backward_period(prof, local - after, 0.0, after, prof.bucket_costs(bandwidth, alpha))
             else:
                 predicted = local + comm
             rows.append({"workers": n, "bandwidth_bps": record["bandwidth_bps"], "latency_s": record["latency_s"],

@@ -83,6 +83,7 @@ class CDSGD(DistributedOptimizer):
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False) if self._pool else None
         self._stream = None
         self._blocked_s = 0.0
+        self._grad_copies: dict[torch.Tensor, torch.Tensor] = {}   # G_i per parameter, reused (_gradient_copy)
 
     # -- the algorithm box ---------------------------------------------------------------
     @torch.no_grad()
@@ -97,10 +98,10 @@ class CDSGD(DistributedOptimizer):
             self.irreversible()                                     # step t-1's update and this local update
             self.synchronize()                                      # W_t is ready
             pairs = _hyperparameters_now(pairs)                     # step t's lr, momentum, ... (not t+1's)
-            grads = [p.grad.clone() for _, p in pairs]              # G_i (the next backward overwrites p.grad)
+            grads = [self._gradient_copy(p) for _, p in pairs]       # G_i (the next backward overwrites p.grad)
             models = [self._global_model(p) for _, p in pairs]
-            for (group, p), w, g in zip(pairs, models, grads):      # w_i ← W_t − η_l G_i
-                p.copy_(w).add_(g, alpha=-self._local_lr(group))
+            for (group, p), w, g in zip(pairs, models, grads):      # w_i ← W_t − η_l G_i (one pass)
+                torch.add(w, g, alpha=-self._local_lr(group), out=p)
             t = self.steps - self.warmup_steps
             psync = self.full if t % self.k == 0 else self.compressed
             if self._pool is None:
@@ -144,6 +145,17 @@ class CDSGD(DistributedOptimizer):
         if self._stream is not None:  # the side stream must see this step's gradients
             self._stream.wait_stream(torch.cuda.current_stream(p.device))
         return state["global_model"]
+
+    def _gradient_copy(self, p: torch.Tensor) -> torch.Tensor:
+        """``G_i`` of ``p`` copied into a buffer of its own, reused every step: its only
+        other reader, the previous step's exchange, has finished (``synchronize()``). A fresh
+        clone of every gradient each step costs the training thread page faults (about 19 ms
+        per step for 2.8M parameters with glibc's default malloc settings, against 1.6 ms)."""
+        buffer = self._grad_copies.get(p)
+        if buffer is None or buffer.shape != p.grad.shape or buffer.dtype != p.grad.dtype \
+                or buffer.device != p.grad.device or buffer.stride() != p.grad.stride():
+            buffer = self._grad_copies[p] = torch.empty_like(p.grad)
+        return buffer.copy_(p.grad)
 
     def _local_lr(self, group: dict) -> float:
         return group["lr"] / self.comm.world_size if group["local_lr"] is None else group["local_lr"]

@@ -21,7 +21,7 @@ import statistics
 from typing import Any, Sequence
 
 from ..bench.profiling import profile_method
-from ..bench.timeline import timeline
+from ..bench.timeline import backward_period, overlapped_period, timeline
 from ..bench.units import format_rate
 from ..errors import GradzipError
 
@@ -75,8 +75,15 @@ def _period(summary: dict[str, Any], times: dict[str, float], n: int, bandwidth_
     communicate = there.comm_time(bandwidth_Bps, alpha_s) * scale
     if here.compress_s > 0:
         compress_s *= there.compress_s / here.compress_s
-    tl = timeline(times["compute"], compress_s, communicate, times["update"], there.overlaps)
-    return {"iteration_s": tl.period, "compute_s": times["compute"], "compress_s": compress_s,
+    if there.overlaps_backward and not there.overlaps:   # the exchange starts during backward
+        period = backward_period(there, times["compute"], compress_s, times["update"],
+                                 there.bucket_costs(bandwidth_Bps, alpha_s), scale=scale)
+    elif there.overlaps:   # per step: the max of compute and that step's exchange
+        period = overlapped_period(times["compute"], compress_s, [c * scale for c in there.comm_times(bandwidth_Bps, alpha_s)],
+                                   times["update"])
+    else:
+        period = timeline(times["compute"], compress_s, communicate, times["update"], False).period
+    return {"iteration_s": period, "compute_s": times["compute"], "compress_s": compress_s,
             "communicate_s": communicate, "update_s": times["update"], "overlaps": there.overlaps}
 
 
