@@ -4,7 +4,7 @@ is one pass (codes, bit packing and, when asked, the error-feedback residual
 
 Every kernel is bit-identical to its codec's torch reference for finite tensors: the same
 float32 operations in the same order (no fastmath, so no fused multiply-add), the uniforms of
-:mod:`.counter_rng` computed inline (uint64 arithmetic masked to 32 bits), the codes
+:mod:`.counter_rng` computed inline (in 32-bit vector lanes), the codes
 packed MSB-first in the layout of :mod:`gradzip.compressors.bitpack`. Scalars that come
 from order-dependent reductions (the norm, the column sums) are computed by torch and
 passed in. (A NaN or Inf, which the optimizers stop before compressing unless
@@ -47,6 +47,7 @@ def _compile_helpers() -> None:
         for name in ("_merge", "_split", "_bswap", "_pack", "_pack_words", "_unpack", "_unpack_words", "_onebit_run"):
             if not hasattr(g[name], "py_func"):  # not compiled by a thread before us
                 g[name] = numba.njit(cache=True, nogil=True, inline="always")(g[name])
+        g["_uniform"] = counter_rng.numba_uniform()  # (cached: the same object every time)
         _helpers_ready.append(True)
 
 
@@ -72,22 +73,14 @@ def _qsgd_encode(v, scale, levels, bits, k0, k1, packed, residual, step):
     n = v.size
     want = residual.size == n
     codes = np.empty(PIECE, np.uint8)
-    us = np.empty(PIECE, np.float32)  # (one fused loop ran ~15% slower: 64-bit hash lanes)
+    us = np.empty(PIECE, np.float32)
     sf = np.float32(levels)
     s32 = np.int32(levels)
-    mask = np.uint64(0xFFFFFFFF)
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
         for i in range(m):  # the counter-based uniforms (counter_rng), a loop of their own
-            x = (np.uint64(base + i) & mask) ^ k0
-            x ^= x >> np.uint64(16)
-            x = (x * np.uint64(0x21F0AAAD)) & mask
-            x ^= k1
-            x ^= x >> np.uint64(15)
-            x = (x * np.uint64(0x735A2D97)) & mask
-            x ^= x >> np.uint64(15)
-            us[i] = np.float32(np.int32(x >> np.uint64(8))) * np.float32(5.9604644775390625e-08)
+            us[i] = _uniform(base + i, k0, k1)
         for i in range(m):
             u = us[i]
             a = vb[i]
@@ -126,19 +119,11 @@ def _terngrad_encode(v, s, k0, k1, packed, residual):
     want = residual.size == n
     codes = np.empty(PIECE, np.uint8)
     us = np.empty(PIECE, np.float32)
-    mask = np.uint64(0xFFFFFFFF)
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
         for i in range(m):  # the counter-based uniforms (counter_rng), a loop of their own
-            x = (np.uint64(base + i) & mask) ^ k0
-            x ^= x >> np.uint64(16)
-            x = (x * np.uint64(0x21F0AAAD)) & mask
-            x ^= k1
-            x ^= x >> np.uint64(15)
-            x = (x * np.uint64(0x735A2D97)) & mask
-            x ^= x >> np.uint64(15)
-            us[i] = np.float32(np.int32(x >> np.uint64(8))) * np.float32(5.9604644775390625e-08)
+            us[i] = _uniform(base + i, k0, k1)
         for i in range(m):
             u = us[i]
             a = vb[i]
@@ -222,6 +207,12 @@ def _onebit_decode(packed, cols, pos, neg, v, mode, out):
                         v[base + i:base + i + run], mode, out[base + i:base + i + run], cols == 1)
             i += run
             c = (c + run) % cols
+
+
+def _uniform(j, k0, k1):
+    """``u_j`` from the block's keys (:func:`.counter_rng.numba_uniform` in the compiled
+    kernels; this plain statement serves the kernels' ``py_func``)."""
+    return np.float32(counter_rng.uniform_from_keys(int(j), int(k0), int(k1)))
 
 
 def _onebit_run(ct, pt, nt, vt, mode, ot, one):
