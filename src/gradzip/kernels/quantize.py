@@ -44,7 +44,8 @@ def _compile_helpers() -> None:
     with _helpers_lock:
         import numba
         g = globals()
-        for name in ("_merge", "_split", "_bswap", "_pack", "_pack_words", "_unpack", "_unpack_words", "_onebit_run"):
+        for name in ("_merge", "_split", "_bswap", "_pack", "_pack_words", "_unpack", "_unpack_words", "_onebit_run",
+                     "_pack2", "_unpack2"):
             if not hasattr(g[name], "py_func"):  # not compiled by a thread before us
                 g[name] = numba.njit(cache=True, nogil=True, inline="always")(g[name])
         g["_uniform"] = counter_rng.numba_uniform()  # (cached: the same object every time)
@@ -129,7 +130,7 @@ def _terngrad_encode(v, s, k0, k1, packed, residual):
             a = vb[i]
             keep = np.uint8(np.float32(u * s) < abs(a))
             codes[i] = (keep << np.uint8(1)) | (keep & np.uint8(a > 0))
-        _pack(codes, m, 2, packed, base // 4)
+        _pack2(codes, m, packed, base // 4)
         if want:
             rb = residual[base:base + m]
             for i in range(m):
@@ -144,7 +145,7 @@ def _terngrad_decode(packed, count, s, out, add):
     codes = np.empty(PIECE, np.uint8)
     for base in range(0, count, PIECE):
         m = min(PIECE, count - base)
-        _unpack(packed, base // 4, 2, m, codes)
+        _unpack2(packed, base // 4, m, codes)
         ob = out[base:base + m]
         if add:
             for i in range(m):
@@ -275,6 +276,40 @@ def _pack(codes, m, bits, packed, at):
         o = at + full * bits
         for t in range((rest * bits + 7) // 8):
             packed[o + t] = np.uint8((lo >> np.uint64(8 * (bits - 1 - t))) & np.uint64(0xFF))
+
+
+def _pack2(codes, m, packed, at):
+    """:func:`_pack` for 2-bit codes (terngrad's): each byte from one little-endian 32-bit
+    word of four codes, a loop LLVM vectorises (the general 64-bit merge is serial; this ran
+    ~6x faster)."""
+    words = codes.view(np.uint32)
+    full = m // 4
+    out = packed[at:at + full]
+    for k in range(full):
+        x = words[k]
+        out[k] = np.uint8(((x & np.uint32(3)) << np.uint32(6)) | ((x >> np.uint32(4)) & np.uint32(0x30))
+                          | ((x >> np.uint32(14)) & np.uint32(0xC)) | (x >> np.uint32(24)))
+    rest = m - 4 * full
+    if rest:  # the last, partial byte: codes past m are 0
+        y = 0
+        for t in range(rest):
+            y |= int(codes[4 * full + t]) << (6 - 2 * t)
+        packed[at + full] = np.uint8(y)
+
+
+def _unpack2(packed, at, m, codes):
+    """:func:`_unpack` for 2-bit codes: each byte into one little-endian word of four codes
+    (vectorised, like :func:`_pack2`)."""
+    words = codes.view(np.uint32)
+    groups = (m + 3) // 4
+    whole = min(groups, packed.size - at)
+    src = packed[at:at + whole]
+    for k in range(whole):
+        b = np.uint32(src[k])
+        words[k] = ((b >> np.uint32(6)) | ((b << np.uint32(4)) & np.uint32(0x300))
+                    | ((b << np.uint32(14)) & np.uint32(0x30000)) | ((b & np.uint32(3)) << np.uint32(24)))
+    for k in range(whole, groups):  # bytes past the end of packed read as 0
+        words[k] = np.uint32(0)
 
 
 def _pack_words(codes, m, bits, packed, at):
