@@ -160,17 +160,28 @@ def _terngrad_decode(packed, count, s, out, add):
 
 
 @njit
-def _onebit_encode(v, cols, packed, nonneg):
+def _onebit_encode(v, cols, packed, nonneg, pos, neg):
     """1-bit codes ``v ≥ 0`` packed MSB-first into ``packed``; ``nonneg[c]`` += the column's
-    count of them (``v`` is the row-major ``rows × cols`` matrix, flat)."""
+    count of them (``v`` is the row-major ``rows × cols`` matrix, flat). If ``pos`` and
+    ``neg`` have ``v``'s size, torch's ``clamp(v, min=0)`` and ``clamp(v, max=0)`` into them,
+    bit for bit (a zero keeps its sign, a NaN stays NaN): what the column sums add up."""
     n = v.size
+    split = pos.size == n
     codes = np.empty(PIECE, np.uint8)
+    zero = np.float32(0.0)
     c = 0  # the column of the piece's first entry
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
         for i in range(m):
             codes[i] = np.uint8(vb[i] >= 0)
+        if split:
+            pb = pos[base:base + m]
+            nb = neg[base:base + m]
+            for i in range(m):
+                a = vb[i]
+                pb[i] = zero if a < zero else a
+                nb[i] = zero if a > zero else a
         _pack(codes, m, 1, packed, base // 8)
         i = 0
         if cols == 1:
@@ -497,10 +508,14 @@ def terngrad_decode(packed: torch.Tensor, s: float, out: torch.Tensor, add: bool
     _terngrad_decode(array(packed), out.numel(), np.float32(s), array(out.view(-1)), add)
 
 
-def onebit_encode(v: torch.Tensor, cols: int, packed: torch.Tensor, nonneg: torch.Tensor) -> None:
+def onebit_encode(v: torch.Tensor, cols: int, packed: torch.Tensor, nonneg: torch.Tensor,
+                  pos: torch.Tensor | None = None, neg: torch.Tensor | None = None) -> None:
     """1-bit codes of the flat contiguous float32 ``v`` into ``packed``; ``nonneg`` (int64,
-    ``cols``) += each column's count of non-negative entries."""
-    _onebit_encode(array(v), cols, array(packed), array(nonneg))
+    ``cols``) += each column's count of non-negative entries; ``pos``, ``neg`` (contiguous
+    float32 of ``v``'s size, or None): ``v.clamp(min=0)``, ``v.clamp(max=0)`` into them."""
+    none = np.empty(0, np.float32)
+    _onebit_encode(array(v), cols, array(packed), array(nonneg),
+                   none if pos is None else array(pos), none if neg is None else array(neg))
 
 
 def onebit_decode(packed: torch.Tensor, cols: int, pos: torch.Tensor, neg: torch.Tensor,
