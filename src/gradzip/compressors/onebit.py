@@ -9,8 +9,9 @@ means per column in float32 (``8·columns`` bytes). Does not sum in compressed f
 On the CPU the bits, their packing and the non-negative counts are one numba pass
 (:mod:`gradzip.kernels.quantize`), and decoding (or the residual) one more. The column sums
 depend on the order of a float sum, so both paths compute them with the same torch
-reduction over the same pieces (:func:`_add_sums`): the fused path reads the tensor once
-more for them, the price of bit-identical means.
+reduction over the same pieces (:func:`_add_sums`); for float32 the fused pass also writes
+the clamped values that reduction adds up (bit for bit torch's clamps) into reused scratch,
+so the sums read them from cache, the price of bit-identical means.
 """
 from __future__ import annotations
 
