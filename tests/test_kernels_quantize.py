@@ -4,6 +4,7 @@ torch reference's bits (wire, decoded values, residual, aggregate), on odd, empt
 one-element tensors, non-contiguous and 16-bit inputs; the uniforms follow their plain-Python
 rule and look uniform."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -250,6 +251,42 @@ def test_uniforms_look_uniform(seed):
     for other in (c[1:] * c[:-1], c * (counter_rng.uniforms(seed + 1, 0, n).double() - 0.5)):
         r = other.mean().item() / (1 / 12)
         assert abs(r) < 5 / math.sqrt(other.numel())
+
+
+def test_numba_uniform_follows_the_plain_python_rule():
+    """The kernels' inline draw (an intrinsic in 32-bit operations) is ``uniform_at``, on
+    either side of 2^31 and up to the block's last counter, for the integer types it gets."""
+    numba = pytest.importorskip("numba")
+    uniform = counter_rng.numba_uniform()
+
+    @numba.njit
+    def draws(js, k0, k1, out):
+        for i in range(js.size):
+            out[i] = uniform(js[i], k0, k1)
+
+    js = np.array([0, 1, 2, 255, 2**16 + 1, 2**31 - 1, 2**31, 2**31 + 9, 2**32 - 2, 2**32 - 1], np.int64)
+    for seed in (0, 1, -1, 2**63 + 5, 2**64 - 1):
+        k0, k1 = counter_rng.keys(seed)
+        expect = [counter_rng.uniform_at(seed, int(j)) for j in js]
+        for j_, ks in ((js, (np.uint64(k0), np.uint64(k1))), (js.astype(np.uint32), (np.uint32(k0), np.uint32(k1)))):
+            out = np.empty(js.size, np.float32)
+            draws(j_, *ks, out)
+            assert out.tolist() == expect, (seed, ks)
+
+
+def test_fused_kernels_hash_on_32_bit_vector_lanes():
+    """The draws vectorise on 32-bit lanes (issue 14: on 64-bit lanes, numba's typing of
+    uint32 arithmetic, the hash ran at half width and cost qsgd and terngrad most of their
+    time): the kernel's optimised LLVM IR multiplies vectors of i32, never of i64. (terngrad's
+    kernel, the quicker to compile; qsgd's draws the same way.)"""
+    numba = pytest.importorskip("numba")
+    quantize._compile_helpers()
+    fn = numba.njit(quantize._terngrad_encode.py_func)
+    k = np.uint64(5)
+    fn(np.ones(64, np.float32), np.float32(1), k, k, np.zeros(64, np.uint8), np.empty(0, np.float32))
+    ir = "\n".join(fn.inspect_llvm().values())
+    assert re.search(r"mul <\d+ x i32>", ir)
+    assert not re.search(r"mul <\d+ x i64>", ir)
 
 
 def test_fused_kernels_draw_the_reference_uniforms():

@@ -9,8 +9,9 @@ means per column in float32 (``8·columns`` bytes). Does not sum in compressed f
 On the CPU the bits, their packing and the non-negative counts are one numba pass
 (:mod:`gradzip.kernels.quantize`), and decoding (or the residual) one more. The column sums
 depend on the order of a float sum, so both paths compute them with the same torch
-reduction over the same pieces (:func:`_add_sums`): the fused path reads the tensor once
-more for them, the price of bit-identical means.
+reduction over the same pieces (:func:`_add_sums`); for float32 the fused pass also writes
+the clamped values that reduction adds up (bit for bit torch's clamps) into reused scratch,
+so the sums read them from cache, the price of bit-identical means.
 """
 from __future__ import annotations
 
@@ -58,14 +59,24 @@ class OneBit(_util.DecodeAddMean):
         sums = torch.zeros(2, cols, dtype=torch.float32)
         chunk = _piece(cols)
         if flat.numel() <= chunk or not _util.piecewise(flat):  # encode_chunks' pieces
-            _add_sums(flat, cols, sums)
-        else:
-            for start in range(0, flat.numel(), chunk):
-                _add_sums(flat[start : start + chunk], cols, sums)
+            chunk = max(flat.numel(), 1)
         wire = reuse.wire if reuse is not None else {}
         bits = kernels.reused(wire.get("bits"), packed_nbytes(flat.numel(), 1))
         pos_n = torch.zeros(cols, dtype=torch.int64)
-        quantize.onebit_encode(flat.to(torch.float32).contiguous(), max(cols, 1), bits, pos_n)
+        size = min(chunk, flat.numel())
+        if flat.dtype == torch.float32:  # the kernel writes the clamps the sums add up
+            pos, neg = torch.empty(2, size).unbind()
+        else:  # (torch's clamps in the input's dtype: what the reference sums)
+            scratch = torch.empty(size, dtype=flat.dtype)
+        for start in range(0, flat.numel(), chunk):  # each piece read from memory once
+            part = flat[start : start + chunk]
+            if flat.dtype == torch.float32:
+                quantize.onebit_encode(part.contiguous(), max(cols, 1), bits[start // 8 :], pos_n,
+                                       pos[: part.numel()], neg[: part.numel()])
+                _add_column_sums(pos[: part.numel()], neg[: part.numel()], cols, sums)
+            else:
+                _add_sums(part, cols, sums, scratch)
+                quantize.onebit_encode(part.to(torch.float32).contiguous(), max(cols, 1), bits[start // 8 :], pos_n)
         means = kernels.reused(wire.get("means"), 2 * cols, torch.float32).view(2, cols)
         return Packet({"bits": bits, "means": means.copy_(_means(sums, pos_n, rows))}, tensor.shape, tensor.dtype)
 
@@ -106,14 +117,26 @@ def _piece(cols: int) -> int:
     return max(8, _util.CHUNK // max(cols, 1) // 8 * 8) * cols  # cols = 0: an empty tensor
 
 
-def _add_sums(part: torch.Tensor, cols: int, sums: torch.Tensor) -> torch.Tensor:
+def _add_sums(part: torch.Tensor, cols: int, sums: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Add a piece's column sums of its non-negative entries to ``sums[0]`` and of its
     negative entries to ``sums[1]`` (float32; the one reduction both paths use); returns
-    the piece as a ``rows × cols`` matrix."""
+    the piece as a ``rows × cols`` matrix. ``scratch`` (the piece's dtype, at least its
+    size): where the clamped copies go instead of two fresh tensors (the same values)."""
     m = part.view(-1, cols) if cols else part.view(0, 0)  # (d0, 0, ...): nothing to code
-    sums[0] += m.clamp(min=0).sum(0, dtype=torch.float32)  # zeros add nothing
-    sums[1] += m.clamp(max=0).sum(0, dtype=torch.float32)
+    pos = neg = None
+    if scratch is not None:
+        pos = neg = scratch[: m.numel()].view(m.shape)
+    sums[0] += torch.clamp(m, min=0, out=pos).sum(0, dtype=torch.float32)  # zeros add nothing
+    sums[1] += torch.clamp(m, max=0, out=neg).sum(0, dtype=torch.float32)
     return m
+
+
+def _add_column_sums(pos: torch.Tensor, neg: torch.Tensor, cols: int, sums: torch.Tensor) -> None:
+    """:func:`_add_sums` of a float32 piece whose clamps (``pos``, ``neg``, flat) the fused
+    kernel wrote: the same reduction of the same values."""
+    shape = (-1, cols) if cols else (0, 0)
+    sums[0] += pos.view(shape).sum(0, dtype=torch.float32)
+    sums[1] += neg.view(shape).sum(0, dtype=torch.float32)
 
 
 def _means(sums: torch.Tensor, pos_n: torch.Tensor, rows: int) -> torch.Tensor:

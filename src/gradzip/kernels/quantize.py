@@ -4,7 +4,7 @@ is one pass (codes, bit packing and, when asked, the error-feedback residual
 
 Every kernel is bit-identical to its codec's torch reference for finite tensors: the same
 float32 operations in the same order (no fastmath, so no fused multiply-add), the uniforms of
-:mod:`.counter_rng` computed inline (uint64 arithmetic masked to 32 bits), the codes
+:mod:`.counter_rng` computed inline (in 32-bit vector lanes), the codes
 packed MSB-first in the layout of :mod:`gradzip.compressors.bitpack`. Scalars that come
 from order-dependent reductions (the norm, the column sums) are computed by torch and
 passed in. (A NaN or Inf, which the optimizers stop before compressing unless
@@ -44,9 +44,12 @@ def _compile_helpers() -> None:
     with _helpers_lock:
         import numba
         g = globals()
-        for name in ("_merge", "_split", "_bswap", "_pack", "_pack_words", "_unpack", "_unpack_words", "_onebit_run"):
+        for name in ("_merge", "_split", "_bswap", "_pack", "_pack_words", "_unpack", "_unpack_words", "_onebit_run",
+                     "_pack2", "_unpack2"):
             if not hasattr(g[name], "py_func"):  # not compiled by a thread before us
                 g[name] = numba.njit(cache=True, nogil=True, inline="always")(g[name])
+        g["_uniform"] = counter_rng.numba_uniform()  # (cached: the same object every time)
+        g["_store_be64"], g["_load_be64"] = _byte_intrinsics()
         _helpers_ready.append(True)
 
 
@@ -72,22 +75,14 @@ def _qsgd_encode(v, scale, levels, bits, k0, k1, packed, residual, step):
     n = v.size
     want = residual.size == n
     codes = np.empty(PIECE, np.uint8)
-    us = np.empty(PIECE, np.float32)  # (one fused loop ran ~15% slower: 64-bit hash lanes)
+    us = np.empty(PIECE, np.float32)
     sf = np.float32(levels)
     s32 = np.int32(levels)
-    mask = np.uint64(0xFFFFFFFF)
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
         for i in range(m):  # the counter-based uniforms (counter_rng), a loop of their own
-            x = (np.uint64(base + i) & mask) ^ k0
-            x ^= x >> np.uint64(16)
-            x = (x * np.uint64(0x21F0AAAD)) & mask
-            x ^= k1
-            x ^= x >> np.uint64(15)
-            x = (x * np.uint64(0x735A2D97)) & mask
-            x ^= x >> np.uint64(15)
-            us[i] = np.float32(np.int32(x >> np.uint64(8))) * np.float32(5.9604644775390625e-08)
+            us[i] = _uniform(base + i, k0, k1)
         for i in range(m):
             u = us[i]
             a = vb[i]
@@ -126,25 +121,17 @@ def _terngrad_encode(v, s, k0, k1, packed, residual):
     want = residual.size == n
     codes = np.empty(PIECE, np.uint8)
     us = np.empty(PIECE, np.float32)
-    mask = np.uint64(0xFFFFFFFF)
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
         for i in range(m):  # the counter-based uniforms (counter_rng), a loop of their own
-            x = (np.uint64(base + i) & mask) ^ k0
-            x ^= x >> np.uint64(16)
-            x = (x * np.uint64(0x21F0AAAD)) & mask
-            x ^= k1
-            x ^= x >> np.uint64(15)
-            x = (x * np.uint64(0x735A2D97)) & mask
-            x ^= x >> np.uint64(15)
-            us[i] = np.float32(np.int32(x >> np.uint64(8))) * np.float32(5.9604644775390625e-08)
+            us[i] = _uniform(base + i, k0, k1)
         for i in range(m):
             u = us[i]
             a = vb[i]
             keep = np.uint8(np.float32(u * s) < abs(a))
             codes[i] = (keep << np.uint8(1)) | (keep & np.uint8(a > 0))
-        _pack(codes, m, 2, packed, base // 4)
+        _pack2(codes, m, packed, base // 4)
         if want:
             rb = residual[base:base + m]
             for i in range(m):
@@ -159,7 +146,7 @@ def _terngrad_decode(packed, count, s, out, add):
     codes = np.empty(PIECE, np.uint8)
     for base in range(0, count, PIECE):
         m = min(PIECE, count - base)
-        _unpack(packed, base // 4, 2, m, codes)
+        _unpack2(packed, base // 4, m, codes)
         ob = out[base:base + m]
         if add:
             for i in range(m):
@@ -174,17 +161,28 @@ def _terngrad_decode(packed, count, s, out, add):
 
 
 @njit
-def _onebit_encode(v, cols, packed, nonneg):
+def _onebit_encode(v, cols, packed, nonneg, pos, neg):
     """1-bit codes ``v ≥ 0`` packed MSB-first into ``packed``; ``nonneg[c]`` += the column's
-    count of them (``v`` is the row-major ``rows × cols`` matrix, flat)."""
+    count of them (``v`` is the row-major ``rows × cols`` matrix, flat). If ``pos`` and
+    ``neg`` have ``v``'s size, torch's ``clamp(v, min=0)`` and ``clamp(v, max=0)`` into them,
+    bit for bit (a zero keeps its sign, a NaN stays NaN): what the column sums add up."""
     n = v.size
+    split = pos.size == n
     codes = np.empty(PIECE, np.uint8)
+    zero = np.float32(0.0)
     c = 0  # the column of the piece's first entry
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
         for i in range(m):
             codes[i] = np.uint8(vb[i] >= 0)
+        if split:
+            pb = pos[base:base + m]
+            nb = neg[base:base + m]
+            for i in range(m):
+                a = vb[i]
+                pb[i] = zero if a < zero else a
+                nb[i] = zero if a > zero else a
         _pack(codes, m, 1, packed, base // 8)
         i = 0
         if cols == 1:
@@ -222,6 +220,12 @@ def _onebit_decode(packed, cols, pos, neg, v, mode, out):
                         v[base + i:base + i + run], mode, out[base + i:base + i + run], cols == 1)
             i += run
             c = (c + run) % cols
+
+
+def _uniform(j, k0, k1):
+    """``u_j`` from the block's keys (:func:`.counter_rng.numba_uniform` in the compiled
+    kernels; this plain statement serves the kernels' ``py_func``)."""
+    return np.float32(counter_rng.uniform_from_keys(int(j), int(k0), int(k1)))
 
 
 def _onebit_run(ct, pt, nt, vt, mode, ot, one):
@@ -286,36 +290,60 @@ def _pack(codes, m, bits, packed, at):
             packed[o + t] = np.uint8((lo >> np.uint64(8 * (bits - 1 - t))) & np.uint64(0xFF))
 
 
+def _pack2(codes, m, packed, at):
+    """:func:`_pack` for 2-bit codes (terngrad's): each byte from one little-endian 32-bit
+    word of four codes, a loop LLVM vectorises (the general 64-bit merge is serial; this ran
+    ~6x faster)."""
+    words = codes.view(np.uint32)
+    full = m // 4
+    out = packed[at:at + full]
+    for k in range(full):
+        x = words[k]
+        out[k] = np.uint8(((x & np.uint32(3)) << np.uint32(6)) | ((x >> np.uint32(4)) & np.uint32(0x30))
+                          | ((x >> np.uint32(14)) & np.uint32(0xC)) | (x >> np.uint32(24)))
+    rest = m - 4 * full
+    if rest:  # the last, partial byte: codes past m are 0
+        y = 0
+        for t in range(rest):
+            y |= int(codes[4 * full + t]) << (6 - 2 * t)
+        packed[at + full] = np.uint8(y)
+
+
+def _unpack2(packed, at, m, codes):
+    """:func:`_unpack` for 2-bit codes: each byte into one little-endian word of four codes
+    (vectorised, like :func:`_pack2`)."""
+    words = codes.view(np.uint32)
+    groups = (m + 3) // 4
+    whole = min(groups, packed.size - at)
+    src = packed[at:at + whole]
+    for k in range(whole):
+        b = np.uint32(src[k])
+        words[k] = ((b >> np.uint32(6)) | ((b << np.uint32(4)) & np.uint32(0x300))
+                    | ((b << np.uint32(14)) & np.uint32(0x30000)) | ((b & np.uint32(3)) << np.uint32(24)))
+    for k in range(whole, groups):  # bytes past the end of packed read as 0
+        words[k] = np.uint32(0)
+
+
 def _pack_words(codes, m, bits, packed, at):
-    """:func:`_pack` for a width known only at run time (qsgd's): the groups are shifted into
-    a 64-bit accumulator and written as whole big-endian words (one store per 8 bytes
-    instead of a branch and a store per byte; ``at`` is a multiple of 8 bytes, each piece
-    starting at a multiple of 64 codes). The same bytes as :func:`_pack`."""
+    """:func:`_pack` for a width known only at run time (qsgd's): each group of eight codes
+    merged into the top of a 64-bit word and stored as 8 big-endian bytes at its own offset
+    (:func:`_store_be64`, unaligned): its ``bits`` bytes, then zeros that the next group's
+    store overwrites (one store per group instead of a branch and a store per byte; ~2x
+    faster). Groups whose 8 bytes would pass the end of ``packed`` are written byte by byte.
+    The same bytes as :func:`_pack`; pieces are written in order, so a store's zeros past
+    the piece are overwritten by the next piece."""
     words = codes.view(np.uint64)
     full = m // 8
-    nw = full * bits // 8
-    ow = packed[at:at + nw * 8].view(np.uint64)
-    nb = np.uint64(8 * bits)
-    acc = np.uint64(0)
-    nacc = np.uint64(0)  # bits waiting in acc: a multiple of 8, below 64
-    w = 0
-    for g in range(full):
-        group = _merge(words[g], bits)
-        if nacc + nb < np.uint64(64):
-            acc = (acc << nb) | group
-            nacc += nb
-        else:
-            rem = nacc + nb - np.uint64(64)  # bits of this group left for the next word
-            word = group >> rem
-            if nacc:  # (a shift by 64 is undefined)
-                word |= acc << (np.uint64(64) - nacc)
-            ow[w] = _bswap(word)
-            w += 1
-            acc = group & ((np.uint64(1) << rem) - np.uint64(1))
-            nacc = rem
-    o = at + nw * 8
-    for t in range(int(nacc) // 8):
-        packed[o + t] = np.uint8(acc >> (nacc - np.uint64(8 * (t + 1))))
+    top = np.uint64(64 - 8 * bits)
+    room = packed.size - at
+    safe = min(full, (room - 8) // bits + 1) if room >= 8 else 0
+    for g in range(safe):
+        _store_be64(packed, at + g * bits, _merge(words[g], bits) << top)
+    for g in range(safe, full):
+        lo = _merge(words[g], bits) << top
+        o = at + g * bits
+        for t in range(bits):
+            packed[o + t] = np.uint8(lo >> np.uint64(56 - 8 * t))
     rest = m - 8 * full
     if rest:  # the last, partial group: codes past m are 0
         lo = _merge(words[full] & ((np.uint64(1) << np.uint64(8 * rest)) - np.uint64(1)), bits)
@@ -325,40 +353,70 @@ def _pack_words(codes, m, bits, packed, at):
 
 
 def _unpack_words(packed, at, bits, m, codes):
-    """:func:`_unpack` for a width known only at run time (qsgd's): whole big-endian words
-    read into a 64-bit accumulator, the groups shifted out of it; the groups past the last
-    whole word of the piece are read byte by byte (:func:`_unpack`'s loop)."""
+    """:func:`_unpack` for a width known only at run time (qsgd's): each group read as the 8
+    big-endian bytes at its offset (:func:`_load_be64`, unaligned) and shifted down to its
+    ``bits`` bytes; the groups near the end of ``packed`` byte by byte (past it read as 0)."""
     words = codes.view(np.uint64)
     groups = (m + 7) // 8
-    nw = min(groups * bits // 8, (packed.size - at) // 8)  # whole words of this piece
-    iw = packed[at:at + nw * 8].view(np.uint64)
-    gw = min(groups, nw * 8 // bits)  # groups inside those words
-    nb = np.uint64(8 * bits)
-    low = (np.uint64(1) << nb) - np.uint64(1) if bits < 8 else ~np.uint64(0)
-    acc = np.uint64(0)
-    nacc = np.uint64(0)  # unread bits at the bottom of acc
-    r = 0
-    for g in range(gw):
-        if nacc >= nb:
-            group = (acc >> (nacc - nb)) & low
-            nacc -= nb
-        else:
-            need = nb - nacc
-            word = _bswap(iw[r])
-            r += 1
-            if nacc:  # (a shift by 64 is undefined)
-                group = ((acc & ((np.uint64(1) << nacc) - np.uint64(1))) << need) | (word >> (np.uint64(64) - need))
-            else:
-                group = word >> (np.uint64(64) - need)
-            acc = word
-            nacc = np.uint64(64) - need
-        words[g] = _split(group, bits)
-    for g in range(gw, groups):
+    top = np.uint64(64 - 8 * bits)
+    room = packed.size - at
+    safe = min(groups, (room - 8) // bits + 1) if room >= 8 else 0
+    for g in range(safe):
+        words[g] = _split(_load_be64(packed, at + g * bits) >> top, bits)
+    for g in range(safe, groups):
         o = at + g * bits
         y = np.uint64(0)
         for t in range(bits):
             y = (y << np.uint64(8)) | (np.uint64(packed[o + t]) if o + t < packed.size else np.uint64(0))
         words[g] = _split(y, bits)
+
+
+def _store_be64(packed, offset, value):
+    """``packed[offset:offset + 8]`` = the uint64 ``value``, big-endian (in the compiled
+    kernels an unaligned store of the byte-swapped word: :func:`_byte_intrinsics`)."""
+    packed[offset:offset + 8] = np.frombuffer(int(value).to_bytes(8, "big"), np.uint8)
+
+
+def _load_be64(packed, offset):
+    """``packed[offset:offset + 8]`` read as a big-endian uint64 (:func:`_store_be64` backwards)."""
+    return np.uint64(int.from_bytes(packed[offset:offset + 8].tobytes(), "big"))
+
+
+@functools.cache
+def _byte_intrinsics():
+    """Numba intrinsics for :func:`_store_be64` and :func:`_load_be64`: one unaligned 8-byte
+    store or load and ``llvm.bswap`` (numba has no unaligned access; a slice and ``view``
+    per group ran 5x slower than the byte loop). The caller keeps ``offset + 8`` within
+    the array."""
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic
+    from numba.np.arrayobj import make_array
+
+    i64 = ir.IntType(64)
+
+    def address(context, builder, arrty, arr, offset):
+        data = make_array(arrty)(context, builder, arr).data
+        return builder.bitcast(builder.gep(data, [offset]), i64.as_pointer())
+
+    def bswap(builder, value):
+        return builder.call(builder.module.declare_intrinsic("llvm.bswap", [i64]), [value])
+
+    @intrinsic
+    def store_be64(typingctx, packed, offset, value):
+        def codegen(context, builder, sig, args):
+            ptr = address(context, builder, sig.args[0], args[0], args[1])
+            builder.store(bswap(builder, args[2]), ptr, align=1)
+            return context.get_dummy_value()
+        return types.void(packed, types.intp, types.uint64), codegen
+
+    @intrinsic
+    def load_be64(typingctx, packed, offset):
+        def codegen(context, builder, sig, args):
+            return bswap(builder, builder.load(address(context, builder, sig.args[0], args[0], args[1]), align=1))
+        return types.uint64(packed, types.intp), codegen
+
+    return store_be64, load_be64
 
 
 def _bswap(x):
@@ -471,10 +529,14 @@ def terngrad_decode(packed: torch.Tensor, s: float, out: torch.Tensor, add: bool
     _terngrad_decode(array(packed), out.numel(), np.float32(s), array(out.view(-1)), add)
 
 
-def onebit_encode(v: torch.Tensor, cols: int, packed: torch.Tensor, nonneg: torch.Tensor) -> None:
+def onebit_encode(v: torch.Tensor, cols: int, packed: torch.Tensor, nonneg: torch.Tensor,
+                  pos: torch.Tensor | None = None, neg: torch.Tensor | None = None) -> None:
     """1-bit codes of the flat contiguous float32 ``v`` into ``packed``; ``nonneg`` (int64,
-    ``cols``) += each column's count of non-negative entries."""
-    _onebit_encode(array(v), cols, array(packed), array(nonneg))
+    ``cols``) += each column's count of non-negative entries; ``pos``, ``neg`` (contiguous
+    float32 of ``v``'s size, or None): ``v.clamp(min=0)``, ``v.clamp(max=0)`` into them."""
+    none = np.empty(0, np.float32)
+    _onebit_encode(array(v), cols, array(packed), array(nonneg),
+                   none if pos is None else array(pos), none if neg is None else array(neg))
 
 
 def onebit_decode(packed: torch.Tensor, cols: int, pos: torch.Tensor, neg: torch.Tensor,
