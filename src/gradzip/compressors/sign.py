@@ -28,7 +28,6 @@ from .. import kernels
 from ..kernels import elementwise as ek
 from ._util import (FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused, fused_counts, value_table,
                     wire_buffer)
-from ._util import abs_sum as _abs_sum
 from .base import Compressor, Packet, deliver
 from .bitpack import packed_nbytes
 from .registry import register
@@ -157,6 +156,38 @@ class Sign(Compressor):
         return torch.sign(total).to(packet.dtype).view(packet.shape)
 
 
+def l1_norm(flat: torch.Tensor) -> torch.Tensor:
+    """``‖v‖₁`` of a flat tensor as a float64 0-d tensor, summed in the order docs/algorithms.md
+    §codec: scaled_sign defines (blocks of 1024 entries, 16 float64 lanes a block summed row
+    by row, the lanes pairwise, the block sums again so): the torch reference of
+    :func:`gradzip.kernels.elementwise.l1_of`, bit for bit, on any device."""
+    block, lanes = ek.BLOCK, ek.LANES
+    v = torch.abs(flat.detach()).to(torch.float64)   # exact: |x|, then a widening
+    while True:
+        blocks = max(1, -(-v.numel() // block))
+        padded = v.new_zeros(blocks * block)          # + 0.0 changes no lane sum
+        padded[:v.numel()] = v
+        rows = padded.view(blocks, block // lanes, lanes)
+        acc = torch.zeros(blocks, lanes, dtype=torch.float64, device=v.device)
+        for r in range(block // lanes):
+            acc += rows[:, r]
+        half = lanes // 2
+        while half:
+            acc = acc[:, :half] + acc[:, half:2 * half]
+            half //= 2
+        v = acc.view(-1)
+        if blocks == 1:
+            return v[0]
+
+
+def _l1_scale(l1: float, numel: int, reuse: Packet | None) -> torch.Tensor:
+    """The ``scale`` wire (float32, 1 entry): ``‖v‖₁ / d`` from the fused path's ``l1``, rounded
+    as the reference rounds ``(l1_norm(v) / d).to(float32)`` (a float64 quotient, then float32)."""
+    scale = wire_buffer(reuse, "scale", 1, torch.float32)
+    scale.copy_(torch.tensor([l1 / max(numel, 1)], dtype=torch.float64))
+    return scale
+
+
 def rms_scale(flat: torch.Tensor) -> torch.Tensor:
     """``‖v‖₂/√d`` of a flat tensor as a float32 0-d tensor (0 for an empty one), the norm
     taken in float32 or wider (one function for the torch and the fused path)."""
@@ -180,16 +211,18 @@ class ScaledSign(Compressor):
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         if fused(tensor) and tensor.dtype in FUSED_DTYPES:
-            x, bits, scale = self._fused_scale(tensor, reuse)
-            ek.sign_encode(kernels.array(x), kernels.array(bits))
+            if self.scale == "rms":
+                x, bits, scale = self._fused_scale(tensor, reuse)
+                ek.sign_encode(kernels.array(x), kernels.array(bits))
+            else:   # the bits and the l1 block sums in one pass
+                x, bits = _fused_bits(tensor, reuse)
+                partials = kernels.array(torch.empty(max(1, -(-x.numel() // ek.BLOCK)), dtype=torch.float64))
+                ek.sign_encode_l1(kernels.array(x), kernels.array(bits), partials)
+                scale = _l1_scale(ek.l1_of(kernels.array(x), partials), x.numel(), reuse)
             return Packet({"bits": bits, "scale": scale}, tensor.shape, tensor.dtype)
         v = tensor.detach().reshape(-1)
-        if self.scale == "rms":
-            return Packet({"bits": sign_bits(v), "scale": rms_scale(v).reshape(1)}, tensor.shape, tensor.dtype)
-        l1 = torch.zeros((), dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
-        bits = sign_bits(v, abs_sum=l1)
-        scale = (l1 / max(v.numel(), 1)).to(torch.float32)  # ‖v‖₁ / d
-        return Packet({"bits": bits, "scale": scale.reshape(1)}, tensor.shape, tensor.dtype)
+        scale = rms_scale(v) if self.scale == "rms" else (l1_norm(v) / max(v.numel(), 1)).to(torch.float32)
+        return Packet({"bits": sign_bits(v), "scale": scale.reshape(1)}, tensor.shape, tensor.dtype)
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         scale = packet.wire["scale"].to(packet.dtype)
@@ -213,9 +246,9 @@ class ScaledSign(Compressor):
         """(flat input, bits buffer, scale wire ``‖v‖₁/d`` or ``‖v‖₂/√d`` as the reference
         computes it)."""
         x, bits = _fused_bits(tensor, reuse)
-        scale = wire_buffer(reuse, "scale", 1, torch.float32)
         if self.scale == "rms":
+            scale = wire_buffer(reuse, "scale", 1, torch.float32)
             scale.copy_(rms_scale(x).reshape(1))
         else:
-            scale.copy_((_abs_sum(x) / max(x.numel(), 1)).to(torch.float32).reshape(1))
+            scale = _l1_scale(ek.l1_of(kernels.array(x)), x.numel(), reuse)
         return x, bits, scale
