@@ -222,3 +222,20 @@ def test_scaled_sign_scale_sums_in_the_defined_order(n, dtype):
         with kernels.use(mode):
             assert torch.equal(codec.compress(x).wire["scale"], want), mode
             assert torch.equal(codec.compress_residual(x, 0, torch.empty_like(x)).wire["scale"], want), mode
+
+
+@pytest.mark.parametrize("spec", ["sign", "scaled_sign", "scaled_sign:scale=rms"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_inputs_take_the_fused_sign_encoder(spec, dtype, monkeypatch):
+    """fp16 / bf16 inputs are encoded by the fused kernel (compares of their bits), with the
+    wire of the torch path: ±0, ±inf, NaN, subnormals, whole blocks and a tail."""
+    calls = []
+    original = ek.sign_encode_bits
+    monkeypatch.setattr(ek, "sign_encode_bits", lambda *a: calls.append(1) or original(*a))
+    x = make((2053,), dtype, seed=7)
+    codec = build(spec)
+    with kernels.use("torch"):
+        want = codec.compress(x)
+    with kernels.use("auto"):
+        got = codec.compress(x)
+    assert calls == [1] and same_packet(got, want)

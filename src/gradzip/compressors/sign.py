@@ -11,10 +11,13 @@ the ℓ2-preserving scale ``‖v‖₂/√d`` instead (1-bit Adam's codec, docs/
 §"1-bit Adam, 0/1 Adam, 1-bit LAMB: the boxes"); the bits are the same.
 
 On the CPU the fused kernels of :mod:`gradzip.kernels.elementwise` encode (float32 and
-float64 inputs; bits and residual in one pass, into the ``reuse`` packet's buffer), decode
-(any float dtype, into ``out``) and aggregate; the torch code below them is the reference
-they are tested bit-identical to (``gradzip.kernels.use("torch")`` runs it). The
-``scaled_sign`` scale (``‖v‖₁/d`` or ``‖v‖₂/√d``) is a torch reduction shared by both paths.
+float64 inputs: bits, ``scaled_sign``'s ℓ1 block sums and the residual in one pass, into
+the ``reuse`` packet's buffer; float16 / bfloat16 inputs: the bits), decode (any float
+dtype, into ``out``) and aggregate; the torch code below them is the reference they are
+tested bit-identical to (``gradzip.kernels.use("torch")`` runs it). ``‖v‖₁`` is summed in
+the order docs/algorithms.md §codec: sign, scaled_sign defines (:func:`l1_norm` on the
+torch path, the same sums in the kernel); ``‖v‖₂/√d`` (``scale=rms``) is a torch reduction
+shared by both paths.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch
 
 from .. import kernels
 from ..kernels import elementwise as ek
+from ..kernels.sparse import INF_BITS
 from ._util import (FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused, fused_counts, value_table,
                     wire_buffer)
 from .base import Compressor, Packet, deliver
@@ -41,6 +45,21 @@ def _fused_bits(tensor: torch.Tensor, reuse: Packet | None) -> tuple[torch.Tenso
     """(flat contiguous input, its bits buffer: the ``reuse`` packet's when it fits)."""
     x = flat_input(tensor)
     return x, wire_buffer(reuse, "bits", packed_nbytes(x.numel(), 1))
+
+
+#: 16-bit floats: their bits are encoded by a fused kernel too (compares only); their scale
+#: (``scaled_sign``) and residual (a rounded difference) stay torch code.
+BITS16 = (torch.float16, torch.bfloat16)
+
+
+def _encode_fused(tensor: torch.Tensor, reuse: Packet | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat input, its packed bits of ``x >= 0``) by the fused kernel of its dtype."""
+    x, bits = _fused_bits(tensor, reuse)
+    if x.dtype in BITS16:
+        ek.sign_encode_bits(kernels.array(x), INF_BITS[x.dtype], kernels.array(bits))
+    else:
+        ek.sign_encode(kernels.array(x), kernels.array(bits))
+    return x, bits
 
 
 def _decode_fused(packet: Packet, table: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -91,10 +110,8 @@ class Sign(Compressor):
     name = "sign"
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
-        if fused(tensor) and tensor.dtype in FUSED_DTYPES:
-            x, bits = _fused_bits(tensor, reuse)
-            ek.sign_encode(kernels.array(x), kernels.array(bits))
-            return Packet({"bits": bits}, tensor.shape, tensor.dtype)
+        if fused(tensor) and tensor.dtype in FUSED_DTYPES + BITS16:
+            return Packet({"bits": _encode_fused(tensor, reuse)[1]}, tensor.shape, tensor.dtype)
         return Packet({"bits": sign_bits(tensor)}, tensor.shape, tensor.dtype)
 
     def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
@@ -158,15 +175,15 @@ class Sign(Compressor):
 
 def l1_norm(flat: torch.Tensor) -> torch.Tensor:
     """``‖v‖₁`` of a flat tensor as a float64 0-d tensor, summed in the order docs/algorithms.md
-    §codec: scaled_sign defines (blocks of 1024 entries, 16 float64 lanes a block summed row
+    §codec: sign, scaled_sign defines (blocks of 1024 entries, 16 float64 lanes a block summed row
     by row, the lanes pairwise, the block sums again so): the torch reference of
     :func:`gradzip.kernels.elementwise.l1_of`, bit for bit, on any device."""
     block, lanes = ek.BLOCK, ek.LANES
-    v = torch.abs(flat.detach()).to(torch.float64)   # exact: |x|, then a widening
+    v = torch.abs(flat.detach())
     while True:
         blocks = max(1, -(-v.numel() // block))
-        padded = v.new_zeros(blocks * block)          # + 0.0 changes no lane sum
-        padded[:v.numel()] = v
+        padded = torch.zeros(blocks * block, dtype=torch.float64, device=v.device)   # + 0.0 changes no lane sum
+        padded[:v.numel()] = v                        # exact: |x| widened
         rows = padded.view(blocks, block // lanes, lanes)
         acc = torch.zeros(blocks, lanes, dtype=torch.float64, device=v.device)
         for r in range(block // lanes):
@@ -210,6 +227,11 @@ class ScaledSign(Compressor):
                 f"scale must be l1 or rms, got {self.scale!r}")
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        if fused(tensor) and tensor.dtype in BITS16:
+            x, bits = _encode_fused(tensor, reuse)
+            scale = wire_buffer(reuse, "scale", 1, torch.float32)
+            scale.copy_(self._reference_scale(x).reshape(1))
+            return Packet({"bits": bits, "scale": scale}, tensor.shape, tensor.dtype)
         if fused(tensor) and tensor.dtype in FUSED_DTYPES:
             if self.scale == "rms":
                 x, bits, scale = self._fused_scale(tensor, reuse)
@@ -221,8 +243,11 @@ class ScaledSign(Compressor):
                 scale = _l1_scale(ek.l1_of(kernels.array(x), partials), x.numel(), reuse)
             return Packet({"bits": bits, "scale": scale}, tensor.shape, tensor.dtype)
         v = tensor.detach().reshape(-1)
-        scale = rms_scale(v) if self.scale == "rms" else (l1_norm(v) / max(v.numel(), 1)).to(torch.float32)
-        return Packet({"bits": sign_bits(v), "scale": scale.reshape(1)}, tensor.shape, tensor.dtype)
+        return Packet({"bits": sign_bits(v), "scale": self._reference_scale(v).reshape(1)}, tensor.shape, tensor.dtype)
+
+    def _reference_scale(self, v: torch.Tensor) -> torch.Tensor:
+        """The scale of the flat ``v`` by torch code: ``‖v‖₂/√d`` or ``‖v‖₁/d`` (float32 0-d)."""
+        return rms_scale(v) if self.scale == "rms" else (l1_norm(v) / max(v.numel(), 1)).to(torch.float32)
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         scale = packet.wire["scale"].to(packet.dtype)

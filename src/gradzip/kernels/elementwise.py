@@ -64,6 +64,34 @@ def sign_encode(x, out):
         out[full] = b << (8 - rem)
 
 
+
+@njit
+def sign_encode_bits(x, inf, out):
+    """:func:`sign_encode` of 16-bit floats given as their uint16 bits
+    (:func:`gradzip.kernels.array`): ``x >= 0`` is ``bits <= inf`` (+0 up to +inf, the bits
+    of +inf in ``inf``; NaN lies above) or ``bits == 0x8000`` (−0): compares, no rounding."""
+    n = x.size
+    blocked = n // _BLOCK * _BLOCK
+    tmp = np.empty(_BLOCK, np.uint8)
+    words = tmp.view(np.uint64)
+    for s in range(0, blocked, _BLOCK):
+        blk = x[s:s + _BLOCK]
+        for k in range(_BLOCK):
+            v = blk[k]
+            tmp[k] = (v <= inf) | (v == 0x8000)
+        for i in range(_BLOCK // 8):  # eight 0/1 bytes of a little-endian word -> one byte
+            u = words[i]
+            b = u & 1
+            for j in range(1, 8):
+                b = (b << 1) | ((u >> (8 * j)) & 1)
+            out[s // 8 + i] = b
+    for k in range(blocked, n):   # the entries after the last whole block, code by code
+        v = x[k]
+        bit = np.uint8((v <= inf) | (v == 0x8000))
+        if k % 8 == 0:
+            out[k >> 3] = 0
+        out[k >> 3] |= bit << (7 - (k & 7))
+
 @njit
 def sign_encode_residual(x, table, out, res):
     """:func:`sign_encode`, and ``res = x − table[bit]`` (``table``: the decoded −, + value)."""
@@ -172,7 +200,7 @@ def twobit_encode_residual(x, t, table, out, res):
 
 
 # -- the l1 norm of scaled_sign, in its defined order ----------------------------------
-# docs/algorithms.md §codec: scaled_sign, "Summation order": the tensor in blocks of
+# docs/algorithms.md §codec: sign, scaled_sign, "Summation order": the tensor in blocks of
 # _BLOCK entries (the last one partial); in a block, LANES float64 lanes, lane l summing
 # |x[r·LANES + l]| over the rows r in order from 0.0; the lanes then added pairwise
 # (l + l+8, then + 4, + 2, + 1); the block sums are summed the same way (blocks of them,
