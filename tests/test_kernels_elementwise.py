@@ -184,17 +184,18 @@ def test_hypothesis_sizes_across_blocks_are_bit_identical(spec, dtype, n, seed):
 
 
 def defined_l1(values) -> float:
-    """The ℓ1 norm in the order docs/algorithms.md §codec: scaled_sign defines, in plain
-    Python floats (float64): blocks of 1024, 16 lanes summed row by row from 0.0, the lanes
-    pairwise (l + l+8, + 4, + 2, + 1), the block sums again so until one is left."""
+    """The ℓ1 norm in the order docs/algorithms.md §codec: sign, scaled_sign defines, in
+    plain Python floats (float64): blocks of 64 rows of 1024 entries, 1024 lanes summed row
+    by row from 0.0, the lanes pairwise (k + k+512, + 256, ..., + 1), the block sums again
+    so until one is left."""
     vals = [abs(float(v)) for v in values]
     while True:
         sums = []
-        for b in range(0, max(len(vals), 1), 1024):
-            lanes = [0.0] * 16
-            for i, v in enumerate(vals[b:b + 1024]):
-                lanes[i % 16] += v
-            half = 8
+        for b in range(0, max(len(vals), 1), 65536):
+            lanes = [0.0] * 1024
+            for i, v in enumerate(vals[b:b + 65536]):
+                lanes[i % 1024] += v
+            half = 512
             while half:
                 lanes = [lanes[i] + lanes[i + half] for i in range(half)]
                 half //= 2
@@ -204,9 +205,9 @@ def defined_l1(values) -> float:
         vals = sums
 
 
-@pytest.mark.parametrize("n,dtype", [(n, d) for n in (0, 1, 1023, 1024, 5000)
+@pytest.mark.parametrize("n,dtype", [(n, d) for n in (0, 1, 1023, 1024, 5000, 65537)
                                      for d in (torch.float32, torch.float64, torch.float16)]
-                         + [(1024 * 1025 + 3, torch.float32)])   # > 1024 blocks: the block sums folded twice
+                         + [(3 * 65536 + 1029, torch.float32)])   # 4 blocks: the block sums folded
 def test_scaled_sign_scale_sums_in_the_defined_order(n, dtype):
     """``scaled_sign``'s scale is ``float32(l1 / d)`` with ``l1`` summed in the defined order
     (float64 lanes), on both paths and in compress and compress_residual alike: the fused

@@ -175,19 +175,19 @@ class Sign(Compressor):
 
 def l1_norm(flat: torch.Tensor) -> torch.Tensor:
     """``‖v‖₁`` of a flat tensor as a float64 0-d tensor, summed in the order docs/algorithms.md
-    §codec: sign, scaled_sign defines (blocks of 1024 entries, 16 float64 lanes a block summed row
-    by row, the lanes pairwise, the block sums again so): the torch reference of
+    §codec: sign, scaled_sign defines (blocks of 64 rows of 1024 entries, 1024 float64 lanes
+    summed row by row, the lanes pairwise, the block sums again so): the torch reference of
     :func:`gradzip.kernels.elementwise.l1_of`, bit for bit, on any device."""
-    block, lanes = ek.BLOCK, ek.LANES
+    lanes, rows = ek.BLOCK, ek.ROWS
     v = torch.abs(flat.detach())
     while True:
-        blocks = max(1, -(-v.numel() // block))
-        padded = torch.zeros(blocks * block, dtype=torch.float64, device=v.device)   # + 0.0 changes no lane sum
+        blocks = max(1, -(-v.numel() // (rows * lanes)))
+        padded = torch.zeros(blocks * rows * lanes, dtype=torch.float64, device=v.device)   # + 0.0 changes no sum
         padded[:v.numel()] = v                        # exact: |x| widened
-        rows = padded.view(blocks, block // lanes, lanes)
+        grid = padded.view(blocks, rows, lanes)
         acc = torch.zeros(blocks, lanes, dtype=torch.float64, device=v.device)
-        for r in range(block // lanes):
-            acc += rows[:, r]
+        for r in range(rows):
+            acc += grid[:, r]
         half = lanes // 2
         while half:
             acc = acc[:, :half] + acc[:, half:2 * half]
@@ -238,7 +238,7 @@ class ScaledSign(Compressor):
                 ek.sign_encode(kernels.array(x), kernels.array(bits))
             else:   # the bits and the l1 block sums in one pass
                 x, bits = _fused_bits(tensor, reuse)
-                partials = kernels.array(torch.empty(max(1, -(-x.numel() // ek.BLOCK)), dtype=torch.float64))
+                partials = kernels.array(torch.empty(max(1, -(-x.numel() // ek.L1_BLOCK)), dtype=torch.float64))
                 ek.sign_encode_l1(kernels.array(x), kernels.array(bits), partials)
                 scale = _l1_scale(ek.l1_of(kernels.array(x), partials), x.numel(), reuse)
             return Packet({"bits": bits, "scale": scale}, tensor.shape, tensor.dtype)

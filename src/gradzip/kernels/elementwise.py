@@ -30,7 +30,7 @@ from . import njit
 # entries after the last whole block go code by code. Little-endian machines only (the
 # codecs check; every platform numba runs on is).
 
-_BLOCK = 1024  # a multiple of 8 (and of LANES)
+_BLOCK = 1024  # a multiple of 8
 BLOCK = _BLOCK
 
 
@@ -201,73 +201,68 @@ def twobit_encode_residual(x, t, table, out, res):
 
 # -- the l1 norm of scaled_sign, in its defined order ----------------------------------
 # docs/algorithms.md §codec: sign, scaled_sign, "Summation order": the tensor in blocks of
-# _BLOCK entries (the last one partial); in a block, LANES float64 lanes, lane l summing
-# |x[r·LANES + l]| over the rows r in order from 0.0; the lanes then added pairwise
-# (l + l+8, then + 4, + 2, + 1); the block sums are summed the same way (blocks of them,
-# ...) until one is left. Both paths compute exactly this (sign.l1_norm is the torch
-# one), so the scale is bit-identical; the lanes vectorize (16 independent sums).
+# ROWS rows of _BLOCK entries (the last block and its last row partial); in a block,
+# _BLOCK float64 lanes, lane k summing |x[r·_BLOCK + k]| over the rows r in order from
+# 0.0; the lanes then added pairwise (k + k+512, then + 256, ..., + 1); the block sums are
+# summed the same way (blocks of them, ...) until one is left. Both paths compute exactly
+# this (sign.l1_norm is the torch one), so the scale is bit-identical; a row's lane update
+# is one vectorized loop over the row the encoder reads anyway.
 
-LANES = 16  # the full-block code below spells the 16 lanes out (scalars vectorize, an array does not)
+ROWS = 64
+#: Entries of an ℓ1 block.
+L1_BLOCK = ROWS * _BLOCK
 
 
 @njit
 def abs_sum_blocks(x, partials):
     """``partials[b]`` = the ℓ1 sum of block ``b`` of ``x`` (float32 or float64), in the
-    defined order; ``partials`` has ``max(1, ceil(n / _BLOCK))`` entries (0.0 for n = 0)."""
+    defined order; ``partials`` has ``max(1, ceil(n / L1_BLOCK))`` entries (0.0 for n = 0)."""
     n = x.size
-    blocked = n // _BLOCK * _BLOCK
-    for s in range(0, blocked, _BLOCK):
-        blk = x[s:s + _BLOCK]
-        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = a12 = a13 = a14 = a15 = 0.0
-        for r in range(0, _BLOCK, LANES):
-            row = blk[r:r + LANES]
-            a0 += abs(np.float64(row[0])); a1 += abs(np.float64(row[1])); a2 += abs(np.float64(row[2])); a3 += abs(np.float64(row[3]))
-            a4 += abs(np.float64(row[4])); a5 += abs(np.float64(row[5])); a6 += abs(np.float64(row[6])); a7 += abs(np.float64(row[7]))
-            a8 += abs(np.float64(row[8])); a9 += abs(np.float64(row[9])); a10 += abs(np.float64(row[10])); a11 += abs(np.float64(row[11]))
-            a12 += abs(np.float64(row[12])); a13 += abs(np.float64(row[13])); a14 += abs(np.float64(row[14])); a15 += abs(np.float64(row[15]))
-        b0, b1, b2, b3, b4, b5, b6, b7 = a0 + a8, a1 + a9, a2 + a10, a3 + a11, a4 + a12, a5 + a13, a6 + a14, a7 + a15
-        c0, c1, c2, c3 = b0 + b4, b1 + b5, b2 + b6, b3 + b7
-        partials[s // _BLOCK] = (c0 + c2) + (c1 + c3)
-    if blocked < n or n == 0:   # the partial last block: the same lanes, missing entries skipped (+0.0)
-        acc = np.zeros(LANES, np.float64)
-        for i in range(n - blocked):
-            acc[i % LANES] += abs(np.float64(x[blocked + i]))
-        h = LANES // 2
+    acc = np.zeros(_BLOCK, np.float64)
+    for b in range(max(1, -(-n // L1_BLOCK))):
+        acc[:] = 0.0
+        first = b * L1_BLOCK
+        for s in range(first, min(n, first + L1_BLOCK), _BLOCK):
+            row = x[s:min(n, s + _BLOCK)]   # a partial last row: its missing entries add +0.0
+            for k in range(row.size):
+                acc[k] += abs(np.float64(row[k]))
+        h = _BLOCK // 2
         while h:
-            for lane in range(h):
-                acc[lane] = acc[lane] + acc[lane + h]
+            for k in range(h):
+                acc[k] = acc[k] + acc[k + h]
             h //= 2
-        partials[blocked // _BLOCK] = acc[0]
+        partials[b] = acc[0]
 
 
 @njit
 def sign_encode_l1(x, out, partials):
-    """:func:`sign_encode` and :func:`abs_sum_blocks`'s ``partials`` of the whole blocks, in
-    one pass (the partial last block: the caller runs :func:`abs_sum_blocks` on it)."""
+    """:func:`sign_encode` and :func:`abs_sum_blocks`'s ``partials`` of the whole ℓ1 blocks,
+    in one pass (the partial last one: the caller runs :func:`abs_sum_blocks` on it)."""
     n = x.size
     blocked = n // _BLOCK * _BLOCK
     tmp = np.empty(_BLOCK, np.uint8)
     words = tmp.view(np.uint64)
+    acc = np.zeros(_BLOCK, np.float64)
     for s in range(0, blocked, _BLOCK):
         blk = x[s:s + _BLOCK]
         for k in range(_BLOCK):
             tmp[k] = blk[k] >= 0
+        for k in range(_BLOCK):
+            acc[k] += abs(np.float64(blk[k]))
         for i in range(_BLOCK // 8):  # eight 0/1 bytes of a little-endian word -> one byte
             u = words[i]
             b = u & 1
             for j in range(1, 8):
                 b = (b << 1) | ((u >> (8 * j)) & 1)
             out[s // 8 + i] = b
-        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = a12 = a13 = a14 = a15 = 0.0
-        for r in range(0, _BLOCK, LANES):
-            row = blk[r:r + LANES]
-            a0 += abs(np.float64(row[0])); a1 += abs(np.float64(row[1])); a2 += abs(np.float64(row[2])); a3 += abs(np.float64(row[3]))
-            a4 += abs(np.float64(row[4])); a5 += abs(np.float64(row[5])); a6 += abs(np.float64(row[6])); a7 += abs(np.float64(row[7]))
-            a8 += abs(np.float64(row[8])); a9 += abs(np.float64(row[9])); a10 += abs(np.float64(row[10])); a11 += abs(np.float64(row[11]))
-            a12 += abs(np.float64(row[12])); a13 += abs(np.float64(row[13])); a14 += abs(np.float64(row[14])); a15 += abs(np.float64(row[15]))
-        b0, b1, b2, b3, b4, b5, b6, b7 = a0 + a8, a1 + a9, a2 + a10, a3 + a11, a4 + a12, a5 + a13, a6 + a14, a7 + a15
-        c0, c1, c2, c3 = b0 + b4, b1 + b5, b2 + b6, b3 + b7
-        partials[s // _BLOCK] = (c0 + c2) + (c1 + c3)
+        if (s // _BLOCK) % ROWS == ROWS - 1:   # the last row of an ℓ1 block
+            h = _BLOCK // 2
+            while h:
+                for k in range(h):
+                    acc[k] = acc[k] + acc[k + h]
+                h //= 2
+            partials[s // L1_BLOCK] = acc[0]
+            acc[:] = 0.0
     full = n // 8  # the entries after the last whole block, code by code
     for i in range(blocked // 8, full):
         b = 0
@@ -284,20 +279,19 @@ def sign_encode_l1(x, out, partials):
 
 def l1_of(x, partials=None) -> float:
     """The ℓ1 norm of the flat float32 / float64 numpy array ``x`` in the defined order;
-    ``partials`` (``max(1, ceil(n / _BLOCK))`` float64 entries): its block sums already
+    ``partials`` (``max(1, ceil(n / L1_BLOCK))`` float64 entries): its block sums already
     computed (:func:`sign_encode_l1`, whose partial last block this completes)."""
     n = x.size
     if partials is None:
-        partials = np.empty(max(1, -(-n // _BLOCK)), np.float64)
+        partials = np.empty(max(1, -(-n // L1_BLOCK)), np.float64)
         abs_sum_blocks(x, partials)
-    elif n % _BLOCK or n == 0:
-        abs_sum_blocks(x[n // _BLOCK * _BLOCK:], partials[n // _BLOCK:])
+    elif n % L1_BLOCK or n == 0:
+        abs_sum_blocks(x[n // L1_BLOCK * L1_BLOCK:], partials[n // L1_BLOCK:])
     while partials.size > 1:
-        folded = np.empty(-(-partials.size // _BLOCK), np.float64)
+        folded = np.empty(-(-partials.size // L1_BLOCK), np.float64)
         abs_sum_blocks(partials, folded)
         partials = folded
     return float(partials[0])
-
 
 # -- decoders ---------------------------------------------------------------------------
 
