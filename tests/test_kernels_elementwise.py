@@ -185,19 +185,16 @@ def test_hypothesis_sizes_across_blocks_are_bit_identical(spec, dtype, n, seed):
 
 def defined_l1(values) -> float:
     """The ℓ1 norm in the order docs/algorithms.md §codec: sign, scaled_sign defines, in
-    plain Python floats (float64): blocks of 64 rows of 1024 entries (zero-padded); per lane
-    the rows as a pairwise tree of adjacent rows; the lanes a tree of halves (k + k+512,
-    + 256, ..., + 1); the block sums again so until one is left."""
+    plain Python floats (float64): blocks of 64 rows of 1024 entries, 1024 lanes summed row
+    by row from 0.0, the lanes pairwise (k + k+512, + 256, ..., + 1), the block sums again
+    so until one is left."""
     vals = [abs(float(v)) for v in values]
     while True:
         sums = []
         for b in range(0, max(len(vals), 1), 65536):
-            block = vals[b:b + 65536]
-            block += [0.0] * (65536 - len(block))
-            rows = [block[r * 1024:(r + 1) * 1024] for r in range(64)]
-            while len(rows) > 1:
-                rows = [[x + y for x, y in zip(rows[i], rows[i + 1])] for i in range(0, len(rows), 2)]
-            lanes = rows[0]
+            lanes = [0.0] * 1024
+            for i, v in enumerate(vals[b:b + 65536]):
+                lanes[i % 1024] += v
             half = 512
             while half:
                 lanes = [lanes[i] + lanes[i + half] for i in range(half)]

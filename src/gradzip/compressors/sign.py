@@ -30,8 +30,8 @@ import torch
 from .. import kernels
 from ..kernels import elementwise as ek
 from ..kernels.sparse import INF_BITS
-from ._util import (CHUNK, FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused, fused_counts, piecewise,
-                    value_table, wire_buffer)
+from ._util import (FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused, fused_counts, value_table,
+                    wire_buffer)
 from .base import Compressor, Packet, deliver
 from .bitpack import packed_nbytes
 from .registry import register
@@ -175,38 +175,26 @@ class Sign(Compressor):
 
 def l1_norm(flat: torch.Tensor) -> torch.Tensor:
     """``‖v‖₁`` of a flat tensor as a float64 0-d tensor, summed in the order docs/algorithms.md
-    §codec: sign, scaled_sign defines (blocks of 64 rows of 1024 entries: the rows of each
-    lane a pairwise tree of adjacent rows, the lanes a tree of halves, the block sums again
-    so): the torch reference of :func:`gradzip.kernels.elementwise.l1_of`, bit for bit, a
-    few whole-tensor ops on any device."""
+    §codec: sign, scaled_sign defines (blocks of 64 rows of 1024 entries, 1024 float64 lanes
+    summed row by row, the lanes pairwise, the block sums again so): the torch reference of
+    :func:`gradzip.kernels.elementwise.l1_of`, bit for bit, on any device."""
     lanes, rows = ek.BLOCK, ek.ROWS
-    v = flat.detach()
+    v = torch.abs(flat.detach())
     while True:
-        numel, size = v.numel(), rows * lanes
-        full, blocks = numel // size, max(1, -(-numel // size))
-        tail = torch.zeros(blocks - full, rows, lanes, dtype=v.dtype, device=v.device)   # + 0.0 changes no sum
-        tail.view(-1)[:numel - full * size] = v[full * size:]
-        # piece by piece where _util.piecewise (the temporaries stay in cache; CHUNK is a
-        # multiple of the block), else at once: the same sums either way
-        step = CHUNK // size * size if piecewise(v) else max(full * size, 1)
-        grids = [v[lo:min(full * size, lo + step)].view(-1, rows, lanes) for lo in range(0, full * size, step)]
-        acc = torch.cat([_row_tree(g) for g in grids + [tail]])
+        blocks = max(1, -(-v.numel() // (rows * lanes)))
+        padded = torch.zeros(blocks * rows * lanes, dtype=torch.float64, device=v.device)   # + 0.0 changes no sum
+        padded[:v.numel()] = v                        # exact: |x| widened
+        grid = padded.view(blocks, rows, lanes)
+        acc = torch.zeros(blocks, lanes, dtype=torch.float64, device=v.device)
+        for r in range(rows):
+            acc += grid[:, r]
         half = lanes // 2
-        while half:   # the lanes: a tree of halves
+        while half:
             acc = acc[:, :half] + acc[:, half:2 * half]
             half //= 2
         v = acc.view(-1)
         if blocks == 1:
             return v[0]
-
-
-def _row_tree(grid: torch.Tensor) -> torch.Tensor:
-    """``(blocks, lanes)`` float64: the rows of each block of ``grid`` (blocks, rows, lanes)
-    summed as a pairwise tree of adjacent rows, of |x| exactly widened to float64."""
-    acc = torch.abs(grid).to(torch.float64)
-    while acc.shape[1] > 1:
-        acc = acc[:, 0::2] + acc[:, 1::2]
-    return acc[:, 0]
 
 
 def _l1_scale(l1: float, numel: int, reuse: Packet | None) -> torch.Tensor:
@@ -251,7 +239,7 @@ class ScaledSign(Compressor):
             else:   # the bits and the l1 block sums in one pass
                 x, bits = _fused_bits(tensor, reuse)
                 partials = kernels.array(torch.empty(max(1, -(-x.numel() // ek.L1_BLOCK)), dtype=torch.float64))
-                ek.sign_encode_l1(kernels.array(x), kernels.array(bits), partials, True)
+                ek.sign_encode_l1(kernels.array(x), kernels.array(bits), partials)
                 scale = _l1_scale(ek.l1_of(kernels.array(x), partials), x.numel(), reuse)
             return Packet({"bits": bits, "scale": scale}, tensor.shape, tensor.dtype)
         v = tensor.detach().reshape(-1)

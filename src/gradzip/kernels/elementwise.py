@@ -201,114 +201,97 @@ def twobit_encode_residual(x, t, table, out, res):
 
 # -- the l1 norm of scaled_sign, in its defined order ----------------------------------
 # docs/algorithms.md §codec: sign, scaled_sign, "Summation order": the tensor in blocks of
-# ROWS rows of _BLOCK entries (the last block and its last row padded with +0.0); per
-# lane k (column) of a block, |x| widened to float64, the ROWS rows added as a pairwise
-# tree of adjacent rows ((r0 + r1) + (r2 + r3)) + ...; then the _BLOCK lane sums as a tree
-# of halves (k + k+512, then + 256, ..., + 1); the block sums are summed the same way
-# (blocks of them, ...) until one is left. Both paths compute exactly this (sign.l1_norm
-# is the torch one: a few whole-tensor ops), so the scale is bit-identical. The kernels
-# stream it row by row: a row's |x| goes onto a stack of pending subtrees (one buffer of
-# _BLOCK lanes a level, as a binary counter), each update a vectorized loop over a row
-# the encoder reads anyway.
+# ROWS rows of _BLOCK entries (the last block and its last row partial); in a block,
+# _BLOCK float64 lanes, lane k summing |x[r·_BLOCK + k]| over the rows r in order from
+# 0.0; the lanes then added pairwise (k + k+512, then + 256, ..., + 1); the block sums are
+# summed the same way (blocks of them, ...) until one is left. Both paths compute exactly
+# this (sign.l1_norm is the torch one), so the scale is bit-identical; a row's lane update
+# is one vectorized loop over the row the encoder reads anyway.
 
 ROWS = 64
 #: Entries of an ℓ1 block.
 L1_BLOCK = ROWS * _BLOCK
-_LEVELS = 7   # log2(ROWS) + 1
 
 
 @njit
-def sign_encode_l1(x, out, partials, encode):
-    """:func:`sign_encode` of ``x`` (float32 or float64) into ``out`` (when ``encode``) and, in
-    the same pass, ``partials[b]`` = the ℓ1 sum of block ``b`` in the defined order
-    (``max(1, ceil(n / L1_BLOCK))`` entries; 0.0 for n = 0)."""
+def abs_sum_blocks(x, partials):
+    """``partials[b]`` = the ℓ1 sum of block ``b`` of ``x`` (float32 or float64), in the
+    defined order; ``partials`` has ``max(1, ceil(n / L1_BLOCK))`` entries (0.0 for n = 0)."""
     n = x.size
-    tmp = np.empty(_BLOCK, np.uint8)
-    words = tmp.view(np.uint64)
-    stack = np.zeros((_LEVELS, _BLOCK), np.float64)   # buffers of the pending subtrees
-    slot = np.arange(_LEVELS)                          # level -> buffer
-    zero = np.zeros(_LEVELS, np.bool_)                 # buffer -> all +0.0 (not written)
-    for blk in range(max(1, -(-n // L1_BLOCK))):
-        for r in range(ROWS):
-            s = min(n, blk * L1_BLOCK + r * _BLOCK)
-            row = x[s:min(n, s + _BLOCK)]   # short or empty past the end: +0.0 there
-            m = row.size
-            if encode and m == _BLOCK:
-                for k in range(_BLOCK):
-                    tmp[k] = row[k] >= 0
-                for i in range(_BLOCK // 8):  # eight 0/1 bytes of a little-endian word -> one byte
-                    u = words[i]
-                    b = u & 1
-                    for j in range(1, 8):
-                        b = (b << 1) | ((u >> (8 * j)) & 1)
-                    out[s // 8 + i] = b
-            # the row onto the stack: merged (left + right) with the subtrees of the trailing
-            # one bits of r, the result one level up; +0.0 + y = y and y + +0.0 = y (y >= +0
-            # or NaN) skip the adds of all-zero parts
-            ones = 0
-            while (r >> ones) & 1:
-                ones += 1
-            first = stack[slot[0]]
-            if ones == 0 or zero[slot[0]]:
-                for k in range(m):
-                    first[k] = abs(np.float64(row[k]))
-                for k in range(m, _BLOCK):
-                    first[k] = 0.0
-                zero[slot[0]] = m == 0
-            elif m:
-                for k in range(m):
-                    first[k] = first[k] + abs(np.float64(row[k]))
-            if ones == 0:
-                continue
-            for lvl in range(1, ones):
-                left, right = slot[lvl], slot[lvl - 1]
-                if zero[left]:      # the result is the right subtree: swap the buffers
-                    slot[lvl], slot[lvl - 1] = right, left
-                elif not zero[right]:
-                    a, c = stack[left], stack[right]
-                    for k in range(_BLOCK):
-                        a[k] = a[k] + c[k]
-            slot[ones], slot[ones - 1] = slot[ones - 1], slot[ones]
-        top = slot[_LEVELS - 1]   # the block's lanes, as a tree of halves
-        lanes = stack[top]
-        if zero[top]:
-            partials[blk] = 0.0
-            continue
+    acc = np.zeros(_BLOCK, np.float64)
+    for b in range(max(1, -(-n // L1_BLOCK))):
+        acc[:] = 0.0
+        first = b * L1_BLOCK
+        for s in range(first, min(n, first + L1_BLOCK), _BLOCK):
+            row = x[s:min(n, s + _BLOCK)]   # a partial last row: its missing entries add +0.0
+            for k in range(row.size):
+                acc[k] += abs(np.float64(row[k]))
         h = _BLOCK // 2
         while h:
             for k in range(h):
-                lanes[k] = lanes[k] + lanes[k + h]
+                acc[k] = acc[k] + acc[k + h]
             h //= 2
-        partials[blk] = lanes[0]
-    if encode:
-        full = n // 8  # the entries after the last whole row, code by code
-        for i in range(n // _BLOCK * _BLOCK // 8, full):
-            b = 0
-            for j in range(8):
-                b = (b << 1) | (x[i * 8 + j] >= 0)
-            out[i] = b
-        rem = n - full * 8
-        if rem:
-            b = 0
-            for j in range(rem):
-                b = (b << 1) | (x[full * 8 + j] >= 0)
-            out[full] = b << (8 - rem)
+        partials[b] = acc[0]
+
+
+@njit
+def sign_encode_l1(x, out, partials):
+    """:func:`sign_encode` and :func:`abs_sum_blocks`'s ``partials`` of the whole ℓ1 blocks,
+    in one pass (the partial last one: the caller runs :func:`abs_sum_blocks` on it)."""
+    n = x.size
+    blocked = n // _BLOCK * _BLOCK
+    tmp = np.empty(_BLOCK, np.uint8)
+    words = tmp.view(np.uint64)
+    acc = np.zeros(_BLOCK, np.float64)
+    for s in range(0, blocked, _BLOCK):
+        blk = x[s:s + _BLOCK]
+        for k in range(_BLOCK):
+            tmp[k] = blk[k] >= 0
+        for k in range(_BLOCK):
+            acc[k] += abs(np.float64(blk[k]))
+        for i in range(_BLOCK // 8):  # eight 0/1 bytes of a little-endian word -> one byte
+            u = words[i]
+            b = u & 1
+            for j in range(1, 8):
+                b = (b << 1) | ((u >> (8 * j)) & 1)
+            out[s // 8 + i] = b
+        if (s // _BLOCK) % ROWS == ROWS - 1:   # the last row of an ℓ1 block
+            h = _BLOCK // 2
+            while h:
+                for k in range(h):
+                    acc[k] = acc[k] + acc[k + h]
+                h //= 2
+            partials[s // L1_BLOCK] = acc[0]
+            acc[:] = 0.0
+    full = n // 8  # the entries after the last whole block, code by code
+    for i in range(blocked // 8, full):
+        b = 0
+        for j in range(8):
+            b = (b << 1) | (x[i * 8 + j] >= 0)
+        out[i] = b
+    rem = n - full * 8
+    if rem:
+        b = 0
+        for j in range(rem):
+            b = (b << 1) | (x[full * 8 + j] >= 0)
+        out[full] = b << (8 - rem)
 
 
 def l1_of(x, partials=None) -> float:
     """The ℓ1 norm of the flat float32 / float64 numpy array ``x`` in the defined order;
-    ``partials``: its block sums already computed by :func:`sign_encode_l1`."""
+    ``partials`` (``max(1, ceil(n / L1_BLOCK))`` float64 entries): its block sums already
+    computed (:func:`sign_encode_l1`, whose partial last block this completes)."""
+    n = x.size
     if partials is None:
-        partials = np.empty(max(1, -(-x.size // L1_BLOCK)), np.float64)
-        sign_encode_l1(x, _NO_BITS, partials, False)
+        partials = np.empty(max(1, -(-n // L1_BLOCK)), np.float64)
+        abs_sum_blocks(x, partials)
+    elif n % L1_BLOCK or n == 0:
+        abs_sum_blocks(x[n // L1_BLOCK * L1_BLOCK:], partials[n // L1_BLOCK:])
     while partials.size > 1:
         folded = np.empty(-(-partials.size // L1_BLOCK), np.float64)
-        sign_encode_l1(partials, _NO_BITS, folded, False)
+        abs_sum_blocks(partials, folded)
         partials = folded
     return float(partials[0])
-
-
-_NO_BITS = np.empty(0, np.uint8)
 
 # -- decoders ---------------------------------------------------------------------------
 
