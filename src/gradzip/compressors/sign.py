@@ -179,15 +179,17 @@ def l1_norm(flat: torch.Tensor) -> torch.Tensor:
     summed row by row, the lanes pairwise, the block sums again so): the torch reference of
     :func:`gradzip.kernels.elementwise.l1_of`, bit for bit, on any device."""
     lanes, rows = ek.BLOCK, ek.ROWS
-    v = torch.abs(flat.detach())
+    v = flat.detach()
     while True:
-        blocks = max(1, -(-v.numel() // (rows * lanes)))
-        padded = torch.zeros(blocks * rows * lanes, dtype=torch.float64, device=v.device)   # + 0.0 changes no sum
-        padded[:v.numel()] = v                        # exact: |x| widened
-        grid = padded.view(blocks, rows, lanes)
+        numel, size = v.numel(), rows * lanes
+        full, blocks = numel // size, max(1, -(-numel // size))
         acc = torch.zeros(blocks, lanes, dtype=torch.float64, device=v.device)
-        for r in range(rows):
-            acc += grid[:, r]
+        grid = v[:full * size].view(full, rows, lanes)
+        tail = torch.zeros(blocks - full, rows, lanes, dtype=torch.float64, device=v.device)   # + 0.0 changes no sum
+        tail.view(-1)[:numel - full * size] = torch.abs(v[full * size:])
+        for r in range(rows):   # |x| exactly widened to float64 by the in-place add
+            acc[:full] += torch.abs(grid[:, r])
+            acc[full:] += tail[:, r]
         half = lanes // 2
         while half:
             acc = acc[:, :half] + acc[:, half:2 * half]
