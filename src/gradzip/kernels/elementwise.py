@@ -34,35 +34,10 @@ _BLOCK = 1024  # a multiple of 8
 BLOCK = _BLOCK
 
 
-@njit
 def sign_encode(x, out):
-    """``out`` (uint8, ceil(n/8)) = packed bits of ``x >= 0``."""
-    n = x.size
-    blocked = n // _BLOCK * _BLOCK
-    tmp = np.empty(_BLOCK, np.uint8)
-    words = tmp.view(np.uint64)
-    for s in range(0, blocked, _BLOCK):
-        for k in range(_BLOCK):
-            tmp[k] = x[s + k] >= 0
-        for i in range(_BLOCK // 8):  # eight 0/1 bytes of a little-endian word -> one byte
-            u = words[i]
-            b = u & 1
-            for j in range(1, 8):
-                b = (b << 1) | ((u >> (8 * j)) & 1)
-            out[s // 8 + i] = b
-    full = n // 8  # the entries after the last whole block, code by code
-    for i in range(blocked // 8, full):
-        b = 0
-        for j in range(8):
-            b = (b << 1) | (x[i * 8 + j] >= 0)
-        out[i] = b
-    rem = n - full * 8
-    if rem:
-        b = 0
-        for j in range(rem):
-            b = (b << 1) | (x[full * 8 + j] >= 0)
-        out[full] = b << (8 - rem)
-
+    """``out`` (uint8, ceil(n/8)) = packed bits of ``x >= 0`` (:func:`sign_encode_l1` without
+    the sums)."""
+    _sign_encode(x, out, _NO_SUMS, False)
 
 
 @njit
@@ -234,10 +209,18 @@ def abs_sum_blocks(x, partials):
         partials[b] = acc[0]
 
 
-@njit
 def sign_encode_l1(x, out, partials):
     """:func:`sign_encode` and :func:`abs_sum_blocks`'s ``partials`` of the whole ℓ1 blocks,
     in one pass (the partial last one: the caller runs :func:`abs_sum_blocks` on it)."""
+    _sign_encode(x, out, partials, True)
+
+
+_NO_SUMS = np.empty(0, np.float64)
+
+
+@njit
+def _sign_encode(x, out, partials, sums):
+    # the packed bits of x >= 0 into out; with sums, the ℓ1 partials of the whole blocks
     n = x.size
     blocked = n // _BLOCK * _BLOCK
     tmp = np.empty(_BLOCK, np.uint8)
@@ -247,15 +230,16 @@ def sign_encode_l1(x, out, partials):
         blk = x[s:s + _BLOCK]
         for k in range(_BLOCK):
             tmp[k] = blk[k] >= 0
-        for k in range(_BLOCK):
-            acc[k] += abs(np.float64(blk[k]))
+        if sums:
+            for k in range(_BLOCK):
+                acc[k] += abs(np.float64(blk[k]))
         for i in range(_BLOCK // 8):  # eight 0/1 bytes of a little-endian word -> one byte
             u = words[i]
             b = u & 1
             for j in range(1, 8):
                 b = (b << 1) | ((u >> (8 * j)) & 1)
             out[s // 8 + i] = b
-        if (s // _BLOCK) % ROWS == ROWS - 1:   # the last row of an ℓ1 block
+        if sums and (s // _BLOCK) % ROWS == ROWS - 1:   # the last row of an ℓ1 block
             h = _BLOCK // 2
             while h:
                 for k in range(h):
