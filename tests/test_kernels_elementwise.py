@@ -145,7 +145,7 @@ def test_compress_writes_into_the_reused_packets_buffers(spec):
         assert same_packet(third, codec.compress(x, seed=1))
 
 
-@pytest.mark.parametrize("spec,kernel", [("sign", "sign_encode"), ("scaled_sign", "sign_encode"),
+@pytest.mark.parametrize("spec,kernel", [("sign", "sign_encode"), ("scaled_sign", "sign_encode_l1"),
                                          ("2bit", "twobit_encode")])
 def test_cpu_float32_takes_the_fused_kernel(spec, kernel, monkeypatch):
     """On the CPU in mode auto, float32 compress runs the fused kernel (and mode torch does not)."""
@@ -181,3 +181,62 @@ def test_decompress_into_a_non_contiguous_out(spec):
        n=st.integers(0, 5000), seed=st.integers(0, 2**16))
 def test_hypothesis_sizes_across_blocks_are_bit_identical(spec, dtype, n, seed):
     check_identical(spec, make((n,), dtype, seed=seed))
+
+
+def defined_l1(values) -> float:
+    """The ℓ1 norm in the order docs/algorithms.md §codec: sign, scaled_sign defines, in
+    plain Python floats (float64): blocks of 64 rows of 1024 entries, 1024 lanes summed row
+    by row from 0.0, the lanes pairwise (k + k+512, + 256, ..., + 1), the block sums again
+    so until one is left."""
+    vals = [abs(float(v)) for v in values]
+    while True:
+        sums = []
+        for b in range(0, max(len(vals), 1), 65536):
+            lanes = [0.0] * 1024
+            for i, v in enumerate(vals[b:b + 65536]):
+                lanes[i % 1024] += v
+            half = 512
+            while half:
+                lanes = [lanes[i] + lanes[i + half] for i in range(half)]
+                half //= 2
+            sums.append(lanes[0])
+        if len(sums) == 1:
+            return sums[0]
+        vals = sums
+
+
+@pytest.mark.parametrize("n,dtype", [(n, d) for n in (0, 1, 1023, 1024, 5000, 65537)
+                                     for d in (torch.float32, torch.float64, torch.float16)]
+                         + [(3 * 65536 + 1029, torch.float32)])   # 4 blocks: the block sums folded
+def test_scaled_sign_scale_sums_in_the_defined_order(n, dtype):
+    """``scaled_sign``'s scale is ``float32(l1 / d)`` with ``l1`` summed in the defined order
+    (float64 lanes), on both paths and in compress and compress_residual alike: the fused
+    kernel sums while it encodes, so its order is the spec's, not torch's ``sum``."""
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=gen, dtype=torch.float64) * torch.rand(n, generator=gen, dtype=torch.float64) * 1e3
+         ).to(dtype)
+    vals = x.tolist()
+    want = torch.tensor([defined_l1(vals) / max(n, 1)],
+                        dtype=torch.float64).to(torch.float32)
+    codec = build("scaled_sign")
+    for mode in ("torch", "numba"):
+        with kernels.use(mode):
+            assert torch.equal(codec.compress(x).wire["scale"], want), mode
+            assert torch.equal(codec.compress_residual(x, 0, torch.empty_like(x)).wire["scale"], want), mode
+
+
+@pytest.mark.parametrize("spec", ["sign", "scaled_sign", "scaled_sign:scale=rms"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_inputs_take_the_fused_sign_encoder(spec, dtype, monkeypatch):
+    """fp16 / bf16 inputs are encoded by the fused kernel (compares of their bits), with the
+    wire of the torch path: ±0, ±inf, NaN, subnormals, whole blocks and a tail."""
+    calls = []
+    original = ek.sign_encode_bits
+    monkeypatch.setattr(ek, "sign_encode_bits", lambda *a: calls.append(1) or original(*a))
+    x = make((2053,), dtype, seed=7)
+    codec = build(spec)
+    with kernels.use("torch"):
+        want = codec.compress(x)
+    with kernels.use("auto"):
+        got = codec.compress(x)
+    assert calls == [1] and same_packet(got, want)

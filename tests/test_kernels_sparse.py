@@ -251,3 +251,18 @@ def test_a_huge_candidate_set_is_not_kept_as_scratch(monkeypatch):
     held = sparse._scratch.bufs[torch.float32][0]
     assert held.numel() <= 4096
     check_codec("dgc:ratio=0.01", x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scan_finds_candidates_at_every_position_of_its_chunks(dtype):
+    """Candidates at the edges of the scan's 64-entry words and CHUNK-entry chunks, runs of
+    them, a full word, a partial last chunk: the indices torch.nonzero gives, in order."""
+    n = 3 * sparse.CHUNK + 77
+    where = sorted({0, 1, 7, 8, 62, 63, 64, 65, 127, 128, sparse.CHUNK - 1, sparse.CHUNK, sparse.CHUNK + 63,
+                    2 * sparse.CHUNK - 64, n - 2, n - 1} | set(range(300, 364)) | set(range(1000, 1100, 3)))
+    x = torch.full((n,), 0.25, dtype=dtype)
+    x[where] = torch.linspace(1.0, 2.0, len(where)).to(dtype) * torch.tensor([1.0, -1.0]).repeat(len(where))[:len(where)].to(dtype)
+    for expect in (1, len(where)):
+        out = torch.empty_like(x)
+        idx, values = sparse.scan(x, 1.0, out, expect=expect)
+        assert idx.tolist() == where and torch.equal(values, x[where]) and torch.equal(out, x)

@@ -11,10 +11,13 @@ the ℓ2-preserving scale ``‖v‖₂/√d`` instead (1-bit Adam's codec, docs/
 §"1-bit Adam, 0/1 Adam, 1-bit LAMB: the boxes"); the bits are the same.
 
 On the CPU the fused kernels of :mod:`gradzip.kernels.elementwise` encode (float32 and
-float64 inputs; bits and residual in one pass, into the ``reuse`` packet's buffer), decode
-(any float dtype, into ``out``) and aggregate; the torch code below them is the reference
-they are tested bit-identical to (``gradzip.kernels.use("torch")`` runs it). The
-``scaled_sign`` scale (``‖v‖₁/d`` or ``‖v‖₂/√d``) is a torch reduction shared by both paths.
+float64 inputs: bits, ``scaled_sign``'s ℓ1 block sums and the residual in one pass, into
+the ``reuse`` packet's buffer; float16 / bfloat16 inputs: the bits), decode (any float
+dtype, into ``out``) and aggregate; the torch code below them is the reference they are
+tested bit-identical to (``gradzip.kernels.use("torch")`` runs it). ``‖v‖₁`` is summed in
+the order docs/algorithms.md §codec: sign, scaled_sign defines (:func:`l1_norm` on the
+torch path, the same sums in the kernel); ``‖v‖₂/√d`` (``scale=rms``) is a torch reduction
+shared by both paths.
 """
 from __future__ import annotations
 
@@ -26,9 +29,9 @@ import torch
 
 from .. import kernels
 from ..kernels import elementwise as ek
+from ..kernels.sparse import INF_BITS
 from ._util import (FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused, fused_counts, value_table,
                     wire_buffer)
-from ._util import abs_sum as _abs_sum
 from .base import Compressor, Packet, deliver
 from .bitpack import packed_nbytes
 from .registry import register
@@ -42,6 +45,21 @@ def _fused_bits(tensor: torch.Tensor, reuse: Packet | None) -> tuple[torch.Tenso
     """(flat contiguous input, its bits buffer: the ``reuse`` packet's when it fits)."""
     x = flat_input(tensor)
     return x, wire_buffer(reuse, "bits", packed_nbytes(x.numel(), 1))
+
+
+#: 16-bit floats: their bits are encoded by a fused kernel too (compares only); their scale
+#: (``scaled_sign``) and residual (a rounded difference) stay torch code.
+BITS16 = (torch.float16, torch.bfloat16)
+
+
+def _encode_fused(tensor: torch.Tensor, reuse: Packet | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat input, its packed bits of ``x >= 0``) by the fused kernel of its dtype."""
+    x, bits = _fused_bits(tensor, reuse)
+    if x.dtype in BITS16:
+        ek.sign_encode_bits(kernels.array(x), INF_BITS[x.dtype], kernels.array(bits))
+    else:
+        ek.sign_encode(kernels.array(x), kernels.array(bits))
+    return x, bits
 
 
 def _decode_fused(packet: Packet, table: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -92,10 +110,8 @@ class Sign(Compressor):
     name = "sign"
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
-        if fused(tensor) and tensor.dtype in FUSED_DTYPES:
-            x, bits = _fused_bits(tensor, reuse)
-            ek.sign_encode(kernels.array(x), kernels.array(bits))
-            return Packet({"bits": bits}, tensor.shape, tensor.dtype)
+        if fused(tensor) and tensor.dtype in FUSED_DTYPES + BITS16:
+            return Packet({"bits": _encode_fused(tensor, reuse)[1]}, tensor.shape, tensor.dtype)
         return Packet({"bits": sign_bits(tensor)}, tensor.shape, tensor.dtype)
 
     def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
@@ -157,6 +173,45 @@ class Sign(Compressor):
         return torch.sign(total).to(packet.dtype).view(packet.shape)
 
 
+def l1_norm(flat: torch.Tensor) -> torch.Tensor:
+    """``‖v‖₁`` of a flat tensor as a float64 0-d tensor, summed in the order docs/algorithms.md
+    §codec: sign, scaled_sign defines (blocks of 64 rows of 1024 entries, 1024 float64 lanes
+    summed row by row, the lanes pairwise, the block sums again so): the torch reference of
+    :func:`gradzip.kernels.elementwise.l1_of`, bit for bit, on the CPU. On another device,
+    where no fused kernel runs, one float64 reduction in the device's own order (the defined
+    order's ~75 small ops per tensor cost more than the codec there): equal to the CPU's to
+    float64 rounding, not bit for bit."""
+    if flat.device.type != "cpu":
+        return torch.sum(torch.abs(flat.detach()), dtype=torch.float64)
+    lanes, rows = ek.BLOCK, ek.ROWS
+    v = flat.detach()
+    while True:
+        numel, size = v.numel(), rows * lanes
+        full, blocks = numel // size, max(1, -(-numel // size))
+        acc = torch.zeros(blocks, lanes, dtype=torch.float64, device=v.device)
+        grid = v[:full * size].view(full, rows, lanes)
+        tail = torch.zeros(blocks - full, rows, lanes, dtype=torch.float64, device=v.device)   # + 0.0 changes no sum
+        tail.view(-1)[:numel - full * size] = torch.abs(v[full * size:])
+        for r in range(rows):   # |x| exactly widened to float64 by the in-place add
+            acc[:full] += torch.abs(grid[:, r])
+            acc[full:] += tail[:, r]
+        half = lanes // 2
+        while half:
+            acc = acc[:, :half] + acc[:, half:2 * half]
+            half //= 2
+        v = acc.view(-1)
+        if blocks == 1:
+            return v[0]
+
+
+def _l1_scale(l1: float, numel: int, reuse: Packet | None) -> torch.Tensor:
+    """The ``scale`` wire (float32, 1 entry): ``‖v‖₁ / d`` from the fused path's ``l1``, rounded
+    as the reference rounds ``(l1_norm(v) / d).to(float32)`` (a float64 quotient, then float32)."""
+    scale = wire_buffer(reuse, "scale", 1, torch.float32)
+    scale.copy_(torch.tensor([l1 / max(numel, 1)], dtype=torch.float64))
+    return scale
+
+
 def rms_scale(flat: torch.Tensor) -> torch.Tensor:
     """``‖v‖₂/√d`` of a flat tensor as a float32 0-d tensor (0 for an empty one), the norm
     taken in float32 or wider (one function for the torch and the fused path)."""
@@ -179,17 +234,27 @@ class ScaledSign(Compressor):
                 f"scale must be l1 or rms, got {self.scale!r}")
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        if fused(tensor) and tensor.dtype in BITS16:
+            x, bits = _encode_fused(tensor, reuse)
+            scale = wire_buffer(reuse, "scale", 1, torch.float32)
+            scale.copy_(self._reference_scale(x).reshape(1))
+            return Packet({"bits": bits, "scale": scale}, tensor.shape, tensor.dtype)
         if fused(tensor) and tensor.dtype in FUSED_DTYPES:
-            x, bits, scale = self._fused_scale(tensor, reuse)
-            ek.sign_encode(kernels.array(x), kernels.array(bits))
+            if self.scale == "rms":
+                x, bits, scale = self._fused_scale(tensor, reuse)
+                ek.sign_encode(kernels.array(x), kernels.array(bits))
+            else:   # the bits and the l1 block sums in one pass
+                x, bits = _fused_bits(tensor, reuse)
+                partials = kernels.array(torch.empty(max(1, -(-x.numel() // ek.L1_BLOCK)), dtype=torch.float64))
+                ek.sign_encode_l1(kernels.array(x), kernels.array(bits), partials)
+                scale = _l1_scale(ek.l1_of(kernels.array(x), partials), x.numel(), reuse)
             return Packet({"bits": bits, "scale": scale}, tensor.shape, tensor.dtype)
         v = tensor.detach().reshape(-1)
-        if self.scale == "rms":
-            return Packet({"bits": sign_bits(v), "scale": rms_scale(v).reshape(1)}, tensor.shape, tensor.dtype)
-        l1 = torch.zeros((), dtype=torch.promote_types(v.dtype, torch.float32), device=v.device)
-        bits = sign_bits(v, abs_sum=l1)
-        scale = (l1 / max(v.numel(), 1)).to(torch.float32)  # ‖v‖₁ / d
-        return Packet({"bits": bits, "scale": scale.reshape(1)}, tensor.shape, tensor.dtype)
+        return Packet({"bits": sign_bits(v), "scale": self._reference_scale(v).reshape(1)}, tensor.shape, tensor.dtype)
+
+    def _reference_scale(self, v: torch.Tensor) -> torch.Tensor:
+        """The scale of the flat ``v`` by torch code: ``‖v‖₂/√d`` or ``‖v‖₁/d`` (float32 0-d)."""
+        return rms_scale(v) if self.scale == "rms" else (l1_norm(v) / max(v.numel(), 1)).to(torch.float32)
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         scale = packet.wire["scale"].to(packet.dtype)
@@ -213,9 +278,9 @@ class ScaledSign(Compressor):
         """(flat input, bits buffer, scale wire ``‖v‖₁/d`` or ``‖v‖₂/√d`` as the reference
         computes it)."""
         x, bits = _fused_bits(tensor, reuse)
-        scale = wire_buffer(reuse, "scale", 1, torch.float32)
         if self.scale == "rms":
+            scale = wire_buffer(reuse, "scale", 1, torch.float32)
             scale.copy_(rms_scale(x).reshape(1))
         else:
-            scale.copy_((_abs_sum(x) / max(x.numel(), 1)).to(torch.float32).reshape(1))
+            scale = _l1_scale(ek.l1_of(kernels.array(x)), x.numel(), reuse)
         return x, bits, scale

@@ -31,37 +31,41 @@ from . import njit
 # codecs check; every platform numba runs on is).
 
 _BLOCK = 1024  # a multiple of 8
+BLOCK = _BLOCK
+
+
+def sign_encode(x, out):
+    """``out`` (uint8, ceil(n/8)) = packed bits of ``x >= 0`` (:func:`sign_encode_l1` without
+    the sums)."""
+    _sign_encode(x, out, _NO_SUMS, False)
 
 
 @njit
-def sign_encode(x, out):
-    """``out`` (uint8, ceil(n/8)) = packed bits of ``x >= 0``."""
+def sign_encode_bits(x, inf, out):
+    """:func:`sign_encode` of 16-bit floats given as their uint16 bits
+    (:func:`gradzip.kernels.array`): ``x >= 0`` is ``bits <= inf`` (+0 up to +inf, the bits
+    of +inf in ``inf``; NaN lies above) or ``bits == 0x8000`` (−0): compares, no rounding."""
     n = x.size
     blocked = n // _BLOCK * _BLOCK
     tmp = np.empty(_BLOCK, np.uint8)
     words = tmp.view(np.uint64)
     for s in range(0, blocked, _BLOCK):
+        blk = x[s:s + _BLOCK]
         for k in range(_BLOCK):
-            tmp[k] = x[s + k] >= 0
+            v = blk[k]
+            tmp[k] = (v <= inf) | (v == 0x8000)
         for i in range(_BLOCK // 8):  # eight 0/1 bytes of a little-endian word -> one byte
             u = words[i]
             b = u & 1
             for j in range(1, 8):
                 b = (b << 1) | ((u >> (8 * j)) & 1)
             out[s // 8 + i] = b
-    full = n // 8  # the entries after the last whole block, code by code
-    for i in range(blocked // 8, full):
-        b = 0
-        for j in range(8):
-            b = (b << 1) | (x[i * 8 + j] >= 0)
-        out[i] = b
-    rem = n - full * 8
-    if rem:
-        b = 0
-        for j in range(rem):
-            b = (b << 1) | (x[full * 8 + j] >= 0)
-        out[full] = b << (8 - rem)
-
+    for k in range(blocked, n):   # the entries after the last whole block, code by code
+        v = x[k]
+        bit = np.uint8((v <= inf) | (v == 0x8000))
+        if k % 8 == 0:
+            out[k >> 3] = 0
+        out[k >> 3] |= bit << (7 - (k & 7))
 
 @njit
 def sign_encode_residual(x, table, out, res):
@@ -169,6 +173,109 @@ def twobit_encode_residual(x, t, table, out, res):
             b = (b << 2) | (3 * (v >= t) + 2 * (v <= mt))
         out[full] = b << (2 * (4 - rem))
 
+
+# -- the l1 norm of scaled_sign, in its defined order ----------------------------------
+# docs/algorithms.md §codec: sign, scaled_sign, "Summation order": the tensor in blocks of
+# ROWS rows of _BLOCK entries (the last block and its last row partial); in a block,
+# _BLOCK float64 lanes, lane k summing |x[r·_BLOCK + k]| over the rows r in order from
+# 0.0; the lanes then added pairwise (k + k+512, then + 256, ..., + 1); the block sums are
+# summed the same way (blocks of them, ...) until one is left. Both paths compute exactly
+# this (sign.l1_norm is the torch one), so the scale is bit-identical; a row's lane update
+# is one vectorized loop over the row the encoder reads anyway.
+
+ROWS = 64
+#: Entries of an ℓ1 block.
+L1_BLOCK = ROWS * _BLOCK
+
+
+@njit
+def abs_sum_blocks(x, partials):
+    """``partials[b]`` = the ℓ1 sum of block ``b`` of ``x`` (float32 or float64), in the
+    defined order; ``partials`` has ``max(1, ceil(n / L1_BLOCK))`` entries (0.0 for n = 0)."""
+    n = x.size
+    acc = np.zeros(_BLOCK, np.float64)
+    for b in range(max(1, -(-n // L1_BLOCK))):
+        acc[:] = 0.0
+        first = b * L1_BLOCK
+        for s in range(first, min(n, first + L1_BLOCK), _BLOCK):
+            row = x[s:min(n, s + _BLOCK)]   # a partial last row: its missing entries add +0.0
+            for k in range(row.size):
+                acc[k] += abs(np.float64(row[k]))
+        h = _BLOCK // 2
+        while h:
+            for k in range(h):
+                acc[k] = acc[k] + acc[k + h]
+            h //= 2
+        partials[b] = acc[0]
+
+
+def sign_encode_l1(x, out, partials):
+    """:func:`sign_encode` and :func:`abs_sum_blocks`'s ``partials`` of the whole ℓ1 blocks,
+    in one pass (the partial last one: the caller runs :func:`abs_sum_blocks` on it)."""
+    _sign_encode(x, out, partials, True)
+
+
+_NO_SUMS = np.empty(0, np.float64)
+
+
+@njit
+def _sign_encode(x, out, partials, sums):
+    # the packed bits of x >= 0 into out; with sums, the ℓ1 partials of the whole blocks
+    n = x.size
+    blocked = n // _BLOCK * _BLOCK
+    tmp = np.empty(_BLOCK, np.uint8)
+    words = tmp.view(np.uint64)
+    acc = np.zeros(_BLOCK, np.float64)
+    for s in range(0, blocked, _BLOCK):
+        blk = x[s:s + _BLOCK]
+        for k in range(_BLOCK):
+            tmp[k] = blk[k] >= 0
+        if sums:
+            for k in range(_BLOCK):
+                acc[k] += abs(np.float64(blk[k]))
+        for i in range(_BLOCK // 8):  # eight 0/1 bytes of a little-endian word -> one byte
+            u = words[i]
+            b = u & 1
+            for j in range(1, 8):
+                b = (b << 1) | ((u >> (8 * j)) & 1)
+            out[s // 8 + i] = b
+        if sums and (s // _BLOCK) % ROWS == ROWS - 1:   # the last row of an ℓ1 block
+            h = _BLOCK // 2
+            while h:
+                for k in range(h):
+                    acc[k] = acc[k] + acc[k + h]
+                h //= 2
+            partials[s // L1_BLOCK] = acc[0]
+            acc[:] = 0.0
+    full = n // 8  # the entries after the last whole block, code by code
+    for i in range(blocked // 8, full):
+        b = 0
+        for j in range(8):
+            b = (b << 1) | (x[i * 8 + j] >= 0)
+        out[i] = b
+    rem = n - full * 8
+    if rem:
+        b = 0
+        for j in range(rem):
+            b = (b << 1) | (x[full * 8 + j] >= 0)
+        out[full] = b << (8 - rem)
+
+
+def l1_of(x, partials=None) -> float:
+    """The ℓ1 norm of the flat float32 / float64 numpy array ``x`` in the defined order;
+    ``partials`` (``max(1, ceil(n / L1_BLOCK))`` float64 entries): its block sums already
+    computed (:func:`sign_encode_l1`, whose partial last block this completes)."""
+    n = x.size
+    if partials is None:
+        partials = np.empty(max(1, -(-n // L1_BLOCK)), np.float64)
+        abs_sum_blocks(x, partials)
+    elif n % L1_BLOCK or n == 0:
+        abs_sum_blocks(x[n // L1_BLOCK * L1_BLOCK:], partials[n // L1_BLOCK:])
+    while partials.size > 1:
+        folded = np.empty(-(-partials.size // L1_BLOCK), np.float64)
+        abs_sum_blocks(partials, folded)
+        partials = folded
+    return float(partials[0])
 
 # -- decoders ---------------------------------------------------------------------------
 

@@ -52,18 +52,26 @@ def supported(*tensors: torch.Tensor) -> bool:
 
 # -- the kernels (plain loops over flat arrays; numba compiles one version per dtype) ----------
 @njit
-def _scan(x, mask, lo, hi, idx, val, res):
+def _scan(x, mask, lo, hi, idx, val, res, tab):
     # x: the bits as signed integers (int32 or int16); an entry passes iff
     # lo <= (x & mask) <= hi (non-negative magnitudes: signed compares, which vectorize;
     # unsigned ones do not). Per chunk of CHUNK entries: a vectorized pass writes one flag
-    # byte per entry (and copies into res), then 8 flags at a time are read as one word:
-    # a zero word (no candidate among 8) costs one test, others store all 8 without
-    # branching (the count advances only for the candidates).
+    # byte per entry (and copies into res); another packs them into bits (8 flag bytes, a
+    # little-endian word, times a magic number: entry j of the 8 -> bit j), so that 64
+    # entries are one word; a zero word costs one test, the set bits of the others are
+    # visited lowest first (isolate the lowest bit, its index by a de Bruijn multiply and
+    # the 64-entry table ``tab``, clear it): no branch per entry, and no chain of loads
+    # through the count (twice the speed of storing 8 candidates per flag word at 1%).
     n = x.size
-    cap = idx.size - 8
+    cap = idx.size
     copy = res.size == n
-    flags = np.zeros(CHUNK + 8, np.uint8)
+    flags = np.zeros(CHUNK, np.uint8)
     words = flags.view(np.uint64)
+    packed = np.zeros(CHUNK // 8, np.uint8)
+    groups = packed.view(np.uint64)
+    magic = np.uint64(0x0102040810204080)
+    top = np.uint64(56)
+    one = np.uint64(1)
     count = 0
     for start in range(0, n, CHUNK):
         stop = min(start + CHUNK, n)
@@ -80,20 +88,29 @@ def _scan(x, mask, lo, hi, idx, val, res):
             for i in range(size):
                 m = chunk[i] & mask
                 flags[i] = (m >= lo) & (m <= hi)
-        for i in range(size, CHUNK):
-            flags[i] = 0
-        for w in range((size + 7) // 8):
-            if words[w] != 0:
-                first = 8 * w
-                if count <= cap:
-                    for t in range(first, first + 8):
-                        idx[count] = start + t
-                        val[count] = chunk[min(t, size - 1)]
-                        count += flags[t]
-                else:   # the scratch is full: count only (the caller scans again)
-                    for t in range(first, first + 8):
-                        count += flags[t]
+        if size < CHUNK:
+            for i in range(size, CHUNK):
+                flags[i] = 0
+        for w in range(CHUNK // 8):
+            packed[w] = (words[w] * magic) >> top
+        for g in range(CHUNK // 64):
+            bits = groups[g]
+            base = 64 * g
+            while bits:
+                t = base + tab[((bits & (~bits + one)) * _DEBRUIJN) >> _DEBRUIJN_SHIFT]
+                if count < cap:   # else the scratch is full: count only (the caller scans again)
+                    idx[count] = start + t
+                    val[count] = chunk[t]
+                count += 1
+                bits &= bits - one
     return count
+
+
+#: The de Bruijn sequence of the scan's bit index: ``(b * _DEBRUIJN) >> 58`` is distinct for
+#: the 64 one-bit words ``b``; :data:`_BIT_INDEX` maps it back to the bit's index.
+_DEBRUIJN, _DEBRUIJN_SHIFT = np.uint64(0x03F79D71B4CB0A89), np.uint64(58)
+_BIT_INDEX = np.zeros(64, np.int64)
+_BIT_INDEX[[((1 << i) * 0x03F79D71B4CB0A89 % 2**64) >> 58 for i in range(64)]] = np.arange(64)
 
 
 @njit
@@ -258,7 +275,8 @@ def scan(flat: torch.Tensor, threshold, residual: torch.Tensor | None = None,
     res = array(residual).view(signed) if residual is not None else x[:0]
     idx, val = _buffers(max(expect, 1) + 8, flat.dtype)
     for _ in range(2):
-        count = _scan(x, signed(mask), signed(lo), signed(hi), idx.numpy(), array(val).view(signed), res)
+        count = _scan(x, signed(mask), signed(lo), signed(hi), idx.numpy(), array(val).view(signed), res,
+                      _BIT_INDEX)
         if count + 8 <= idx.numel():
             return idx[:count], val[:count]
         idx, val = _buffers(count + count // 4 + 8, flat.dtype)
