@@ -107,6 +107,11 @@ class Exchange:
     shapes: list[tuple[int, ...]]
     first: int
     end: int
+    later: list[int] = field(default_factory=list)   # calls it issued while finishing (two-phase's second round)
+
+    def own(self) -> set[int]:
+        """Positions of its collectives in the step's recorded calls."""
+        return set(range(self.first, self.end)) | set(self.later)
 
 
 _RECORDING = threading.local()
@@ -114,21 +119,31 @@ _RECORDING = threading.local()
 
 @contextmanager
 def _noting_exchanges(group: "RecordingGroup", into: list) -> Iterator[None]:
-    """While inside: every ``PSync.start`` on ``group`` (any thread) is noted in ``into``."""
-    original = PSync.start
+    """While inside: every ``PSync.start`` on ``group`` (any thread) is noted in ``into``,
+    with the collectives its ``_finish`` issues (two-phase's second round)."""
+    original, original_finish = PSync.start, PSync._finish
+    noted: dict[int, Exchange] = {}
 
     def start(self, tensors, step, **kwargs):
         first = len(group.calls)
         pending = original(self, tensors, step, **kwargs)
         if self.comm is group or getattr(self.comm, "calls", None) is group.calls:
             into.append(Exchange(self.compressor.spec, [tuple(t.shape) for t in tensors], first, len(group.calls)))
+            noted[id(pending)] = into[-1]
         return pending
 
-    PSync.start = start
+    def finish(self, pending):
+        first = len(group.calls)
+        result = original_finish(self, pending)
+        if id(pending) in noted:
+            noted.pop(id(pending)).later.extend(range(first, len(group.calls)))
+        return result
+
+    PSync.start, PSync._finish = start, finish
     try:
         yield
     finally:
-        PSync.start = original
+        PSync.start, PSync._finish = original, original_finish
 
 
 @dataclass
@@ -183,7 +198,7 @@ class MethodProfile:
             own = set()
             s = w = i = 0.0
             for ex in exchanges:
-                own.update(range(ex.first, ex.end))
+                own.update(ex.own())
                 if ex.end == ex.first:   # nothing on the wire (one worker)
                     continue
                 cost: ExchangeCost = hierarchical_cost(transport, build(ex.codec), ex.shapes, self.workers, hierarchy,
