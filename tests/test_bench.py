@@ -342,6 +342,26 @@ def test_validate_prices_twophase_and_hierarchical_runs():
     assert tiered["predicted_s"] == pytest.approx(0.05 + tiered["communicate_model_s"])
 
 
+def test_validate_uses_the_checked_link_rate_and_an_overlapping_methods_max_per_step():
+    """The link rate is the one the topology's shaping check sustained (below the shaped
+    rate when n processes contend for the CPUs); CD-SGD's period is the mean over one of
+    its periods of max(local, hidden + that step's exchange): its full-precision step does
+    not hide behind compute, which max(local, hidden + mean exchange) pretended."""
+    run = {"algo": "cdsgd", "method": "cdsgd", "options": {}, "iteration_s": 0.1, "critical_local_s": 0.001,
+           "communicate_s": 0.05, "hidden_compress_s": 0.0001, "bytes_per_step": 0.0}
+    check = {"counted_wire_bytes": 1_000_000, "measured_s": 0.2}   # 5 MB/s sustained on 12.5 MB/s links
+    measured = {"settings": {"model": "mlp:hidden=64", "shape": "16"},
+                "records": [{"workers": 2, "bandwidth_bps": 1e8, "latency_s": 0.0, "check": check, "runs": [run]}]}
+    row = timeline.validate(measured, 1e-4)[0]
+    nominal = timeline.validate(measured, 1e-4, calibrate=False)[0]
+    assert row["model_Bps"] == 5e6 and nominal["model_Bps"] == 1.25e7
+    prof = profiling.profile_method("cdsgd", {}, model_shapes("mlp:hidden=64", (16,)), 2, steps=5, warmup=0)
+    per_step = [sum(costs.collective_time(k, b, 2, 5e6, 1e-4) for k, b in step) for step in prof.calls]
+    assert max(per_step) > 0.0011 > min(per_step)   # the full-precision step does not hide, the others do
+    assert row["predicted_s"] == pytest.approx(sum(max(0.001, 0.0001 + c) for c in per_step) / 5)
+    assert row["predicted_s"] > max(0.001, 0.0001 + sum(per_step) / 5)
+
+
 def test_bench_net_runs_gloo_in_namespaces_and_counts_bytes(tmp_path):
     """Two real gloo workers in their namespaces at 1 Gbit/s: the shaping check's
     interface bytes are the counted ring bytes plus a few % of headers, and the training
