@@ -19,8 +19,8 @@ namespaces, tc). From the checkout root::
 
     sudo .venv/bin/python -m benchmarks.model_validation --out runs/model-validation
 
-(about 15 minutes on 2 cores); ``--from DIR`` re-validates the grids already in DIR
-without running anything.
+(about 30 minutes on 2 shared cores, most of it starting 8 processes per topology);
+``--from DIR`` re-validates the grids already in DIR without running anything.
 """
 from __future__ import annotations
 
