@@ -12,7 +12,7 @@ import torch
 
 import gradzip
 from gradzip import optim
-from gradzip.bench import costs, emulated, netns, profiling, timeline, units
+from gradzip.bench import costs, emulated, netns, profiling, tables, timeline, units
 from gradzip.bench.shapes import model_shapes, resnet50_shapes
 from gradzip.cli import main
 from gradzip.comm import allgather_wire_bytes, allreduce_wire_bytes
@@ -156,6 +156,7 @@ def test_rates_parse():
     (["bench", "net", "--bandwidth", "fast"], "bad bandwidth"),
     (["bench", "net", "--workers", "0"], "--workers must be"),
     (["bench", "net", "--algos", "nope"], "unknown method"),
+    (["bench", "net", "--transports", "auto,ring"], "unknown transport 'ring' in --transports"),
     (["bench", "net", "--workers", "2", "--write"], "python -m benchmarks.network net"),
     (["bench", "model", "--no-projection", "--write"], "python -m benchmarks.network model"),
     (["bench", "model", "--no-projection", "--plots", "docs/bench"], "python -m benchmarks.network model"),
@@ -282,6 +283,85 @@ def test_topology_cleans_up_on_ctrl_c_and_sigterm_and_after_sigkill():
 
 @needs_root
 @pytest.mark.slow
+def test_bench_net_runs_every_method_once_per_transport():
+    """``--transports``: one run per (method, transport), labelled ``METHOD[TRANSPORT]``
+    unless auto, with the transport in the run's configuration."""
+    bench = emulated.NetBench(workers=[2], bandwidths=[None], latencies=[0.0], algos=[("bitsgd", None)],
+                              transports=["auto", "allgather", "twophase"])
+    cfgs = bench.configs(2)
+    assert [c["label"] for c in cfgs] == ["bitsgd", "bitsgd[allgather]", "bitsgd[twophase]"]
+    assert [c["transport"] for c in cfgs] == ["auto", "allgather", "twophase"]
+
+
+def _span(name, ts, dur, tid="MainThread", **args):
+    return {"name": name, "ph": "X", "ts": ts, "dur": dur, "tid": tid, **({"args": args} if args else {})}
+
+
+def test_step_breakdown_splits_the_node_links_from_the_uplink():
+    """A hierarchical exchange's waits on the node's links (``scope="node"`` spans) are
+    network: their bytes are counted apart (bench net's second MB column) and a
+    reduce-scatter waited for inside the compute span (from a gradient hook) is not local
+    work."""
+    events = [_span("compute", 0, 100), _span("communicate", 60, 30, kind="reduce_scatter", bytes=800_000, scope="node"),
+              _span("step", 100, 50), _span("communicate", 110, 20, kind="allgather", bytes=120),
+              _span("communicate", 130, 10, kind="allgather", bytes=800_000, scope="node"),
+              _span("compute", 150, 100), _span("step", 250, 10)]
+    first = emulated.step_breakdown(events, warmup=0)[0]
+    assert first["intra_bytes"] == 1_600_000 and first["intra_in_compute"] == pytest.approx(30e-6)
+    rank = {"runs": [{"summary": {"algo": "bitsgd", "method": "bitsgd", "options": {}, "model": "m", "parameters": 1,
+                                  "steps": 2, "bytes_sent_per_worker": 2 * 5_420_000},
+                      "steps": emulated.step_breakdown(events, warmup=0), "transport": "auto"}]}
+    run = emulated.merge([rank, rank], 2, 1e8, 0.0, 0)["runs"][0]
+    assert run["intra_bytes_per_step"] == 800_000   # the second step has none (mean over steps)
+    # step 1: compute 100 less the 30 waited on the node + update 50 - 30 waits; step 2: 100 + 10
+    assert run["critical_local_s"] == pytest.approx(((100 - 30 + 20) + (100 + 10)) / 2 * 1e-6)
+    table = tables.time_table([{"workers": 2, "bandwidth_bps": 1e8, "workers_per_node": 2, "runs": [run]}])
+    assert "| 2 | 100 Mbit/s, 2 per node | `bitsgd` |" in table and "| 4.62 | 0.80 |" in table
+
+
+def test_validate_prices_twophase_and_hierarchical_runs():
+    """Validation profiles a run with its own transport (two-phase: all-to-alls) and prices a
+    hierarchical run (it skipped them) with k workers per node behind the uplink: the bytes
+    on the uplink and inside the node both as the runs count them."""
+    d = 64 * 16 + 64 + 10 * 64 + 10
+    shapes = model_shapes("mlp:hidden=64", (16,))
+    two = profiling.profile_method("bitsgd", {"transport": "twophase"}, shapes, 4, steps=1)
+    run = {"algo": "bitsgd[twophase]", "method": "bitsgd", "options": {}, "transport": "twophase",
+           "iteration_s": 0.1, "critical_local_s": 0.05, "communicate_s": 0.05, "hidden_compress_s": 0.0,
+           "compress_s": 0.0, "update_s": 0.0, "loop_s": 0.0, "bytes_per_step": two.wire_bytes_per_step}
+    hier = dict(run, algo="bitsgd", transport="auto", bytes_per_step=2000 + 4 * d, intra_bytes_per_step=4 * d)
+    measured = {"settings": {"model": "mlp:hidden=64", "shape": "16"},
+                "records": [{"workers": 4, "bandwidth_bps": 1e8, "latency_s": 0.0, "runs": [run]},
+                            {"workers": 4, "workers_per_node": 2, "bandwidth_bps": 1e8, "latency_s": 0.0,
+                             "runs": [hier]}]}
+    flat, tiered = timeline.validate(measured, 1e-4, host_Bps=1e9)
+    assert flat["bytes_model"] == flat["bytes_measured"] == two.wire_bytes_per_step
+    assert flat["transport"] == "twophase" and flat["workers_per_node"] == 1
+    assert tiered["workers_per_node"] == 2 and tiered["intra_bytes_model"] == tiered["intra_bytes_measured"] == 4 * d
+    assert tiered["bytes_measured"] == 2000 and 0 < tiered["bytes_model"] < two.wire_bytes_per_step
+    assert tiered["predicted_s"] == pytest.approx(0.05 + tiered["communicate_model_s"])
+
+
+def test_validate_uses_the_checked_link_rate_and_an_overlapping_methods_max_per_step():
+    """The link rate is the one the topology's shaping check sustained (below the shaped
+    rate when n processes contend for the CPUs); CD-SGD's period is the mean over one of
+    its periods of max(local, hidden + that step's exchange): its full-precision step does
+    not hide behind compute, which max(local, hidden + mean exchange) pretended."""
+    run = {"algo": "cdsgd", "method": "cdsgd", "options": {}, "iteration_s": 0.1, "critical_local_s": 0.001,
+           "communicate_s": 0.05, "hidden_compress_s": 0.0001, "bytes_per_step": 0.0}
+    check = {"counted_wire_bytes": 1_000_000, "measured_s": 0.2}   # 5 MB/s sustained on 12.5 MB/s links
+    measured = {"settings": {"model": "mlp:hidden=64", "shape": "16"},
+                "records": [{"workers": 2, "bandwidth_bps": 1e8, "latency_s": 0.0, "check": check, "runs": [run]}]}
+    row = timeline.validate(measured, 1e-4)[0]
+    nominal = timeline.validate(measured, 1e-4, calibrate=False)[0]
+    assert row["model_Bps"] == 5e6 and nominal["model_Bps"] == 1.25e7
+    prof = profiling.profile_method("cdsgd", {}, model_shapes("mlp:hidden=64", (16,)), 2, steps=5, warmup=0)
+    per_step = [sum(costs.collective_time(k, b, 2, 5e6, 1e-4) for k, b in step) for step in prof.calls]
+    assert max(per_step) > 0.0011 > min(per_step)   # the full-precision step does not hide, the others do
+    assert row["predicted_s"] == pytest.approx(sum(max(0.001, 0.0001 + c) for c in per_step) / 5)
+    assert row["predicted_s"] > max(0.001, 0.0001 + sum(per_step) / 5)
+
+
 def test_bench_net_runs_gloo_in_namespaces_and_counts_bytes(tmp_path):
     """Two real gloo workers in their namespaces at 1 Gbit/s: the shaping check's
     interface bytes are the counted ring bytes plus a few % of headers, and the training

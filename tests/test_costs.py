@@ -137,3 +137,17 @@ def test_projection_reports_the_transport_each_method_uses():
     for r in rows:
         base = next(x for x in rows if x["algo"] == "ssgd" and x["transport"] == r["transport"])
         assert r["speedup"] == pytest.approx(base["iteration_s"] / r["iteration_s"])
+
+
+def test_comm_cost_of_a_twophase_profile_counts_its_second_round_once():
+    """A method profiled with transport="twophase" issues its second all-to-all while the
+    exchange finishes, after PSync.start: those calls are the exchange's own, so pricing the
+    exchange for two-phase again must not also add them as other collectives (it did:
+    1.5x the bytes)."""
+    from gradzip.bench import profiling
+    shapes = [(256, 128), (256,), (10, 256)]
+    prof = profiling.profile_method("bitsgd", {"transport": "twophase"}, shapes, 4, steps=1, warmup=0)
+    assert {kind for step in prof.calls for kind, _ in step} == {"all_to_all"}
+    cost = prof.comm_cost(1.25e7, 1e-4, "twophase")
+    assert cost["wire_bytes"] == pytest.approx(prof.wire_bytes_per_step, rel=0.02)
+    assert cost["seconds"] == pytest.approx(prof.comm_time(1.25e7, 1e-4), rel=0.05)

@@ -137,15 +137,15 @@ class HierarchicalPSync(PSync):
     def _intra_wait(self, work, began_kind: str):
         began = time.perf_counter()
         out = work.wait()
-        self.count_wait_intra(began, time.perf_counter(), began_kind)
+        self.count_wait_intra(began, time.perf_counter(), began_kind, work.nbytes)
         return out
 
-    def count_wait_intra(self, began: float, ended: float, kind: str) -> None:
+    def count_wait_intra(self, began: float, ended: float, kind: str, nbytes: int = 0) -> None:
         self.timings.communicate_s += ended - began
         if self._owner == threading.get_ident():
             self.timings.wait_s += ended - began
-        if self.tracer is not None:
-            self.tracer.add("communicate", began, ended, kind=kind)
+        if self.tracer is not None:   # scope "node": bytes on the links inside the node (bench net splits them)
+            self.tracer.add("communicate", began, ended, kind=kind, bytes=nbytes, scope="node")
 
     def start(self, tensors: Sequence[torch.Tensor], step: int, *,
               keys: Sequence[int] | None = None, residual: bool = True) -> _HierPending:

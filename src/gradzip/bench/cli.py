@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .. import stragglers
+from ..twophase import TRANSPORTS as PSYNC_TRANSPORTS
 from ..errors import GradzipError
 from ..train.config import parse_algos
 from . import emulated, peers, tables, timeline
@@ -90,6 +91,9 @@ def add_net_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers-per-node", type=int, default=1,
                    help="k workers per node: their links go unshaped to a node bridge, each node has ONE "
                         "shaped uplink, and the methods exchange hierarchically (default: %(default)s, flat)")
+    p.add_argument("--transports", default="auto",
+                   help="run every gradzip method once per PSync transport, comma-separated: auto, allreduce, "
+                        "allgather, twophase; rows other than auto are labelled METHOD[TRANSPORT] (default: %(default)s)")
     p.add_argument("--out", default="runs/bench-net", help="results.json and logs (default: %(default)s)")
     p.add_argument("--from", dest="from_results", metavar="RESULTS",
                    help="run nothing: print the tables of an earlier results.json")
@@ -109,6 +113,10 @@ def net_bench(args) -> emulated.NetBench:
             raise GradzipError(f"--workers-per-node {args.workers_per_node} must be >= 1 and divide every "
                                f"--workers count, got {n}")
     algos = parse_algos(args.algos, also=(peers.PEER,))
+    transports = [t.strip().lower() for t in args.transports.split(",") if t.strip()]
+    for t in transports or [""]:
+        if t not in PSYNC_TRANSPORTS:
+            raise GradzipError(f"unknown transport {t!r} in --transports; valid: {', '.join(PSYNC_TRANSPORTS)}")
     for algo, codec in algos:
         if peers.is_peer(algo):
             peers.parse_hook(codec)   # a bad hook is an error now, not after the namespaces are up
@@ -116,6 +124,7 @@ def net_bench(args) -> emulated.NetBench:
                              latencies=latencies, algos=algos, model=args.model, shape=args.shape,
                              batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, threads=args.threads,
                              check_mb=args.check_mb, out=args.out, workers_per_node=args.workers_per_node,
+                             transports=list(dict.fromkeys(transports)),
                              straggler=stragglers.canonical(args.straggler))
 
 
@@ -157,6 +166,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "i.e. gloo over veth; 10 for the projection)")
     p.add_argument("--host-gbit", type=float, default=None,
                    help="cap on one link's throughput set by this host (validation only; default: none)")
+    p.add_argument("--nominal-links", action="store_true",
+                   help="validation: model the shaped link rate as set, not as each topology's shaping check "
+                        "sustained it (n processes contending for this host's CPUs slow the ring down)")
     p.add_argument("--algos", default=None,
                    help="methods to project, METHOD[@CODEC] (default: ssgd,efsgd@topk:ratio=0.01,bitsgd,cdsgd)")
     p.add_argument("--workers", default="8,16,32,64,128,256", help="projection worker counts (default: %(default)s)")
@@ -239,7 +251,8 @@ def run_model(args, command: str) -> dict[str, Any]:
     if args.measured:
         measured = _read_net_results(Path(args.measured), "--measured")
         alpha = (100.0 if args.alpha_us is None else args.alpha_us) * 1e-6
-        rows = timeline.validate(measured, alpha, args.host_gbit * 1e9 / 8 if args.host_gbit else None)
+        rows = timeline.validate(measured, alpha, args.host_gbit * 1e9 / 8 if args.host_gbit else None,
+                                 calibrate=not args.nominal_links)
         result["validation"] = rows
         result["validation_alpha_s"] = alpha
         print("### Model vs emulated network\n")

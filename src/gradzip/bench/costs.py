@@ -114,15 +114,16 @@ def _summand_numel(codec, shape, n: int) -> int:
     return _WIRE[key]
 
 
-def exact_route(codec, shape, n: int) -> tuple[str, int]:
+def exact_route(codec, shape, n: int, pinned: str | None = None) -> tuple[str, int]:
     """PSync's exact route for one tensor: ``("allreduce", summand bytes)`` or
     ``("allgather", packet bytes)``, whichever puts fewer ring bytes on the wire (ties:
-    allreduce), with the spec's summand width."""
+    allreduce), with the spec's summand width. ``pinned`` (``transport=`` "allreduce" /
+    "allgather"): that route, an allreduce only where the packets sum."""
     packet = wire_nbytes(codec, shape)
-    width = summand_width(codec, n)
+    width = summand_width(codec, n) if pinned != "allgather" else None
     if width is not None:
         summand = _summand_numel(codec, shape, n) * width
-        if allreduce_wire_bytes(summand, n) <= allgather_wire_bytes(packet, n):
+        if pinned == "allreduce" or allreduce_wire_bytes(summand, n) <= allgather_wire_bytes(packet, n):
             return "allreduce", summand
     return "allgather", packet
 
@@ -179,10 +180,11 @@ def _buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
 
 
 def exact_cost(codec, shapes, n: int, bandwidth_Bps: float, alpha_s: float,
-               bucket_bytes: int = 4 << 20) -> ExchangeCost:
-    """The exact transports of one exchange: every tensor on its :func:`exact_route`,
-    bucketed per collective kind as PSync does."""
-    routes = [exact_route(codec, s, n) for s in shapes]
+               bucket_bytes: int = 4 << 20, pinned: str | None = None) -> ExchangeCost:
+    """The exact transports of one exchange: every tensor on its :func:`exact_route`
+    (``pinned``: PSync's ``transport="allreduce"`` / ``"allgather"``), bucketed per
+    collective kind as PSync does."""
+    routes = [exact_route(codec, s, n, pinned) for s in shapes]
     seconds = wire = 0.0
     for kind in ("allreduce", "allgather"):
         sizes = [b for k, b in routes if k == kind]
@@ -226,7 +228,20 @@ def auto_cost(codec, shapes, n: int, bandwidth_Bps: float, alpha_s: float,
     return ExchangeCost("+".join(names) if names else "allreduce", seconds, wire)
 
 
-TRANSPORTS = {"exact": exact_cost, "twophase": twophase_cost, "auto": auto_cost}
+def allreduce_cost(codec, shapes, n: int, bandwidth_Bps: float, alpha_s: float,
+                   bucket_bytes: int = 4 << 20) -> ExchangeCost:
+    """``transport="allreduce"``: every tensor whose packets sum on an allreduce."""
+    return exact_cost(codec, shapes, n, bandwidth_Bps, alpha_s, bucket_bytes, pinned="allreduce")
+
+
+def allgather_cost(codec, shapes, n: int, bandwidth_Bps: float, alpha_s: float,
+                   bucket_bytes: int = 4 << 20) -> ExchangeCost:
+    """``transport="allgather"``: every packet on an allgather."""
+    return exact_cost(codec, shapes, n, bandwidth_Bps, alpha_s, bucket_bytes, pinned="allgather")
+
+
+TRANSPORTS = {"exact": exact_cost, "twophase": twophase_cost, "auto": auto_cost,
+              "allreduce": allreduce_cost, "allgather": allgather_cost}
 
 
 def exchange_cost(transport: str, codec, shapes, n: int, bandwidth_Bps: float, alpha_s: float,

@@ -53,6 +53,11 @@ CHECK_TOLERANCE = 0.15
 MASTER_PORT = 29517   # private to each topology's namespaces: no collision possible
 
 
+def transport_label(label: str, transport: str) -> str:
+    """A run's name in the tables: the method's, with ``[transport]`` unless it is ``auto``."""
+    return label if transport == "auto" else f"{label}[{transport}]"
+
+
 def _log(message: str) -> None:
     print(message, file=sys.stderr)
 
@@ -79,7 +84,10 @@ def step_breakdown(events: list[dict], warmup: int) -> list[dict[str, float]]:
     (time blocked on the network or on a background exchange); update = the rest of
     the step; loop = the harness between
     steps; hidden_* = compress / communicate / other (e.g. a global update) spans of
-    other threads in the iteration."""
+    other threads in the iteration; intra_bytes = bytes a hierarchical exchange sent
+    inside the node in the iteration (its ``scope="node"`` spans, any thread);
+    intra_in_compute = the seconds of those spans the training thread waited inside the
+    compute span (the node's reduce-scatter, started from a gradient hook)."""
     main = [e for e in events if e.get("tid") == "MainThread" and e.get("ph") == "X"]
     computes = sorted((e for e in main if e["name"] == "compute"), key=lambda e: e["ts"])
     steps = sorted((e for e in main if e["name"] == "step"), key=lambda e: e["ts"])
@@ -103,6 +111,12 @@ def step_breakdown(events: list[dict], warmup: int) -> list[dict[str, float]]:
             "hidden_communicate": sum(e["dur"] for e in hidden if e["name"] == "communicate") / 1e6,
             "hidden_other": sum(e["dur"] for e in hidden
                                 if e["name"] not in codec_names + ("communicate",)) / 1e6,
+            "intra_in_compute": sum(e["dur"] for e in main if e["name"] == "communicate"
+                                    and c["ts"] <= e["ts"] < c["ts"] + c["dur"]
+                                    and e.get("args", {}).get("scope") == "node") / 1e6,
+            "intra_bytes": sum(e.get("args", {}).get("bytes") or 0 for e in events
+                               if e["name"] == "communicate" and start <= e["ts"] < end
+                               and e.get("args", {}).get("scope") == "node"),
         })
     return rows[warmup:]
 
@@ -152,7 +166,8 @@ def run_row(comm, cfg: dict[str, Any], warmup: int) -> dict[str, Any]:
     """One row of the table on this worker: a gradzip method through the harness, or a
     PyTorch DDP peer (``cfg["peer"]``); its summary and per-step phases after ``warmup``."""
     result = peers.run_peer(comm, cfg) if cfg.get("peer") else run_worker(comm, RunConfig(**cfg))
-    return {"summary": result["summary"], "steps": step_breakdown(result["trace"], warmup)}
+    return {"summary": result["summary"], "steps": step_breakdown(result["trace"], warmup),
+            "transport": cfg.get("transport", "auto")}
 
 
 def _work(spec: dict[str, Any], rank: int) -> None:
@@ -238,6 +253,7 @@ class NetBench:
     seed: int = 0
     straggler: str | None = None   # gradzip.stragglers spec: delays injected in every run
     workers_per_node: int = 1   # > 1: k workers per node behind one shaped uplink; methods exchange hierarchically
+    transports: list[str] = dataclasses.field(default_factory=lambda: ["auto"])   # every method once per transport
 
     def configs(self, n: int) -> list[dict[str, Any]]:
         total = self.warmup + self.steps
@@ -251,12 +267,13 @@ class NetBench:
                              "seed": self.seed})
                 continue
             options = {"compressor": codec} if codec else {}
-            cfg = RunConfig(algo=algo, options=options, label=method_label(algo, codec),
-                            dataset=dataset, model=self.model, epochs=1, batch_size=self.batch_size,
-                            lr=0.01, seed=self.seed, trace=True, eval_on="local", progress=False,
-                            straggler=self.straggler,
-                            workers_per_node=self.workers_per_node if self.workers_per_node > 1 else None)
-            cfgs.append(dataclasses.asdict(cfg))
+            for transport in self.transports:
+                cfg = RunConfig(algo=algo, options=options, label=transport_label(method_label(algo, codec), transport),
+                                dataset=dataset, model=self.model, epochs=1, batch_size=self.batch_size,
+                                lr=0.01, seed=self.seed, trace=True, eval_on="local", progress=False,
+                                straggler=self.straggler, transport=transport,
+                                workers_per_node=self.workers_per_node if self.workers_per_node > 1 else None)
+                cfgs.append(dataclasses.asdict(cfg))
         return cfgs
 
     def run_one(self, n: int, bandwidth: float | None, latency: float) -> dict[str, Any]:
@@ -312,7 +329,8 @@ def merge(ranks: list[dict], n: int, bandwidth: float | None, latency: float, nb
     repeat, median over repeats) and per method the mean over steps of the phases
     (mean over workers) and of the *critical local work*: the largest, over workers, of
     compute + compress + update + loop in that step (what a synchronous step waits for
-    besides the network)."""
+    besides the network; a hierarchical exchange's waits on the node's links inside the
+    compute span are network, not local work)."""
     record: dict[str, Any] = {"workers": n, "bandwidth_bps": bandwidth, "latency_s": latency}
     if nbytes:
         times = [max(r["check"][i]["seconds"] for r in ranks) for i in range(len(ranks[0]["check"]))]
@@ -334,8 +352,8 @@ def merge(ranks: list[dict], n: int, bandwidth: float | None, latency: float, nb
         # time, which a median would hide. Measure whole periods (--steps a multiple of k).
         phases = {k: statistics.fmean(statistics.fmean(rows[j][k] for rows in per_rank) for j in range(steps))
                   for k in PHASES}
-        local = [max(rows[j]["compute"] + rows[j]["compress"] + rows[j]["update"] + rows[j]["loop"]
-                     for rows in per_rank) for j in range(steps)]
+        local = [max(rows[j]["compute"] - rows[j].get("intra_in_compute", 0.0) + rows[j]["compress"]
+                     + rows[j]["update"] + rows[j]["loop"] for rows in per_rank) for j in range(steps)]
         computes = [statistics.fmean(rows[j]["compute"] for rows in per_rank) for j in range(steps)]
         # per step, the slower of compute and the exchange running beside it (a periodic
         # exchange, CD-SGD's full-precision step, exceeds the compute of its own step only);
@@ -344,10 +362,13 @@ def merge(ranks: list[dict], n: int, bandwidth: float | None, latency: float, nb
                                       + rows[j]["hidden_other"]) for rows in per_rank) for j in range(steps)]
         runs.append({
             "algo": summary["algo"], "method": summary["method"], "options": summary["options"],
+            "transport": ranks[0]["runs"][m].get("transport", "auto"),
             "peer": bool(summary.get("peer")),
             "model": summary["model"], "parameters": summary["parameters"],
             "steps_total": summary["steps"], "steps_measured": steps,
             "bytes_per_step": summary["bytes_sent_per_worker"] / summary["steps"],
+            "intra_bytes_per_step": statistics.fmean(rows[j].get("intra_bytes", 0) for rows in per_rank
+                                                     for j in range(steps)) if steps else 0.0,
             "critical_local_s": statistics.fmean(local),
             "overlap_bound_s": statistics.fmean(bound),
             "compute_cv": (statistics.pstdev(computes) / statistics.fmean(computes)) if steps > 1 else 0.0,

@@ -111,6 +111,11 @@ class Exchange:
     first: int
     end: int
     bucket: bool = False
+    later: list[int] = field(default_factory=list)   # calls it issued while finishing (two-phase's second round)
+
+    def own(self) -> set[int]:
+        """Positions of its collectives in the step's recorded calls."""
+        return set(range(self.first, self.end)) | set(self.later)
 
 
 _RECORDING = threading.local()   # .bucket: inside a start_bucket (this thread)
@@ -133,8 +138,10 @@ def _marking_buckets(opt) -> None:
 
 @contextmanager
 def _noting_exchanges(group: "RecordingGroup", into: list) -> Iterator[None]:
-    """While inside: every ``PSync.start`` on ``group`` (any thread) is noted in ``into``."""
-    original = PSync.start
+    """While inside: every ``PSync.start`` on ``group`` (any thread) is noted in ``into``,
+    with the collectives its ``_finish`` issues (two-phase's second round)."""
+    original, original_finish = PSync.start, PSync._finish
+    noted: dict[int, Exchange] = {}
 
     def start(self, tensors, step, **kwargs):
         first = len(group.calls)
@@ -142,13 +149,21 @@ def _noting_exchanges(group: "RecordingGroup", into: list) -> Iterator[None]:
         if self.comm is group or getattr(self.comm, "calls", None) is group.calls:
             into.append(Exchange(self.compressor.spec, [tuple(t.shape) for t in tensors], first, len(group.calls),
                                  getattr(_RECORDING, "bucket", False)))
+            noted[id(pending)] = into[-1]
         return pending
 
-    PSync.start = start
+    def finish(self, pending):
+        first = len(group.calls)
+        result = original_finish(self, pending)
+        if id(pending) in noted:
+            noted.pop(id(pending)).later.extend(range(first, len(group.calls)))
+        return result
+
+    PSync.start, PSync._finish = start, finish
     try:
         yield
     finally:
-        PSync.start = original
+        PSync.start, PSync._finish = original, original_finish
 
 
 @dataclass
@@ -207,9 +222,9 @@ class MethodProfile:
         for step, exchanges in zip(self.calls, self.exchanges or [[] for _ in self.calls]):
             own, buckets, other_s, other_elements = set(), [], 0.0, 0
             for ex in exchanges:
-                own.update(range(ex.first, ex.end))
-                if transport is None:
-                    s = sum(collective_time(k, b, self.workers, bandwidth_Bps, alpha_s) for k, b in step[ex.first:ex.end])
+                own.update(ex.own())
+                if transport is None:   # its own calls, two-phase's second round included
+                    s = sum(collective_time(*step[j], self.workers, bandwidth_Bps, alpha_s) for j in sorted(ex.own()))
                 elif ex.end == ex.first:
                     s = 0.0
                 else:
@@ -238,7 +253,7 @@ class MethodProfile:
             own = set()
             s = w = i = 0.0
             for ex in exchanges:
-                own.update(range(ex.first, ex.end))
+                own.update(ex.own())
                 if ex.end == ex.first:   # nothing on the wire (one worker)
                     continue
                 cost: ExchangeCost = hierarchical_cost(transport, build(ex.codec), ex.shapes, self.workers, hierarchy,

@@ -32,16 +32,20 @@ def check_table(records: list[dict]) -> str:
 
 def time_table(records: list[dict]) -> str:
     """Time per iteration and its phases, per topology and method."""
-    lines = ["| workers | link | method | iteration ms | compute | compress | communicate | update + loop | hidden (bg) | MB sent / step | speedup vs ssgd |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| workers | link | method | iteration ms | compute | compress | communicate | update + loop | hidden (bg) | MB sent / step | MB inside the node / step | speedup vs ssgd |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
+        k = r.get("workers_per_node", 1)
+        where = f"{format_rate(r['bandwidth_bps'])}" + (f", {k} per node" if k > 1 else "")
         base = next((x["iteration_s"] for x in r["runs"] if x["algo"] == "ssgd"), None)
         for x in r["runs"]:
             hidden = x["hidden_compress_s"] + x["hidden_communicate_s"] + x.get("hidden_other_s", 0.0)
+            intra = x.get("intra_bytes_per_step", 0.0)   # hierarchical: the node's links, not the uplink
             lines.append(
-                f"| {r['workers']} | {format_rate(r['bandwidth_bps'])} | `{x['algo']}` | {x['iteration_s'] * 1e3:.0f} | "
+                f"| {r['workers']} | {where} | `{x['algo']}` | {x['iteration_s'] * 1e3:.0f} | "
                 f"{x['compute_s'] * 1e3:.0f} | {x['compress_s'] * 1e3:.0f} | {x['communicate_s'] * 1e3:.0f} | "
-                f"{(x['update_s'] + x['loop_s']) * 1e3:.0f} | {hidden * 1e3:.0f} | {x['bytes_per_step'] / 1e6:.2f} | "
+                f"{(x['update_s'] + x['loop_s']) * 1e3:.0f} | {hidden * 1e3:.0f} | {(x['bytes_per_step'] - intra) / 1e6:.2f} | "
+                f"{intra / 1e6 if k > 1 else float('nan'):.2f} | "
                 f"{(base / x['iteration_s']) if base else float('nan'):.2f} |")
     return "\n".join(lines)
 
@@ -58,16 +62,23 @@ def noise_line(result: dict) -> str:
 
 def validation_table(rows: list[dict]) -> str:
     """Predicted vs measured iteration time, one row per shaped run."""
-    lines = ["| workers | link | method | measured ms | predicted ms | error | local work ms | network ms (model) | blocked on network ms (measured) | MB / step measured = model |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| workers | link | method | measured ms | predicted ms | error | local work ms | network ms (model) | blocked on network ms (measured) | MB / step measured = model | MB inside the node measured = model |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
-        same = "yes" if abs(r["bytes_measured"] - r["bytes_model"]) < 1 else f"**no** ({r['bytes_model'] / 1e6:.3f})"
+        k = r.get("workers_per_node", 1)
         flag = "" if abs(r["error"]) <= TOLERANCE else f" **>{TOLERANCE:.0%}**"
-        lines.append(f"| {r['workers']} | {format_rate(r['bandwidth_bps'])} | `{r['algo']}` | {r['measured_s'] * 1e3:.0f} | "
+        intra = _same(r.get("intra_bytes_measured", 0.0), r.get("intra_bytes_model", 0.0)) if k > 1 else "–"
+        lines.append(f"| {r['workers']} | {format_rate(r['bandwidth_bps'])}{f', {k} per node' if k > 1 else ''} | "
+                     f"`{r['algo']}` | {r['measured_s'] * 1e3:.0f} | "
                      f"{r['predicted_s'] * 1e3:.0f} | {r['error']:+.1%}{flag} | {r['local_s'] * 1e3:.0f} | "
                      f"{r['communicate_model_s'] * 1e3:.0f} | {r['communicate_measured_s'] * 1e3:.0f} | "
-                     f"{r['bytes_measured'] / 1e6:.3f} {same} |")
+                     f"{_same(r['bytes_measured'], r['bytes_model'])} | {intra} |")
     return "\n".join(lines)
+
+
+def _same(measured: float, model: float) -> str:
+    """``measured yes``, or ``measured **no** (model)`` in MB: do the byte counts agree?"""
+    return f"{measured / 1e6:.3f} " + ("yes" if abs(measured - model) < 1 else f"**no** ({model / 1e6:.3f})")
 
 
 def projection_table(rows: list[dict]) -> str:
