@@ -113,6 +113,7 @@ class _Bucket:
     nbytes: int = 0
     work: Work | None = None
     buffer: torch.Tensor | None = None  # the flat buffer sent, when it is a reusable one
+    private: bool = False          # a part shares memory with an input: never sent in place
 
 
 @dataclass
@@ -129,6 +130,7 @@ class Pending:
     recyclable: list[bool] = field(default_factory=list)  # packet i's wire is not its input
     twophase: list = field(default_factory=list)   # [_TwoPhaseBucket]: its tensors' packets[i] are None
     codecs: list = field(default_factory=list)     # packet i's codec (None: two-phase)
+    reuse_aggregates: bool = False                 # PSync.reuse_aggregates when it started
     _result: Result | None = field(default=None, repr=False)
 
     def wait(self) -> Result:
@@ -177,6 +179,9 @@ class PSync:
         self._lock = threading.Lock()  # start() and wait() may run on different threads
         self._spare_packets: dict = {}  # key -> a waited packet (module docstring: memory)
         self._spare_buffers: dict = {}  # (kind, dtype, device, numel) -> [flat buffers]
+        #: opt-in (module docstring, memory): the caller reads an exchange's aggregates
+        #: before its next ``start()`` and keeps none, so their memory may be reused
+        self.reuse_aggregates = False
 
     def counters(self) -> dict:
         """Bytes and seconds so far (for a checkpoint): ``load_counters`` restores them."""
@@ -239,7 +244,8 @@ class PSync:
                 packets[i] = codec.compress(t.detach(), self._seed(step, key, codec), reuse=old)
         recyclable = [p is not None and _storages(p.wire.values()).isdisjoint(_storages([t]))
                       for p, t in zip(packets, tensors)]
-        buckets = self._launch(packets, codecs, plan if self.transport != "auto" else ["auto"] * len(plan))
+        buckets = self._launch(packets, codecs, plan if self.transport != "auto" else ["auto"] * len(plan),
+                               tensors)
         payload = sum(p.nbytes for p in packets if p is not None)
         twophase = []
         if two:
@@ -252,7 +258,7 @@ class PSync:
         if self.tracer is not None:
             self.tracer.add("compress", began, ended, bytes=payload)
         return Pending(self, packets, buckets, residuals, payload, step, keys, recyclable, twophase,
-                       [c if p is not None else None for c, p in zip(codecs, packets)])
+                       [c if p is not None else None for c, p in zip(codecs, packets)], self.reuse_aggregates)
 
     def codec_for(self, key: int, tensor: torch.Tensor) -> Compressor:
         """The codec of the tensor with ``key``: the PSync's codec, or what its
@@ -277,8 +283,9 @@ class PSync:
 
     def _release(self, pending: Pending, out: list[torch.Tensor]) -> None:
         """After ``wait()``: keep its packets and bucket buffers for the next ``start()``,
-        except what a returned aggregate shares memory with (module docstring: memory)."""
-        pinned = _storages(t for t in out if t is not None)
+        except what a returned aggregate shares memory with, unless the exchange was started
+        with :attr:`reuse_aggregates` (module docstring: memory)."""
+        pinned = set() if pending.reuse_aggregates else _storages(t for t in out if t is not None)
         with self._lock:
             for key, packet, ok in zip(pending.keys, pending.packets, pending.recyclable):
                 if ok and packet is not None and _storages(packet.wire.values()).isdisjoint(pinned):
@@ -292,8 +299,10 @@ class PSync:
 
     def _bucket_buffer(self, bucket: _Bucket, parts: list[torch.Tensor]) -> torch.Tensor:
         """The flat buffer a bucket sends: its one part as it is, or the parts copied into a
-        spare buffer of this size (a new one when none is spare)."""
-        if len(parts) == 1:
+        spare buffer of this size (a new one when none is spare); a ``private`` bucket (a part
+        is an input's memory, e.g. ``none``'s summand) is always copied: a collective may
+        write into what it sends."""
+        if len(parts) == 1 and not bucket.private:
             return parts[0]
         if not parts:
             return torch.empty(0, dtype=bucket.dtype, device=bucket.device)
@@ -303,7 +312,7 @@ class PSync:
             buf = spare.pop() if spare else None
         if buf is None:
             buf = torch.empty(numel, dtype=bucket.dtype, device=bucket.device)
-        bucket.buffer = torch.cat(parts, out=buf)
+        bucket.buffer = buf.copy_(parts[0]) if len(parts) == 1 else torch.cat(parts, out=buf)
         return buf
 
     def _seed(self, step: int, key: int, codec: Compressor | None = None) -> int:
@@ -332,7 +341,7 @@ class PSync:
         return "allgather", [w.reshape(-1).view(torch.uint8) for w in packet.wire.values()]
 
     def _launch(self, packets: list[Packet | None], codecs: list[Compressor],
-                plan: list[str]) -> list[_Bucket]:
+                plan: list[str], tensors: Sequence[torch.Tensor]) -> list[_Bucket]:
         open_buckets: dict[tuple, _Bucket] = {}
         buckets: list[_Bucket] = []
         for i, packet in enumerate(packets):
@@ -346,6 +355,8 @@ class PSync:
                 bucket = open_buckets[key] = _Bucket(kind, key[1], key[2])
                 buckets.append(bucket)
             bucket.members.append(i)
+            bucket.private = bucket.private or (kind == "allreduce" and not _storages(flat).isdisjoint(
+                _storages([tensors[i]])))
             bucket.sizes.append(sum(f.numel() for f in flat))
             bucket.parts.extend(flat)
             bucket.nbytes += nbytes

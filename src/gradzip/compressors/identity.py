@@ -41,7 +41,9 @@ class NoCompression(Compressor):
         return dtype
 
     def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
-        return packet.wire["x"].reshape(-1).clone()
+        """The wire itself, flat (no copy): it may be the caller's tensor, so it is read-only
+        like the wire; PSync copies it into its bucket buffer before the in-place allreduce."""
+        return packet.wire["x"].reshape(-1)
 
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
         return total.div_(world_size).view(packet.shape)  # total: PSync's own buffer, of the packet's dtype
