@@ -35,7 +35,11 @@ a codec can turn finite inputs into Inf/NaN (fp16 above 65504, QSGD's norm of 1e
 of two 3e38). ``wait()`` checks the decoded aggregates (one sum per tensor, an exact look
 only where a sum is not finite) and raises :class:`NonFiniteAggregate` naming the tensor.
 The aggregate is the same on every worker, so every worker raises at the same exchange,
-with no collective to agree.
+with no collective to agree. Where the codec carries every NaN/Inf of any worker's input
+into the aggregate (``none``, ``fp16``, ``bf16``: ``Compressor.propagates_nonfinite``) on an
+exact transport, the same check also finds a non-finite *input* (:attr:`PSync.guards_inputs`):
+a method may then leave its gradients unread before the exchange and tell the two causes
+apart only when it raised (``NonFiniteGuard.codec_overflow``).
 
 Memory across steps (what a PSync reuses, and why it is safe): once ``wait()`` has
 decoded an exchange, its packets and its multi-tensor bucket buffers have left the
@@ -44,12 +48,16 @@ the codec as ``compress(..., reuse=)`` for the tensor with the same key, shape a
 a bucket buffer is refilled for a bucket of the same kind, dtype and size. Never reused:
 a packet whose wire is its input tensor (``none``), and any packet or buffer that a
 returned aggregate shares memory with (a cast's ``from_sum`` may return the summed buffer
-itself); residuals and aggregates are new tensors every step (methods keep them). An
+itself, ``none``'s is a view of it), unless the caller opted in with
+:attr:`PSync.reuse_aggregates` (it reads each aggregate before its next ``start()`` and
+keeps none, as S-SGD); residuals are new tensors every step (methods keep them). An
 exchange still in flight (CD-SGD overlaps one with the next step) holds its own buffers:
 only what ``wait()`` released is reused, so two exchanges in flight simply allocate. A
 caller may read ``Pending.packets`` after ``wait()`` until its next ``start()`` (DGC does).
 A one-tensor bucket is sent as that tensor (its summand, or a view of its packet's wire:
-no copy into a bucket buffer); other workers' wire tensors are views of the gathered
+no copy into a bucket buffer), except a summand that is the caller's input (``none``'s is
+its wire, uncopied): it is copied once into a bucket buffer, as several tensors are, since
+the allreduce sums in place; other workers' wire tensors are views of the gathered
 bytes (a copy only where their dtype's alignment needs it).
 """
 from __future__ import annotations
@@ -259,6 +267,15 @@ class PSync:
             self.tracer.add("compress", began, ended, bytes=payload)
         return Pending(self, packets, buckets, residuals, payload, step, keys, recyclable, twophase,
                        [c if p is not None else None for c, p in zip(codecs, packets)], self.reuse_aggregates)
+
+    @property
+    def guards_inputs(self) -> bool:
+        """Whether the aggregate check (``check_finite``) also raises on a NaN/Inf in any
+        worker's input (module docstring, overflow guard): one codec that propagates
+        non-finite values, on an exact transport."""
+        codec = self.compressor
+        return (self.check_finite and not isinstance(codec, PerTensor) and codec.propagates_nonfinite
+                and self.transport != "twophase")
 
     def codec_for(self, key: int, tensor: torch.Tensor) -> Compressor:
         """The codec of the tensor with ``key``: the PSync's codec, or what its

@@ -88,6 +88,7 @@ class _HierPending:
 
 
 class HierarchicalPSync(PSync):
+    guards_inputs = False   # each shard's check runs on one worker only: the inputs are checked first
     """PSync with ``workers_per_node`` = k workers per node (module docstring). Creating it
     is collective on ``comm`` (it splits the group into nodes and into equal local ranks)."""
 

@@ -25,6 +25,10 @@ class SSGD(GradientExchange):
         # buffer) serves the next step (gradzip.exchange, "Memory across steps")
         self.psync.reuse_aggregates = True
 
+    def gradients_checked_by_exchange(self):
+        # d = g (+ λx, + momentum) keeps a NaN/Inf of g: the aggregate check finds it
+        return self.nonfinite == "raise" and self.psync.guards_inputs
+
     def exchange_input(self, group, p):
         if not group["weight_decay"] and not group["momentum"]:
             return p.grad   # d = g: no copy (PSync reads it at once; a later change is caught)
