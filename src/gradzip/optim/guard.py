@@ -80,7 +80,7 @@ class NonFiniteGuard:
             self.restore_replaced()
             self.steps -= 1
         if self.gradients_checked_by_exchange():   # a gradient's NaN/Inf, or an overflow?
-            self._raise_on_a_bad_gradient(undone)
+            self._raise_on_a_bad_gradient(undone, overflow)
         if self.nonfinite == "skip" and undone:
             self.skipped_steps += 1
             return loss
@@ -100,7 +100,7 @@ class NonFiniteGuard:
         hooks) and :meth:`codec_overflow` names the gradient. False here; S-SGD's say."""
         return False
 
-    def _raise_on_a_bad_gradient(self, undone: bool) -> None:
+    def _raise_on_a_bad_gradient(self, undone: bool, overflow: NonFiniteAggregate) -> None:
         """After a non-finite aggregate of an exchange that checks the gradients: every
         worker looks at its own (exactly) and they agree (one control allgather; every
         worker is here, the aggregate being the same); a bad gradient on any rank raises
@@ -114,7 +114,7 @@ class NonFiniteGuard:
             index = first_bad[rank]
             raise NonFiniteGradient(self._bad_gradient_message(
                 rank, index, params[index], "found in the aggregate of the exchange; stopped on every worker "
-                f"before anything was updated{'' if undone else ' (the step could not be undone)'}"))
+                f"before anything was updated{'' if undone else ' (the step could not be undone)'}")) from overflow
 
     def _bad_gradient_message(self, rank: int, index: int, p: torch.Tensor, where: str) -> str:
         return (f"{type(self).__name__} step {self.steps + 1}: non-finite gradient (NaN or Inf) on rank {rank}, "
