@@ -194,3 +194,41 @@ def test_ssgd_reuses_its_bucket_buffers_and_leaves_the_gradients_alone(overlap):
     reused = gradzip.simulate(2, lambda comm: worker(comm, None))   # S-SGD's default
     plain = gradzip.simulate(2, lambda comm: worker(comm, False))
     cases.assert_bitwise_equal(reused, plain)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_efsgd_writes_its_error_into_the_last_exchange_input(overlap):
+    """EF-SGD's residual (its new error) is written into the memory of the previous step's
+    exchange input (``p = e + η d``, its own temporary; PSync.residual_spares), with the
+    same bits as without; an error returned by ``state_dict()`` is never written again."""
+    import cases
+
+    def train(comm, reuse):
+        model = cases.tiny_model()
+        opt = gradzip.optim.EFSGD(model.parameters(), lr=0.1, momentum=0.9, comm=comm,
+                                  compressor="topk:ratio=0.3", overlap_backward=overlap)
+        inputs, held = [], []
+        start = opt.psync.start
+
+        def spy(tensors, step, **kw):
+            inputs.append(list(tensors))   # held: no later tensor can take their addresses
+            return start(tensors, step, **kw)
+        opt.psync.start = spy
+        for t in range(1, 5):
+            if not reuse:
+                getattr(opt.psync, "residual_spares", {}).clear()
+            earlier = len(inputs)
+            x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            errors = [opt.state[p]["error"] for p in model.parameters()]
+            held.append((errors, [e.clone() for e in errors]))
+            if reuse and t > 1:   # this step's errors live in earlier steps' inputs
+                assert {e.data_ptr() for e in errors} <= {i.data_ptr() for x in inputs[:earlier] for i in x}
+        for errors, values in held:
+            assert all(torch.equal(e, v) for e, v in zip(errors, values))
+        return [p.detach().clone() for p in model.parameters()], [v for _, v in held]
+
+    cases.assert_bitwise_equal(gradzip.simulate(2, lambda c: train(c, True)),
+                               gradzip.simulate(2, lambda c: train(c, False)))

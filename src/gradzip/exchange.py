@@ -50,7 +50,9 @@ a packet whose wire is its input tensor (``none``), and any packet or buffer tha
 returned aggregate shares memory with (a cast's ``from_sum`` may return the summed buffer
 itself, ``none``'s is a view of it), unless the caller opted in with
 :attr:`PSync.reuse_aggregates` (it reads each aggregate before its next ``start()`` and
-keeps none, as S-SGD); residuals are new tensors every step (methods keep them). An
+keeps none, as S-SGD); a residual is a new tensor (methods keep them) unless the caller
+left a tensor it no longer needs in :attr:`PSync.residual_spares` (EF-SGD: its last
+exchange input; never one it returned to the user). An
 exchange still in flight (CD-SGD overlaps one with the next step) holds its own buffers:
 only what ``wait()`` released is reused, so two exchanges in flight simply allocate. A
 caller may read ``Pending.packets`` after ``wait()`` until its next ``start()`` (DGC does).
@@ -190,6 +192,9 @@ class PSync:
         #: opt-in (module docstring, memory): the caller reads an exchange's aggregates
         #: before its next ``start()`` and keeps none, so their memory may be reused
         self.reuse_aggregates = False
+        #: opt-in: key -> a tensor of the caller's that it no longer needs (e.g. EF-SGD's last
+        #: exchange input); the next ``start()`` writes that key's residual into it (taken once)
+        self.residual_spares: dict = {}
 
     def counters(self) -> dict:
         """Bytes and seconds so far (for a checkpoint): ``load_counters`` restores them."""
@@ -246,7 +251,7 @@ class PSync:
         for i, old in zip(exact, spares):
             t, key, codec = tensors[i], keys[i], codecs[i]
             if residual:  # one fused pass where the codec has one (Compressor.compress_residual)
-                residuals[i] = torch.empty_like(t, memory_format=torch.contiguous_format)
+                residuals[i] = self._residual_buffer(key, t)
                 packets[i] = codec.compress_residual(t.detach(), self._seed(step, key, codec), residuals[i], reuse=old)
             else:
                 packets[i] = codec.compress(t.detach(), self._seed(step, key, codec), reuse=old)
@@ -297,6 +302,17 @@ class PSync:
             spares = [self._spare_packets.pop(key, None) for key in keys]
         return [old if old is not None and old.shape == t.shape and old.dtype == t.dtype else None
                 for old, t in zip(spares, tensors)]
+
+    def _residual_buffer(self, key: int, t: torch.Tensor) -> torch.Tensor:
+        """Where the residual of ``t`` goes: the caller's spare for ``key``
+        (:attr:`residual_spares`) where it fits (shape, dtype, device, contiguous, not
+        ``t``'s memory), else a new tensor."""
+        with self._lock:
+            spare = self.residual_spares.pop(key, None)
+        if (spare is not None and spare.shape == t.shape and spare.dtype == t.dtype and spare.device == t.device
+                and spare.is_contiguous() and _storages([spare]).isdisjoint(_storages([t]))):
+            return spare
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
 
     def _release(self, pending: Pending, out: list[torch.Tensor]) -> None:
         """After ``wait()``: keep its packets and bucket buffers for the next ``start()``,
