@@ -7,8 +7,9 @@ cross-entropy, backward, ``step()``. Variants:
 
 * ``ddp``: ``DistributedDataParallel`` + ``torch.optim.SGD`` (the peer; the ratio's base);
 * ``ddp-fp16``: the same with torch's ``fp16_compress_hook`` (the peer's codec);
-* ``ssgd-unguarded``: SSGD with ``nonfinite="off"`` (no NaN/Inf check of the gradients
-  and of the aggregate: what the guards cost, which DDP does not pay);
+* ``ssgd-unguarded``: SSGD with ``nonfinite="off"`` (no NaN/Inf check of the aggregate,
+  which for S-SGD with ``none`` under ``"raise"`` also guards the gradients: what the
+  guard costs, one read pass a step, which DDP does not pay);
 * ``ssgd``, ``efsgd-topk1%``, ``bitsgd``, ``cdsgd``: ``gradzip.optim`` SSGD,
   EFSGD(compressor ``topk:ratio=0.01``), BitSGD, CDSGD (default 2-bit codec, k 5), each
   on the bare model (no DDP). CD-SGD's ``step()`` returns before its exchange ends; its
@@ -86,7 +87,7 @@ def build(variant: str, comm, model_name: str):
     params = model.parameters()
     if variant == "ssgd":
         opt = SSGD(params, LR, comm=comm)
-    elif variant == "ssgd-unguarded":   # what the NaN/Inf guards cost (two read passes a step)
+    elif variant == "ssgd-unguarded":   # what the NaN/Inf guard costs (one read pass a step)
         opt = SSGD(params, LR, comm=comm, nonfinite="off")
     elif variant == "efsgd-topk1%":
         opt = EFSGD(params, LR, comm=comm, compressor="topk:ratio=0.01")

@@ -109,3 +109,126 @@ def test_packets_and_bucket_buffers_are_reused(spec):
         return True
 
     assert all(gradzip.simulate(2, worker))
+
+
+# -- issue 14: `none` sends one copy of its input; opt-in reuse of the aggregates' memory ----
+def test_none_summand_is_the_wire_and_the_input_is_never_written():
+    """``none``'s summand is its wire (no copy); PSync copies it once into its own bucket
+    buffer, so the in-place allreduce never writes into the caller's tensor."""
+    codec = gradzip.compressors.build("none")
+    x = torch.randn(7)
+    packet = codec.compress(x)
+    assert codec.summand(packet, 2).data_ptr() == x.data_ptr()
+
+    def worker(comm):
+        inputs = grads(comm.rank, 0)
+        before = [t.clone() for t in inputs]
+        result = PSync(comm, "none", bucket_bytes=4096).start(inputs, 0).wait()
+        assert all(torch.equal(a, b) for a, b in zip(inputs, before))
+        return [a.clone() for a in result.aggregate]
+
+    out = gradzip.simulate(2, worker)
+    want = [(a + b) / 2 for a, b in zip(grads(0, 0), grads(1, 0))]
+    for rank_out in out:
+        assert all(torch.equal(a, w) for a, w in zip(rank_out, want))
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "2bit"])
+def test_reuse_aggregates_changes_no_result_and_reuses_the_buckets(spec):
+    """``reuse_aggregates=True`` (S-SGD: it applies each aggregate at once): the same bits as
+    a fresh PSync every step, and every allreduce bucket of step 2 is sent from a step 1
+    buffer (no allocation), the one-tensor ``none`` bucket included."""
+
+    def worker(comm):
+        psync = PSync(comm, spec, seed=3, bucket_bytes=4096, check_finite=True)
+        psync.reuse_aggregates = True
+        out, buffers = [], []
+        for step in range(STEPS):
+            inputs = grads(comm.rank, step)
+            before = [t.clone() for t in inputs]
+            pending = psync.start(inputs, step, residual=False)
+            result = pending.wait()
+            assert all(torch.equal(a, b) for a, b in zip(inputs, before))
+            out.append(([a.clone() for a in result.aggregate], None))
+            buffers.append({b.buffer.data_ptr() for b in pending.buckets
+                            if b.kind == "allreduce" and b.buffer is not None})
+        if spec == "none":   # every bucket, the one-tensor one of 3000 elements too, is PSync's copy
+            assert len(buffers[0]) == len(pending.buckets) == 3
+        assert buffers[1] == buffers[0] == buffers[2]
+        return out
+
+    def fresh(comm):
+        return [([a.clone() for a in PSync(comm, spec, seed=3, bucket_bytes=4096, check_finite=True)
+                  .start(grads(comm.rank, step), step, residual=False).wait().aggregate], None)
+                for step in range(STEPS)]
+
+    assert_same(gradzip.simulate(2, worker), gradzip.simulate(2, fresh))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_ssgd_reuses_its_bucket_buffers_and_leaves_the_gradients_alone(overlap):
+    """S-SGD opts in (it applies every aggregate at once): from step 2 on, its ``none``
+    exchange sends from the buffers of step 1 (no allocation), with the same parameters as
+    a PSync that reuses nothing, and ``p.grad`` keeps this worker's own gradient."""
+    import cases
+
+    def worker(comm, reuse):
+        model = cases.tiny_model()
+        opt = gradzip.optim.SSGD(model.parameters(), lr=0.1, comm=comm, overlap_backward=overlap,
+                                 bucket_bytes=64)
+        if reuse is not None:
+            opt.psync.reuse_aggregates = reuse
+        buffers = []
+        for t in range(1, 4):
+            x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            grad = [p.grad.clone() for p in model.parameters()]
+            opt.step()
+            assert all(torch.equal(g, p.grad) for g, p in zip(grad, model.parameters()))
+            buffers.append(sorted(id(b) for spare in opt.psync._spare_buffers.values() for b in spare))
+        if reuse is None:
+            assert buffers[0] and buffers[0] == buffers[1] == buffers[2]
+        return [p.detach().clone() for p in model.parameters()]
+
+    reused = gradzip.simulate(2, lambda comm: worker(comm, None))   # S-SGD's default
+    plain = gradzip.simulate(2, lambda comm: worker(comm, False))
+    cases.assert_bitwise_equal(reused, plain)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_efsgd_writes_its_error_into_the_last_exchange_input(overlap):
+    """EF-SGD's residual (its new error) is written into the memory of the previous step's
+    exchange input (``p = e + η d``, its own temporary; PSync.residual_spares), with the
+    same bits as without; an error returned by ``state_dict()`` is never written again."""
+    import cases
+
+    def train(comm, reuse):
+        model = cases.tiny_model()
+        opt = gradzip.optim.EFSGD(model.parameters(), lr=0.1, momentum=0.9, comm=comm,
+                                  compressor="topk:ratio=0.3", overlap_backward=overlap)
+        inputs, held = [], []
+        start = opt.psync.start
+
+        def spy(tensors, step, **kw):
+            inputs.append(list(tensors))   # held: no later tensor can take their addresses
+            return start(tensors, step, **kw)
+        opt.psync.start = spy
+        for t in range(1, 5):
+            if not reuse:
+                getattr(opt.psync, "residual_spares", {}).clear()
+            earlier = len(inputs)
+            x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            errors = [opt.state[p]["error"] for p in model.parameters()]
+            held.append((errors, [e.clone() for e in errors]))
+            if reuse and t > 1:   # this step's errors live in earlier steps' inputs
+                assert {e.data_ptr() for e in errors} <= {i.data_ptr() for x in inputs[:earlier] for i in x}
+        for errors, values in held:
+            assert all(torch.equal(e, v) for e, v in zip(errors, values))
+        return [p.detach().clone() for p in model.parameters()], [v for _, v in held]
+
+    cases.assert_bitwise_equal(gradzip.simulate(2, lambda c: train(c, True)),
+                               gradzip.simulate(2, lambda c: train(c, False)))

@@ -242,3 +242,78 @@ def test_begin_step_returns_skipped_and_the_step_returns_by_itself():
     x.grad = torch.full((3,), float("nan"))
     assert opt.step(lambda: 8.0) == ("skipped", 8.0, 1, 1)
     assert (opt.steps, opt.skipped_steps) == (1, 1)
+
+
+# -- issue 14: S-SGD's exact exchange finds a bad gradient in the aggregate it checks anyway --
+def _ssgd_nan_on_rank_1(comm, overlap: bool, codec: str, value: float):
+    """Rank 1's first gradient holds ``value`` at step 2 under nonfinite='raise': returns
+    the error's text, after checking that model and state are as before the step."""
+    model = cases.tiny_model()
+    opt = gradzip.optim.SSGD(model.parameters(), comm=comm, lr=0.1, momentum=0.9, compressor=codec,
+                             overlap_backward=overlap)
+    for t in (1, 2):
+        x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+        opt.zero_grad()
+        if t == 2:
+            before = ([p.detach().clone() for p in model.parameters()], opt.state_dict())
+            model[0].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([2]), value)
+                                          if comm.rank == 1 else g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if t == 2:
+            with pytest.raises(NonFiniteGradient) as error:
+                opt.step()
+            after = ([p.detach().clone() for p in model.parameters()], opt.state_dict())
+            for s in (before[1], after[1]):
+                s["gradzip"].pop("exchanges")
+            cases.assert_bitwise_equal(before, after)
+            return str(error.value)
+        opt.step()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("codec,value", [("none", float("nan")), ("fp16", float("inf")), ("none", float("-inf"))])
+def test_ssgd_bad_gradient_found_in_the_aggregate_stops_every_rank_naming_it(overlap, codec, value):
+    """S-SGD with ``none`` / ``fp16`` / ``bf16`` does not read its gradients before the
+    exchange under "raise": the codec carries a NaN/Inf into the aggregate PSync checks
+    anyway; then every rank (not only the bad one) raises, naming rank 1 and parameter #0,
+    the step undone."""
+    for text in gradzip.simulate(2, lambda comm: _ssgd_nan_on_rank_1(comm, overlap, codec, value)):
+        assert "SSGD step 2: non-finite gradient (NaN or Inf) on rank 1, parameter #0 (shape (6, 4))" in text
+        assert "found in the aggregate" in text
+
+
+def test_ssgd_sum_of_finite_gradients_that_overflows_is_still_a_codec_overflow():
+    def worker(comm):
+        p = torch.nn.Parameter(torch.zeros(4))
+        opt = gradzip.optim.SSGD([p], comm=comm, lr=0.1)
+        p.grad = torch.tensor([3e38, 0.0, 1.0, 2.0])   # finite on both ranks; the sum is inf
+        with pytest.raises(NonFiniteGradient, match="the none exchange of tensor #0 .* decoded a non-finite"):
+            opt.step()
+        return torch.equal(p.detach(), torch.zeros(4)) and opt.steps == 0
+    assert gradzip.simulate(2, worker) == [True, True]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_ssgd_guard_reads_no_gradient_before_its_exchange(overlap, monkeypatch):
+    """One read pass fewer per step: under "raise" the hooks and begin_step leave the
+    gradients to the exchange's aggregate check (only there is first_nonfinite called)."""
+    import gradzip.optim.guard
+    import gradzip.optim.overlap
+    calls = []
+
+    def counting(tensors):
+        calls.append(len(tensors))
+        return gradzip.nonfinite.first_nonfinite(tensors)
+    for module in (gradzip.optim.guard, gradzip.optim.overlap):
+        monkeypatch.setattr(module, "first_nonfinite", counting)
+    model = cases.tiny_model()
+    opt = gradzip.optim.SSGD(model.parameters(), lr=0.1, overlap_backward=overlap)
+    x, y = cases.regression_batch(1, 0, 1)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    assert calls == [] and opt.steps == 1
+    opt.nonfinite = "skip"   # skip still checks the gradients first (the workers agree before)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    assert calls

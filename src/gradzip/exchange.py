@@ -35,7 +35,11 @@ a codec can turn finite inputs into Inf/NaN (fp16 above 65504, QSGD's norm of 1e
 of two 3e38). ``wait()`` checks the decoded aggregates (one sum per tensor, an exact look
 only where a sum is not finite) and raises :class:`NonFiniteAggregate` naming the tensor.
 The aggregate is the same on every worker, so every worker raises at the same exchange,
-with no collective to agree.
+with no collective to agree. Where the codec carries every NaN/Inf of any worker's input
+into the aggregate (``none``, ``fp16``, ``bf16``: ``Compressor.propagates_nonfinite``) on an
+exact transport, the same check also finds a non-finite *input* (:attr:`PSync.guards_inputs`):
+a method may then leave its gradients unread before the exchange and tell the two causes
+apart only when it raised (``NonFiniteGuard.codec_overflow``).
 
 Memory across steps (what a PSync reuses, and why it is safe): once ``wait()`` has
 decoded an exchange, its packets and its multi-tensor bucket buffers have left the
@@ -44,12 +48,18 @@ the codec as ``compress(..., reuse=)`` for the tensor with the same key, shape a
 a bucket buffer is refilled for a bucket of the same kind, dtype and size. Never reused:
 a packet whose wire is its input tensor (``none``), and any packet or buffer that a
 returned aggregate shares memory with (a cast's ``from_sum`` may return the summed buffer
-itself); residuals and aggregates are new tensors every step (methods keep them). An
+itself, ``none``'s is a view of it), unless the caller opted in with
+:attr:`PSync.reuse_aggregates` (it reads each aggregate before its next ``start()`` and
+keeps none, as S-SGD); a residual is a new tensor (methods keep them) unless the caller
+left a tensor it no longer needs in :attr:`PSync.residual_spares` (EF-SGD: its last
+exchange input; never one it returned to the user). An
 exchange still in flight (CD-SGD overlaps one with the next step) holds its own buffers:
 only what ``wait()`` released is reused, so two exchanges in flight simply allocate. A
 caller may read ``Pending.packets`` after ``wait()`` until its next ``start()`` (DGC does).
 A one-tensor bucket is sent as that tensor (its summand, or a view of its packet's wire:
-no copy into a bucket buffer); other workers' wire tensors are views of the gathered
+no copy into a bucket buffer), except a summand that is the caller's input (``none``'s is
+its wire, uncopied): it is copied once into a bucket buffer, as several tensors are, since
+the allreduce sums in place; other workers' wire tensors are views of the gathered
 bytes (a copy only where their dtype's alignment needs it).
 """
 from __future__ import annotations
@@ -113,6 +123,7 @@ class _Bucket:
     nbytes: int = 0
     work: Work | None = None
     buffer: torch.Tensor | None = None  # the flat buffer sent, when it is a reusable one
+    private: bool = False          # a part shares memory with an input: never sent in place
 
 
 @dataclass
@@ -129,6 +140,7 @@ class Pending:
     recyclable: list[bool] = field(default_factory=list)  # packet i's wire is not its input
     twophase: list = field(default_factory=list)   # [_TwoPhaseBucket]: its tensors' packets[i] are None
     codecs: list = field(default_factory=list)     # packet i's codec (None: two-phase)
+    reuse_aggregates: bool = False                 # PSync.reuse_aggregates when it started
     _result: Result | None = field(default=None, repr=False)
 
     def wait(self) -> Result:
@@ -177,6 +189,12 @@ class PSync:
         self._lock = threading.Lock()  # start() and wait() may run on different threads
         self._spare_packets: dict = {}  # key -> a waited packet (module docstring: memory)
         self._spare_buffers: dict = {}  # (kind, dtype, device, numel) -> [flat buffers]
+        #: opt-in (module docstring, memory): the caller reads an exchange's aggregates
+        #: before its next ``start()`` and keeps none, so their memory may be reused
+        self.reuse_aggregates = False
+        #: opt-in: key -> a tensor of the caller's that it no longer needs (e.g. EF-SGD's last
+        #: exchange input); the next ``start()`` writes that key's residual into it (taken once)
+        self.residual_spares: dict = {}
 
     def counters(self) -> dict:
         """Bytes and seconds so far (for a checkpoint): ``load_counters`` restores them."""
@@ -233,13 +251,14 @@ class PSync:
         for i, old in zip(exact, spares):
             t, key, codec = tensors[i], keys[i], codecs[i]
             if residual:  # one fused pass where the codec has one (Compressor.compress_residual)
-                residuals[i] = torch.empty_like(t, memory_format=torch.contiguous_format)
+                residuals[i] = self._residual_buffer(key, t)
                 packets[i] = codec.compress_residual(t.detach(), self._seed(step, key, codec), residuals[i], reuse=old)
             else:
                 packets[i] = codec.compress(t.detach(), self._seed(step, key, codec), reuse=old)
         recyclable = [p is not None and _storages(p.wire.values()).isdisjoint(_storages([t]))
                       for p, t in zip(packets, tensors)]
-        buckets = self._launch(packets, codecs, plan if self.transport != "auto" else ["auto"] * len(plan))
+        buckets = self._launch(packets, codecs, plan if self.transport != "auto" else ["auto"] * len(plan),
+                               tensors)
         payload = sum(p.nbytes for p in packets if p is not None)
         twophase = []
         if two:
@@ -252,7 +271,16 @@ class PSync:
         if self.tracer is not None:
             self.tracer.add("compress", began, ended, bytes=payload)
         return Pending(self, packets, buckets, residuals, payload, step, keys, recyclable, twophase,
-                       [c if p is not None else None for c, p in zip(codecs, packets)])
+                       [c if p is not None else None for c, p in zip(codecs, packets)], self.reuse_aggregates)
+
+    @property
+    def guards_inputs(self) -> bool:
+        """Whether the aggregate check (``check_finite``) also raises on a NaN/Inf in any
+        worker's input (module docstring, overflow guard): one codec that propagates
+        non-finite values, on an exact transport."""
+        codec = self.compressor
+        return (self.check_finite and not isinstance(codec, PerTensor) and codec.propagates_nonfinite
+                and self.transport != "twophase")
 
     def codec_for(self, key: int, tensor: torch.Tensor) -> Compressor:
         """The codec of the tensor with ``key``: the PSync's codec, or what its
@@ -275,10 +303,22 @@ class PSync:
         return [old if old is not None and old.shape == t.shape and old.dtype == t.dtype else None
                 for old, t in zip(spares, tensors)]
 
+    def _residual_buffer(self, key: int, t: torch.Tensor) -> torch.Tensor:
+        """Where the residual of ``t`` goes: the caller's spare for ``key``
+        (:attr:`residual_spares`) where it fits (shape, dtype, device, contiguous, not
+        ``t``'s memory), else a new tensor."""
+        with self._lock:
+            spare = self.residual_spares.pop(key, None)
+        if (spare is not None and spare.shape == t.shape and spare.dtype == t.dtype and spare.device == t.device
+                and spare.is_contiguous() and _storages([spare]).isdisjoint(_storages([t]))):
+            return spare
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+
     def _release(self, pending: Pending, out: list[torch.Tensor]) -> None:
         """After ``wait()``: keep its packets and bucket buffers for the next ``start()``,
-        except what a returned aggregate shares memory with (module docstring: memory)."""
-        pinned = _storages(t for t in out if t is not None)
+        except what a returned aggregate shares memory with, unless the exchange was started
+        with :attr:`reuse_aggregates` (module docstring: memory)."""
+        pinned = set() if pending.reuse_aggregates else _storages(t for t in out if t is not None)
         with self._lock:
             for key, packet, ok in zip(pending.keys, pending.packets, pending.recyclable):
                 if ok and packet is not None and _storages(packet.wire.values()).isdisjoint(pinned):
@@ -292,8 +332,10 @@ class PSync:
 
     def _bucket_buffer(self, bucket: _Bucket, parts: list[torch.Tensor]) -> torch.Tensor:
         """The flat buffer a bucket sends: its one part as it is, or the parts copied into a
-        spare buffer of this size (a new one when none is spare)."""
-        if len(parts) == 1:
+        spare buffer of this size (a new one when none is spare); a ``private`` bucket (a part
+        is an input's memory, e.g. ``none``'s summand) is always copied: a collective may
+        write into what it sends."""
+        if len(parts) == 1 and not bucket.private:
             return parts[0]
         if not parts:
             return torch.empty(0, dtype=bucket.dtype, device=bucket.device)
@@ -303,7 +345,7 @@ class PSync:
             buf = spare.pop() if spare else None
         if buf is None:
             buf = torch.empty(numel, dtype=bucket.dtype, device=bucket.device)
-        bucket.buffer = torch.cat(parts, out=buf)
+        bucket.buffer = buf.copy_(parts[0]) if len(parts) == 1 else torch.cat(parts, out=buf)
         return buf
 
     def _seed(self, step: int, key: int, codec: Compressor | None = None) -> int:
@@ -332,7 +374,7 @@ class PSync:
         return "allgather", [w.reshape(-1).view(torch.uint8) for w in packet.wire.values()]
 
     def _launch(self, packets: list[Packet | None], codecs: list[Compressor],
-                plan: list[str]) -> list[_Bucket]:
+                plan: list[str], tensors: Sequence[torch.Tensor]) -> list[_Bucket]:
         open_buckets: dict[tuple, _Bucket] = {}
         buckets: list[_Bucket] = []
         for i, packet in enumerate(packets):
@@ -346,6 +388,8 @@ class PSync:
                 bucket = open_buckets[key] = _Bucket(kind, key[1], key[2])
                 buckets.append(bucket)
             bucket.members.append(i)
+            bucket.private = bucket.private or (kind == "allreduce" and not _storages(flat).isdisjoint(
+                _storages([tensors[i]])))
             bucket.sizes.append(sum(f.numel() for f in flat))
             bucket.parts.extend(flat)
             bucket.nbytes += nbytes

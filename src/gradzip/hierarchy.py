@@ -91,6 +91,8 @@ class HierarchicalPSync(PSync):
     """PSync with ``workers_per_node`` = k workers per node (module docstring). Creating it
     is collective on ``comm`` (it splits the group into nodes and into equal local ranks)."""
 
+    guards_inputs = False   # each shard's check runs on one worker only: the inputs are checked first
+
     def __init__(self, comm: Group, compressor="none", *, workers_per_node, seed: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_finite: bool = False, intra: str = "fp32",
                  transport: str = "auto", allow_twophase: bool = True):

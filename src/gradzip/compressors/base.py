@@ -91,6 +91,9 @@ class Compressor:
     #: ``E[C(v)] = v``: error feedback would only add the codec's variance to the next step,
     #: so the DDP hook leaves it off by default and refuses it. ``randomk`` makes it a field.
     unbiased: ClassVar[bool] = False
+    #: A NaN/Inf anywhere in any worker's tensor makes the aggregate non-finite (``none``,
+    #: ``fp16``, ``bf16``): PSync's aggregate check then also guards the inputs.
+    propagates_nonfinite: ClassVar[bool] = False
 
     # -- the codec -------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:

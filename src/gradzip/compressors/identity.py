@@ -30,6 +30,7 @@ class NoCompression(Compressor):
     memory with its input, see base); the allreduce sums it in its own dtype."""
 
     name = "none"
+    propagates_nonfinite = True   # a NaN/Inf summand makes the sum, hence the mean, non-finite
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         return Packet({"x": tensor.detach()}, tensor.shape, tensor.dtype)
@@ -41,7 +42,9 @@ class NoCompression(Compressor):
         return dtype
 
     def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
-        return packet.wire["x"].reshape(-1).clone()
+        """The wire itself, flat (no copy): it may be the caller's tensor, so it is read-only
+        like the wire; PSync copies it into its bucket buffer before the in-place allreduce."""
+        return packet.wire["x"].reshape(-1)
 
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
         return total.div_(world_size).view(packet.shape)  # total: PSync's own buffer, of the packet's dtype
@@ -52,6 +55,7 @@ class _Cast(Compressor):
     """Cast to ``wire_dtype`` on the wire, back to the packet's dtype on decode."""
 
     wire_dtype: ClassVar[torch.dtype]
+    propagates_nonfinite = True   # the casts keep NaN and ±Inf; x/n of Inf is Inf
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         old = reuse.wire.get("x") if reuse is not None else None

@@ -1,6 +1,8 @@
 """EF-SGD: compression with error feedback."""
 from __future__ import annotations
 
+import torch
+
 from .overlap import GradientExchange
 from .ratios import single_codec
 
@@ -28,13 +30,18 @@ class EFSGD(GradientExchange):
         codec, self.rc = single_codec(type(self).__name__, compressor, rc, DEFAULT_CODEC)
         super().__init__(params, lr, **kwargs)
         self.psync = self.make_psync(codec)
+        self._inputs: dict = {}   # param -> this step's exchange input (its own temporary)
 
     def exchange_input(self, group, p):
-        d = self.local_direction(p, group)
+        d = self.local_direction(p, group)   # a new tensor: p = e + η d is written into it
         error = self.state[p].get("error")
-        return d.mul_(group["lr"]) if error is None else error.add(d, alpha=group["lr"])   # p = e + η d
+        self._inputs[p] = d.mul_(group["lr"]) if error is None else torch.add(error, d, alpha=group["lr"], out=d)
+        return self._inputs[p]
 
     def apply_exchange(self, pairs, aggregates, residuals):
         for (_, p), agg, err in zip(pairs, aggregates, residuals):
             self.state[p]["error"] = err
             p.sub_(agg)
+            spent = self._inputs.pop(p, None)   # read by the exchange, kept by no one: next error's memory
+            if spent is not None:
+                self.psync.residual_spares[self._keys[p]] = spent

@@ -7,15 +7,22 @@ no box reads.
 Two checks, one policy (``nonfinite``, :data:`gradzip.nonfinite.NONFINITE_POLICIES`):
 
 - **the gradients**, before anything is compressed or sent (:meth:`gradients_finite`,
-  called by ``begin_step``); ``"skip"`` agrees across workers first;
+  called by ``begin_step``); ``"skip"`` agrees across workers first. Under ``"raise"`` a
+  method whose exchange finds a bad gradient by itself (:meth:`gradients_checked_by_exchange`:
+  S-SGD with ``none`` / ``fp16`` / ``bf16``) leaves them unread: one pass less per step;
 - **what the codec produced**: every exchange checks its decoded aggregate (the same on
   every worker, so no collective) and raises
   :class:`~gradzip.nonfinite.NonFiniteAggregate`; a ``step()`` catches it and returns
   :meth:`codec_overflow`, which puts back what the step replaced (:meth:`replaced`) and
   skips the step, or raises :class:`~gradzip.nonfinite.NonFiniteGradient` once the step
-  changed the model (:meth:`irreversible`) or under ``"raise"``.
+  changed the model (:meth:`irreversible`) or under ``"raise"``. Where the exchange checks
+  the gradients, a non-finite aggregate is first told apart from an overflow: an exact look
+  at this worker's gradients and one control allgather, on that path only; a bad gradient
+  anywhere raises :class:`~gradzip.nonfinite.NonFiniteGradient` on every worker, naming
+  the (lowest) rank and its parameter, the step undone.
 
-The host class provides ``comm``, ``nonfinite``, ``steps`` and ``skipped_steps``.
+The host class provides ``comm``, ``nonfinite``, ``steps``, ``skipped_steps`` and
+``params_with_grad``.
 """
 from __future__ import annotations
 
@@ -72,6 +79,8 @@ class NonFiniteGuard:
         if undone:  # the step as if it never began (both policies)
             self.restore_replaced()
             self.steps -= 1
+        if self.gradients_checked_by_exchange():   # a gradient's NaN/Inf, or an overflow?
+            self._raise_on_a_bad_gradient(undone, overflow)
         if self.nonfinite == "skip" and undone:
             self.skipped_steps += 1
             return loss
@@ -83,24 +92,51 @@ class NonFiniteGuard:
             "nonfinite='skip' (CLI: --nonfinite skip)."
         ) from overflow
 
+    def gradients_checked_by_exchange(self) -> bool:
+        """Whether, under ``"raise"``, this step's exchange finds a NaN/Inf in any worker's
+        gradient by itself: its input keeps the gradient's non-finite values and its PSync's
+        aggregate check catches them (:attr:`gradzip.exchange.PSync.guards_inputs`). Then
+        the gradients are not read before the exchange (:meth:`gradients_finite`, the
+        hooks) and :meth:`codec_overflow` names the gradient. False here; S-SGD's say."""
+        return False
+
+    def _raise_on_a_bad_gradient(self, undone: bool, overflow: NonFiniteAggregate) -> None:
+        """After a non-finite aggregate of an exchange that checks the gradients: every
+        worker looks at its own (exactly) and they agree (one control allgather; every
+        worker is here, the aggregate being the same); a bad gradient on any rank raises
+        :class:`NonFiniteGradient` on all, naming the lowest such rank and its parameter."""
+        params = [p for _, p in self.params_with_grad()]
+        first_bad = [first_nonfinite([p.grad for p in params])]
+        if self.comm.world_size > 1:
+            first_bad = self.comm.allgather_control(torch.tensor(first_bad)).reshape(-1).tolist()
+        rank = next((r for r, bad in enumerate(first_bad) if bad >= 0), None)
+        if rank is not None:
+            index = first_bad[rank]
+            raise NonFiniteGradient(self._bad_gradient_message(
+                rank, index, params[index], "found in the aggregate of the exchange; stopped on every worker "
+                f"before anything was updated{'' if undone else ' (the step could not be undone)'}")) from overflow
+
+    def _bad_gradient_message(self, rank: int, index: int, p: torch.Tensor, where: str) -> str:
+        return (f"{type(self).__name__} step {self.steps + 1}: non-finite gradient (NaN or Inf) on rank {rank}, "
+                f"parameter #{index} (shape {tuple(p.shape)}); {where}. Lower the learning rate or clip "
+                "gradients, or skip such steps on every worker with nonfinite='skip' (CLI: --nonfinite skip).")
+
     def gradients_finite(self, params: list[torch.Tensor]) -> bool:
         """Whether this step may go on. ``"raise"``: this worker's gradients are checked
         locally (no collective) and a NaN/Inf raises :class:`NonFiniteGradient` here, before
         anything is sent; the peers then stop at their next collective with a
         ``PeerFailure`` naming this rank. ``"skip"``: every worker must skip the same steps,
         so the workers agree first (one control allgather of 8 bytes per worker per step)
-        and all skip if any worker's gradient is not finite."""
+        and all skip if any worker's gradient is not finite. ``"raise"`` where
+        :meth:`gradients_checked_by_exchange`: nothing read here (True)."""
+        if self.nonfinite == "raise" and self.gradients_checked_by_exchange():
+            return True
         first_bad = first_nonfinite([p.grad for p in params])
         if self.nonfinite == "raise":
             if first_bad >= 0:
-                p = params[first_bad]
-                raise NonFiniteGradient(
-                    f"{type(self).__name__} step {self.steps + 1}: non-finite gradient (NaN or Inf) "
-                    f"on rank {self.comm.rank}, parameter #{first_bad} (shape {tuple(p.shape)}); "
-                    "stopped before anything was compressed, sent or updated. Lower the learning "
-                    "rate or clip gradients, or skip such steps on every worker with "
-                    "nonfinite='skip' (CLI: --nonfinite skip)."
-                )
+                raise NonFiniteGradient(self._bad_gradient_message(
+                    self.comm.rank, first_bad, params[first_bad],
+                    "stopped before anything was compressed, sent or updated"))
             return True
         if self.comm.world_size > 1:
             first_bad = max(self.comm.allgather_control(torch.tensor([first_bad])).reshape(-1).tolist())

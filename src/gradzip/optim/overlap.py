@@ -251,7 +251,7 @@ class GradientExchange(DistributedOptimizer):
         return _Run(self._plan, self.steps + 1, [(x.bytes_sent, x.payload_bytes) for x in self._exchanges])
 
     def _feed(self, run: _Run, p: torch.Tensor) -> None:
-        if self.nonfinite != "off" and first_nonfinite([p.grad]) >= 0:
+        if self.nonfinite != "off" and not self.gradients_checked_by_exchange() and first_nonfinite([p.grad]) >= 0:
             run.poisoned = run.poisoned or self.nonfinite == "raise"
             run.bad.add(self._keys[p])
             run.inputs[p] = torch.zeros_like(p)  # never applied: the step raises or is skipped

@@ -21,6 +21,13 @@ class SSGD(GradientExchange):
     def __init__(self, params, lr, *, compressor="none", **kwargs):
         super().__init__(params, lr, **kwargs)
         self.psync = self.make_psync(compressor)
+        # each aggregate is applied at once and never kept: its memory (the `none` bucket
+        # buffer) serves the next step (gradzip.exchange, "Memory across steps")
+        self.psync.reuse_aggregates = True
+
+    def gradients_checked_by_exchange(self):
+        # d = g (+ λx, + momentum) keeps a NaN/Inf of g: the aggregate check finds it
+        return self.nonfinite == "raise" and self.psync.guards_inputs
 
     def exchange_input(self, group, p):
         if not group["weight_decay"] and not group["momentum"]:
