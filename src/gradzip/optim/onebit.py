@@ -37,22 +37,10 @@ from ..errors import GradzipError
 from ..nonfinite import NonFiniteAggregate
 from ..validation import is_int, is_real, require
 from .base import DistributedOptimizer
+from .options import no_momentum, parse_betas  # noqa: F401 (parse_betas: the old name's home)
 
 #: DeepSpeed's 1-bit codec: sign with the ℓ2-preserving scale.
 DEFAULT_CODEC = "scaled_sign:scale=rms"
-
-
-def parse_betas(where: str, betas) -> tuple[float, float]:
-    """``(β1, β2)`` from a pair of numbers or a string ``"0.9,0.999"`` (the CLI's form),
-    each in [0, 1)."""
-    if isinstance(betas, str):
-        try:
-            betas = tuple(float(b) for b in betas.split(","))
-        except ValueError:
-            betas = ()
-    ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(is_real(b) and 0 <= b < 1 for b in betas)
-    require(ok, where, f"betas must be two numbers in [0, 1) such as 0.9,0.999, got {betas!r}")
-    return float(betas[0]), float(betas[1])
 
 
 def _norm(t: torch.Tensor) -> float:
@@ -62,14 +50,12 @@ def _norm(t: torch.Tensor) -> float:
 class _CompressedAdaptive(DistributedOptimizer):
     """What 1-bit Adam, 0/1 Adam and 1-bit LAMB share (module docstring)."""
 
-    def __init__(self, params, lr, *, betas: "tuple[float, float] | str" = (0.9, 0.999), eps: float = 1e-8,
-                 compressor: str = DEFAULT_CODEC, **kwargs):
+    def __init__(self, params, lr, *, betas: "tuple[float, float] | str | None" = None, beta1: float | None = None,
+                 beta2: float | None = None, eps: float = 1e-8, compressor: str = DEFAULT_CODEC, **kwargs):
         name = type(self).__name__
-        betas = parse_betas(name, betas)
+        betas = parse_betas(name, betas, beta1=beta1, beta2=beta2)
         require(is_real(eps) and 0 <= eps < math.inf, name, f"eps must be a finite number >= 0, got {eps!r}")
-        if kwargs.get("momentum", 0.0) or kwargs.get("nesterov", False):
-            raise GradzipError(f"{name}: momentum is betas[0] in this method; leave momentum at 0 and "
-                               "nesterov off (CLI: drop --momentum / --nesterov, set --betas 0.9,0.999)")
+        no_momentum(name, kwargs.get("momentum", 0.0), kwargs.get("nesterov", False))
         super().__init__(params, lr, betas=betas, eps=float(eps), **kwargs)
         self.dense = self.make_psync("none", salt=0)          # ḡ = mean_j g_j
         # CAR: the two-phase compressed allreduce (worker error here, server error in the
@@ -169,11 +155,13 @@ class OneBitAdam(_CompressedAdaptive):
     at T_w. The worker error of the compressed stage is ``state[p]["worker_error"]``.
     """
 
-    def __init__(self, params, lr, *, freeze_step: int = 100000, betas: "tuple[float, float] | str" = (0.9, 0.999), eps: float = 1e-8,
+    def __init__(self, params, lr, *, freeze_step: int = 100000, betas: "tuple[float, float] | str | None" = None,
+                 beta1: float | None = None, beta2: float | None = None, eps: float = 1e-8,
                  compressor: str = DEFAULT_CODEC, **kwargs):
         require(is_int(freeze_step) and freeze_step >= 0, type(self).__name__,
                 f"freeze_step must be an integer >= 0, got {freeze_step!r}")
-        super().__init__(params, lr, betas=betas, eps=eps, compressor=compressor, **kwargs)
+        super().__init__(params, lr, betas=betas, beta1=beta1, beta2=beta2, eps=eps, compressor=compressor,
+                         **kwargs)
         self.freeze_step = freeze_step
 
     def _step(self, pairs, params):
@@ -232,7 +220,8 @@ class ZeroOneAdam(_CompressedAdaptive):
     replicas_differ = True
 
     def __init__(self, params, lr, *, var_freeze_step: int = 100000, var_update_scaler: int = 16,
-                 local_step_scaler: int = 32678, local_step_clipper: int = 16, betas: "tuple[float, float] | str" = (0.9, 0.999), eps: float = 1e-8,
+                 local_step_scaler: int = 32678, local_step_clipper: int = 16, betas: "tuple[float, float] | str | None" = None,
+                 beta1: float | None = None, beta2: float | None = None, eps: float = 1e-8,
                  compressor: str = DEFAULT_CODEC, **kwargs):
         name = type(self).__name__
         require(is_int(var_freeze_step) and var_freeze_step >= 0, name,
@@ -240,7 +229,8 @@ class ZeroOneAdam(_CompressedAdaptive):
         for key, value in (("var_update_scaler", var_update_scaler), ("local_step_scaler", local_step_scaler),
                            ("local_step_clipper", local_step_clipper)):
             require(is_int(value) and value >= 1, name, f"{key} must be an integer >= 1, got {value!r}")
-        super().__init__(params, lr, betas=betas, eps=eps, compressor=compressor, **kwargs)
+        super().__init__(params, lr, betas=betas, beta1=beta1, beta2=beta2, eps=eps, compressor=compressor,
+                         **kwargs)
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
@@ -352,7 +342,8 @@ class OneBitLAMB(_CompressedAdaptive):
 
     def __init__(self, params, lr, *, freeze_step: int = 100000, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
-                 factor_threshold: float = 0.1, betas: "tuple[float, float] | str" = (0.9, 0.999), eps: float = 1e-8,
+                 factor_threshold: float = 0.1, betas: "tuple[float, float] | str | None" = None,
+                 beta1: float | None = None, beta2: float | None = None, eps: float = 1e-8,
                  compressor: str = DEFAULT_CODEC, **kwargs):
         name = type(self).__name__
         require(is_int(freeze_step) and freeze_step >= 0, name,
@@ -365,7 +356,8 @@ class OneBitLAMB(_CompressedAdaptive):
         require(is_real(coeff_beta) and 0 <= coeff_beta < 1, name, f"coeff_beta must be in [0, 1), got {coeff_beta!r}")
         require(is_real(factor_threshold) and 0 <= factor_threshold < 1, name,
                 f"factor_threshold must be in [0, 1), got {factor_threshold!r}")
-        super().__init__(params, lr, betas=betas, eps=eps, compressor=compressor, **kwargs)
+        super().__init__(params, lr, betas=betas, beta1=beta1, beta2=beta2, eps=eps, compressor=compressor,
+                         **kwargs)
         self.freeze_step = freeze_step
         self.max_coeff, self.min_coeff, self.coeff_beta = float(max_coeff), float(min_coeff), float(coeff_beta)
         self.factor_max, self.factor_min = float(factor_max), float(factor_min)
