@@ -1,26 +1,30 @@
-"""Compressed adaptive optimizers on the transformer task: dense Adam(W), Compressed(AdamW,
-topk 1%), 1-bit Adam, 0/1 Adam, 1-bit LAMB and LAMB.
+"""Compressed adaptive optimizers on the transformer task: AdamW (dense), Compressed(AdamW,
+topk 1%), 1-bit Adam, 0/1 Adam, 1-bit LAMB and LAMB (dense) (docs/adaptive.md).
 
 Two parts, both on ``modadd`` (modular addition, no file) with the ``transformer`` model:
 
-1. **Accuracy and bytes** (``--part accuracy``): 4 workers on threads (``gradzip.simulate``;
-   the numbers are those of gloo), 3 seeds, the same learning rate schedule-free setup for
-   every method; final test loss / accuracy (mean over seeds, workers' average model) and
-   the bytes each worker put on the wire.
-2. **Time per step** (``--part speed``, needs root): the same methods as real gloo processes
-   in network namespaces with 1 Gbit/s tc-shaped links (``gradzip.bench.emulated``), the
-   compressed stage measured (warm-ups set to 0 steps: 1-bit Adam / LAMB compress from step
-   1, 0/1 Adam runs its local-step phase; the emulated bench feeds synthetic flat inputs, which the
-   transformer reads as token ids in ``[0, 10)``).
+1. **Accuracy and bytes** (``--part accuracy``): every (method, seed) run is 4 workers on
+   threads (``gradzip.simulate``; the numbers are those of gloo), one torch thread; runs go
+   ``--jobs`` at a time in separate processes. Final test loss / accuracy of the workers'
+   average model (mean and per seed) and the bytes each worker put on the wire.
+2. **Time per step** (``--part speed``, needs root): the same six methods as real gloo
+   processes in network namespaces with 1 Gbit/s tc-shaped links
+   (``gradzip.bench.emulated``, lr 1e-3), the compressed stage measured (the warm-ups
+   cover the 2 unmeasured steps: 1-bit Adam / LAMB compress from step 3, 0/1 Adam runs its
+   local-step phase, syncing every step as its I_u starts at 1; ε 1e-3); ms/step and the ratio to AdamW (dense) side by side in one run. The emulated bench
+   feeds synthetic inputs, which the transformer reads as token ids in ``[0, 10)``.
 
-Compressed(inner) and LAMB come from ``gradzip.optim`` (another branch builds them): rows whose
-class is missing are left out and the output says so. "Adam (dense)" is 1-bit Adam with the
-identity codec and its warm-up longer than the run (Adam without bias correction, decoupled
-weight decay; the spec's test limit), "AdamW (dense)" is ``torch.optim.AdamW`` behind
-Compressed(none) where Compressed exists.
+The methods' exchange is main's: CAR = PSync with the two-phase transport
+(``transport="auto"`` means that for 1-bit Adam / 0/1 Adam / 1-bit LAMB). "AdamW (dense)"
+is ``torch.optim.AdamW`` in ``Compressed(none)`` (DDP + AdamW, bias-corrected), "LAMB
+(dense)" is ``gradzip.optim.LAMB`` in ``Compressed(none)``.
 
-    python -m benchmarks.adaptive --part accuracy --write
-    python -m benchmarks.adaptive --part speed --write       # root: network namespaces
+Every part writes a JSON file (``--json``); ``--from FILE --write`` turns one into the
+docs' section without running anything::
+
+    python -m benchmarks.adaptive --part accuracy --jobs 16 --json runs/adaptive.json --write
+    python -m benchmarks.adaptive --part speed --json runs/adaptive-speed.json --write   # root
+    python -m benchmarks.adaptive --from runs/adaptive.json --write
 """
 from __future__ import annotations
 
@@ -28,51 +32,61 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.docs_section import replace_section
+from benchmarks import grid
+from benchmarks.docs_section import DOC, replace_section
 
-import gradzip  # noqa: E402
-from gradzip.bench import emulated  # noqa: E402
-from gradzip.train import datasets, models  # noqa: E402
+import gradzip
+from gradzip.bench import emulated
+from gradzip.train import datasets, models
 
+ADAPTIVE_DOC = DOC.parent / "adaptive.md"
+BETAS = (0.9, 0.98)
+TITLES = {"accuracy": "Adaptive optimizers on the transformer task",
+          "speed": "Adaptive optimizers: time per step on 1 Gbit/s links"}
 
-def methods(args, steps: int) -> dict:
-    """label -> factory(params, comm) (None where the class is not in gradzip.optim)."""
-    o = gradzip.optim
-    lr, wd, betas = args.lr, args.weight_decay, (0.9, 0.98)
-    freeze = max(1, int(args.freeze_fraction * steps))
-    compressed, lamb = getattr(o, "Compressed", None), getattr(o, "LAMB", None)
-    out = {
-        "Adam (dense, = 1-bit Adam's warm-up)": lambda p, c: o.OneBitAdam(
-            p, lr, betas=betas, weight_decay=wd, compressor="none", freeze_step=steps + 1, comm=c),
-        "AdamW (dense)": None if compressed is None else lambda p, c: compressed(
-            torch.optim.AdamW(p, lr, betas=betas, weight_decay=wd), compressor="none", comm=c),
-        "Compressed(AdamW, topk 1%)": None if compressed is None else lambda p, c: compressed(
-            torch.optim.AdamW(p, lr, betas=betas, weight_decay=wd), compressor="topk:ratio=0.01", comm=c),
-        f"1-bit Adam (T_w {freeze})": lambda p, c: o.OneBitAdam(
-            p, lr, betas=betas, weight_decay=wd, freeze_step=freeze, comm=c),
-        "0/1 Adam": lambda p, c: o.ZeroOneAdam(
-            p, lr, betas=betas, weight_decay=wd, var_freeze_step=freeze, comm=c),
-        f"1-bit LAMB (T_w {freeze})": lambda p, c: o.OneBitLAMB(
-            p, args.lamb_lr, betas=betas, weight_decay=wd, freeze_step=freeze, comm=c),
-        "LAMB (dense)": None if (compressed is None or lamb is None) else lambda p, c: compressed(
-            lamb(p, args.lamb_lr, betas=betas, weight_decay=wd), compressor="none", comm=c),
-    }
-    return out
+#: key -> (label, CLI algo, codec of the CLI algo) for the speed part; the order of the tables
+METHODS = {
+    "adamw": ("AdamW (dense)", "adamw", None),
+    "adamw-topk": ("Compressed(AdamW, topk 1%)", "adamw", "topk:ratio=0.01"),
+    "onebitadam": ("1-bit Adam", "onebitadam", None),
+    "zerooneadam": ("0/1 Adam", "zerooneadam", None),
+    "onebitlamb": ("1-bit LAMB", "onebitlamb", None),
+    "lamb": ("LAMB (dense)", "lamb", None),
+}
 
 
-def train(comm, make, ds, args, seed: int) -> dict:
-    """One run on this worker: ``args.epochs`` epochs, then the workers' average model
-    evaluated on the test split (replicas of 0/1 Adam differ between syncs)."""
-    model = models.build(args.model, ds.input_shape, ds.num_classes, seed=seed)
-    opt = make(list(model.parameters()), comm)
-    per_step = args.batch_size
+def make_optimizer(key: str, params, comm, s: dict, steps: int):
+    """The method ``key`` with the settings ``s`` (a run's of ``steps`` steps)."""
+    o, lr, wd = gradzip.optim, s["lr"], s["weight_decay"]
+    freeze = max(1, int(s["freeze_fraction"] * steps))
+    if key == "adamw":
+        return o.Compressed(torch.optim.AdamW(params, lr, betas=BETAS, weight_decay=wd), compressor="none", comm=comm)
+    if key == "adamw-topk":
+        return o.Compressed(torch.optim.AdamW(params, lr, betas=BETAS, weight_decay=wd),
+                            compressor="topk:ratio=0.01", comm=comm)
+    if key == "onebitadam":
+        return o.OneBitAdam(params, lr, betas=BETAS, weight_decay=wd, freeze_step=freeze, comm=comm)
+    if key == "zerooneadam":
+        return o.ZeroOneAdam(params, lr, betas=BETAS, weight_decay=wd, var_freeze_step=freeze, comm=comm)
+    if key == "onebitlamb":
+        return o.OneBitLAMB(params, s["lamb_lr"], betas=BETAS, weight_decay=wd, freeze_step=freeze, comm=comm)
+    if key == "lamb":
+        return o.Compressed(o.LAMB(params, s["lamb_lr"], betas=BETAS, weight_decay=wd), compressor="none", comm=comm)
+    raise ValueError(key)
+
+
+def train(comm, key: str, ds, s: dict, seed: int) -> dict:
+    """One run on this worker: ``s["epochs"]`` epochs, then the workers' average model
+    evaluated on both splits (replicas of 0/1 Adam differ between syncs)."""
+    model = models.build(s["model"], ds.input_shape, ds.num_classes, seed=seed)
+    per_step = s["batch_size"]
     steps_per_epoch = len(ds.train_x) // comm.world_size // per_step
-    for epoch in range(args.epochs):
+    opt = make_optimizer(key, list(model.parameters()), comm, s, s["epochs"] * steps_per_epoch)
+    for epoch in range(s["epochs"]):
         order = datasets.shard(len(ds.train_x), comm.rank, comm.world_size, epoch, seed)
         for b in range(steps_per_epoch):
             idx = order[b * per_step:(b + 1) * per_step]
@@ -84,93 +98,142 @@ def train(comm, make, ds, args, seed: int) -> dict:
         for p in model.parameters():
             p.copy_(comm.allreduce(p.detach().clone()) / comm.world_size)
         out = model(ds.test_x)
-        loss = F.cross_entropy(out, ds.test_y).item()
-        acc = (out.argmax(1) == ds.test_y).float().mean().item()
-    return {"loss": loss, "acc": acc, "bytes": sent, "steps": args.epochs * steps_per_epoch}
+        train_acc = (model(ds.train_x).argmax(1) == ds.train_y).float().mean().item()
+    return {"loss": F.cross_entropy(out, ds.test_y).item(), "acc": (out.argmax(1) == ds.test_y).float().mean().item(),
+            "train_acc": train_acc, "bytes": sent, "steps": s["epochs"] * steps_per_epoch}
 
 
-def accuracy_part(args) -> str:
-    ds = datasets.load(args.dataset)
-    steps = args.epochs * (len(ds.train_x) // args.workers // args.batch_size)
-    table, missing = [], []
+def run_one(task: tuple[str, int, dict]) -> dict:
+    """One (method, seed) run of the accuracy part: ``s["workers"]`` workers on threads."""
+    key, seed, s = task
+    ds = datasets.load(s["dataset"])
     began = time.perf_counter()
-    for label, make in methods(args, steps).items():
-        if make is None:
-            missing.append(label)
+    out = gradzip.simulate(s["workers"], lambda comm: train(comm, key, ds, s, seed))[0]
+    return {"method": key, "seed": seed, **out, "wall_s": time.perf_counter() - began}
+
+
+def accuracy_part(args, settings: dict) -> dict:
+    tasks = [(key, seed, settings) for key in args.methods for seed in range(args.first_seed, args.first_seed + args.seeds)]
+    began = time.perf_counter()
+
+    def report(task, r):
+        print(f"{METHODS[task[0]][0]} seed {task[1]}: test acc {r['acc']:.3f} loss {r['loss']:.3f} "
+              f"train acc {r['train_acc']:.3f} ({r['wall_s']:.0f} s)", flush=True)
+
+    runs = grid.run_grid(run_one, tasks, args.jobs, report)
+    return grid.save(args.json, settings, runs, began, part="accuracy", command=_command())
+
+
+def accuracy_table(res: dict) -> str:
+    s, runs = res["settings"], res["runs"]
+    steps = runs[0]["steps"] if runs else 0
+    rows = []
+    for key, (label, _, _) in METHODS.items():
+        mine = sorted((r for r in runs if r["method"] == key), key=lambda r: r["seed"])
+        if not mine:
             continue
-        runs = []
-        for seed in range(args.seeds):
-            runs.append(gradzip.simulate(args.workers, lambda comm: train(comm, make, ds, args, seed))[0])
-            print(f"{label} seed {seed}: {runs[-1]}", flush=True)
-        mean = lambda k: statistics.mean(r[k] for r in runs)
-        per_seed = " ".join(f"{r['acc']:.3f}" for r in runs)
-        table.append(f"| {label} | {mean('loss'):.3f} | {mean('acc'):.3f} | {per_seed} | {mean('bytes') / 1e6:.2f} |")
-    command = "python -m benchmarks.adaptive " + " ".join(sys.argv[1:])
-    text = (f"Command: `{command}` ({args.dataset}, {args.model}, {args.workers} workers on threads, "
-            f"{args.epochs} epochs = {steps} steps of batch {args.batch_size} per worker, lr {args.lr} "
-            f"(LAMB {args.lamb_lr}), weight decay {args.weight_decay}, betas (0.9, 0.98), seeds "
-            f"0..{args.seeds - 1}; {(time.perf_counter() - began) / 60:.1f} min). Test loss and accuracy of "
-            "the workers' average model after the last step, mean over seeds; MB = bytes this worker put "
-            "on the wire.\n\n| method | test loss | test acc | acc per seed | MB sent / worker |\n|---|---|---|---|---|\n"
-            + "\n".join(table) + "\n")
-    if missing:
-        text += f"\nNot in this build of gradzip.optim (left out): {', '.join(missing)}.\n"
-    return text
+        mean = lambda k: statistics.mean(r[k] for r in mine)   # noqa: E731
+        accs = [r["acc"] for r in mine]
+        rows.append(f"| {label} | {mean('loss'):.3f} | {mean('acc'):.3f} | {min(accs):.3f} | "
+                    f"{' '.join(f'{a:.3f}' for a in accs)} | {mean('train_acc'):.3f} | {mean('bytes') / 1e6:.2f} |")
+    seeds = sorted({r["seed"] for r in runs})
+    return (f"Command: `{res.get('command', '')}` ({s['dataset']}, {s['model']}, {s['workers']} workers on threads "
+            f"per run, {s['epochs']} epochs = {steps} steps of batch {s['batch_size']} per worker, lr {s['lr']} "
+            f"(LAMB {s['lamb_lr']}), weight decay {s['weight_decay']}, betas {BETAS}, warm-ups (T_w, 0/1 Adam's "
+            f"T_v) {s['freeze_fraction']:.0%} of the steps, seeds {', '.join(map(str, seeds))}; "
+            f"{res['wall_s'] / 60:.1f} min wall). Test loss and accuracy of the workers' average model after the "
+            "last step (mean over seeds, and the worst seed); MB = bytes one worker put on the wire.\n\n"
+            "| method | test loss | test acc | worst seed | acc per seed | train acc | MB sent / worker |\n"
+            "|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
 
-def speed_part(args) -> str:
-    algos = {"onebitadam": {"freeze_step": 0}, "zerooneadam": {"var_freeze_step": 0},
-             "onebitlamb": {"freeze_step": 0}, "ssgd": {}}
+def speed_part(args, settings: dict) -> dict:
+    chosen = {key: METHODS[key] for key in args.methods}
+    # the dense warm-up covers the bench's 2 unmeasured steps (from v = 0 the first compressed
+    # step divides by ε alone and overflows), ε 1e-3 for the coordinates v leaves at 0
+    own = {"onebitadam": {"freeze_step": 2, "eps": 1e-3}, "zerooneadam": {"var_freeze_step": 2, "eps": 1e-3},
+           "onebitlamb": {"freeze_step": 2, "eps": 1e-3}}
 
     class AdaptiveNetBench(emulated.NetBench):
         def configs(self, n):
             cfgs = super().configs(n)
-            for cfg in cfgs:   # the methods' own options (bench net passes only a codec)
-                cfg["options"] = {**cfg["options"], **algos.get(cfg["algo"], {})}
-                if cfg["algo"] != "ssgd":
-                    cfg["momentum"] = 0.0
+            for cfg in cfgs:   # the methods' own options (bench net passes only a codec); β1 is their momentum
+                cfg["options"] = {**cfg["options"], **own.get(cfg["algo"], {})}
+                cfg["momentum"], cfg["lr"] = 0.0, 1e-3
             return cfgs
 
+    began = time.perf_counter()
     bench = AdaptiveNetBench(workers=[args.workers], bandwidths=[1e9], latencies=[0.0],
-                             algos=[(a, None) for a in algos], model=args.model, shape="2",
-                             batch_size=args.batch_size, steps=args.speed_steps, warmup=2,
-                             out=args.out)
-    results = bench.run(command="python -m benchmarks.adaptive --part speed")
-    lines = ["| method | ms/step | compute | compress | communicate | MB sent / worker / step |", "|---|---|---|---|---|---|"]
+                             algos=[(algo, codec) for _, algo, codec in chosen.values()], model=args.model, shape="2",
+                             batch_size=args.batch_size, steps=args.speed_steps, warmup=2, out=args.out)
+    results = bench.run(command=_command())
+    runs = []
     for rec in results["records"]:
-        for r in rec["runs"]:
-            lines.append(f"| {r['method']} | {1e3 * r['iteration_s']:.1f} | {1e3 * r['compute_s']:.1f} | "
-                         f"{1e3 * r['compress_s']:.1f} | {1e3 * r['communicate_s']:.1f} | "
-                         f"{r['bytes_per_step'] / 1e6:.3f} |")
-    return (f"{args.workers} gloo workers in network namespaces, 1 Gbit/s links, {args.model}, batch "
-            f"{args.batch_size}, {args.speed_steps} measured steps after 2, compressed stages from step 1 "
-            "(Compressed(AdamW) and LAMB are not CLI methods: not measured here).\n\n" + "\n".join(lines) + "\n")
+        for (key, _), r in zip(chosen.items(), rec["runs"]):   # the runs come in the order of the algos
+            runs.append({"method": key, "bench_label": r["method"], "iteration_s": r["iteration_s"],
+                         "compute_s": r["compute_s"], "compress_s": r["compress_s"],
+                         "communicate_s": r["communicate_s"], "bytes_per_step": r["bytes_per_step"]})
+    return grid.save(args.json, settings, runs, began, part="speed", command=_command())
+
+
+def speed_table(res: dict) -> str:
+    s, runs = res["settings"], res["runs"]
+    base = next((r["iteration_s"] for r in runs if r["method"] == "adamw"), None)
+    lines = ["| method | ms/step | × AdamW (dense) | compute | compress | communicate | MB sent / worker / step |",
+             "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        ratio = f"{r['iteration_s'] / base:.2f}" if base else "-"
+        lines.append(f"| {METHODS[r['method']][0]} | {1e3 * r['iteration_s']:.1f} | {ratio} | {1e3 * r['compute_s']:.1f} | "
+                     f"{1e3 * r['compress_s']:.1f} | {1e3 * r['communicate_s']:.1f} | {r['bytes_per_step'] / 1e6:.3f} |")
+    return (f"Command: `{res.get('command', '')}`: {s['workers']} gloo workers in network namespaces, 1 Gbit/s links, "
+            f"{s['model']}, batch {s['batch_size']}, lr 1e-3, {s['speed_steps']} measured steps after 2 dense "
+            "warm-up steps, compressed stages from step 3 (ε 1e-3; 0/1 Adam: its local-step phase with I_u = 1, a sync every step); times in ms per step "
+            "(compute / compress / communicate: the mean over steps of each phase); MB / step: the optimizer's "
+            "bytes over all steps, the 2 dense warm-up steps included (the compressed stage alone sends less).\n\n" + "\n".join(lines) + "\n")
+
+
+def _command() -> str:
+    return "python -m benchmarks.adaptive " + " ".join(sys.argv[1:])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=["accuracy", "speed"], default="accuracy")
-    ap.add_argument("--dataset", default="modadd:p=97,train=0.5")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of: " + ", ".join(METHODS))
+    ap.add_argument("--dataset", default="modadd:p=31,train=0.9")
     ap.add_argument("--model", default="transformer")
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--epochs", type=int, default=40)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--epochs", type=int, default=60)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--lamb-lr", type=float, default=1e-2)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--weight-decay", type=float, default=1.0)
     ap.add_argument("--freeze-fraction", type=float, default=0.2, help="warm-up steps / all steps")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=1, help="(method, seed) runs in parallel processes")
     ap.add_argument("--speed-steps", type=int, default=10)
-    ap.add_argument("--out", default="runs/adaptive-net")
+    ap.add_argument("--out", default="runs/adaptive-net", help="the speed part's per-rank files")
+    ap.add_argument("--json", default=None, help="results file (default runs/adaptive-<part>.json)")
+    ap.add_argument("--from", dest="source", help="tabulate an earlier results file, run nothing")
     ap.add_argument("--write", action="store_true", help="update docs/adaptive.md")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    text = accuracy_part(args) if args.part == "accuracy" else speed_part(args)
+    if args.source:
+        res = grid.load(args.source)
+    else:
+        args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in args.methods if m not in METHODS]
+        if unknown:
+            ap.error(f"unknown --methods {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+        args.json = args.json or f"runs/adaptive-{args.part}.json"
+        torch.set_num_threads(1)
+        settings = {k: v for k, v in vars(args).items() if k not in ("source", "write", "json", "out", "jobs")}
+        res = (accuracy_part if args.part == "accuracy" else speed_part)(args, settings)
+        print(f"results: {args.json}")
+    text = accuracy_table(res) if res["part"] == "accuracy" else speed_table(res)
     print(text)
     if args.write:
-        title = ("Adaptive optimizers on the transformer task" if args.part == "accuracy"
-                 else "Adaptive optimizers: time per step on 1 Gbit/s links")
-        replace_section(title, text, doc=Path(__file__).resolve().parents[1] / "docs/adaptive.md")
+        replace_section(TITLES[res["part"]], text, doc=ADAPTIVE_DOC)
 
 
 if __name__ == "__main__":

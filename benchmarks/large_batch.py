@@ -10,13 +10,17 @@ batch ``workers × per-worker batch``, the same epochs and seed; the learning ra
 scaled methods is tuned for a global batch of ``--base-batch``. Sharpness:
 :func:`gradzip.sharpness` at ``--rho`` on 512 training samples (larger = sharper).
 
-    python -m benchmarks.large_batch --epochs 10 --write
+    python -m benchmarks.large_batch --epochs 10 --seeds 3 --jobs 16 --write
+    python -m benchmarks.large_batch --from runs/large_batch.json --write    # tables only
 """
 from __future__ import annotations
 
 import argparse
+import statistics
+import sys
 import time
 
+from benchmarks import grid
 from benchmarks.docs_section import replace_section, DOC
 
 import gradzip
@@ -41,6 +45,39 @@ def configs(args, per_worker: int) -> list[RunConfig]:
     ]
 
 
+def run_one(task: tuple[dict, int, int, int]) -> dict:
+    """One (global batch, method, seed) run: ``workers`` workers on threads."""
+    settings, per_worker, index, seed = task
+    args = argparse.Namespace(**{**settings, "seed": seed})
+    cfg = configs(args, per_worker)[index]
+    began = time.perf_counter()
+    s = gradzip.simulate(settings["workers"], lambda comm: run_many(comm, [cfg]))[0][0]["summary"]
+    return {"global_batch": s["global_batch"], "method": s["algo"], "index": index, "seed": seed,
+            "final_acc": s["final_test_accuracy"], "best_acc": s["best_test_accuracy"], "sharpness": s["sharpness"],
+            "lr_peak": s["lr_peak"], "steps": s["steps"], "wall_s": time.perf_counter() - began}
+
+
+def table(res: dict) -> str:
+    """The docs' section from a results file: per (global batch, method) the mean over seeds."""
+    st, runs = res["settings"], res["runs"]
+    seeds = sorted({r["seed"] for r in runs})
+    lines = [f"| global batch | method | final acc | final acc per seed | best acc | sharpness (rho={st['rho']}) "
+             "| peak lr | steps |", "|---:|---|---:|---|---:|---:|---:|---:|"]
+    groups: dict = {}
+    for r in runs:
+        groups.setdefault((r["global_batch"], r["index"]), []).append(r)
+    for (b, _), rs in sorted(groups.items()):
+        rs.sort(key=lambda r: r["seed"])
+        mean = lambda k: statistics.mean(r[k] for r in rs)   # noqa: E731
+        per_seed = " ".join(f"{r['final_acc']:.3f}" for r in rs)
+        lines.append(f"| {b} | {rs[0]['method']} | {mean('final_acc'):.4f} | {per_seed} | {mean('best_acc'):.4f} | "
+                     f"{mean('sharpness'):.4f} | {rs[0]['lr_peak']:.4g} | {rs[0]['steps']} |")
+    return (f"digits, {st['model']}, {st['workers']} workers (threads) per run, {st['epochs']} epochs, momentum 0.9 "
+            f"(LAMB: betas 0.9/0.999), base batch {st['base_batch']}, warm-up {st['warmup_epochs']} epochs, seeds "
+            f"{', '.join(map(str, seeds))} (mean over seeds); {res['wall_s']:.0f} s wall in all.\n"
+            f"`{res.get('command', '')}`\n\n" + "\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=4)
@@ -55,28 +92,30 @@ def main() -> None:
     ap.add_argument("--warmup-epochs", type=float, default=2.0)
     ap.add_argument("--sam-rho", type=float, default=0.05)
     ap.add_argument("--rho", type=float, default=0.05, help="sharpness radius")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the first seed")
+    ap.add_argument("--seeds", type=int, default=1, help="seeds seed .. seed + seeds - 1")
+    ap.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (one torch thread each)")
+    ap.add_argument("--json", default="runs/large_batch.json", help="results file")
+    ap.add_argument("--from", dest="source", help="tabulate an earlier results file, run nothing")
     ap.add_argument("--write", action="store_true", help="write the table into docs/large_batch.md")
     args = ap.parse_args()
+    if args.source:
+        res = grid.load(args.source)
+    else:
+        settings = {k: v for k, v in vars(args).items() if k not in ("source", "write", "json", "jobs")}
+        n_methods = len(configs(args, args.per_worker[0]))
+        tasks = [(settings, pw, i, seed) for pw in args.per_worker for i in range(n_methods)
+                 for seed in range(args.seed, args.seed + args.seeds)]
+        began = time.perf_counter()
 
-    rows, began = [], time.perf_counter()
-    for per_worker in args.per_worker:
-        cfgs = configs(args, per_worker)
-        for run in gradzip.simulate(args.workers, lambda comm: run_many(comm, cfgs))[0]:
-            s = run["summary"]
-            rows.append((s["global_batch"], s["algo"], s["final_test_accuracy"], s["best_test_accuracy"],
-                         s["sharpness"], s["lr_peak"], s["steps"]))
-            print(f"B={s['global_batch']:5d} {s['algo']:55s} acc {s['final_test_accuracy']:.4f} "
-                  f"sharpness {s['sharpness']:.4f} peak lr {s['lr_peak']:.4g} steps {s['steps']}", flush=True)
-    wall = time.perf_counter() - began
-    table = ["| global batch | method | final acc | best acc | sharpness (rho={}) | peak lr | steps |".format(args.rho),
-             "|---:|---|---:|---:|---:|---:|---:|"]
-    table += [f"| {b} | {m} | {a:.4f} | {best:.4f} | {sh:.4f} | {lr:.4g} | {st} |" for b, m, a, best, sh, lr, st in rows]
-    body = (f"digits, {args.model}, {args.workers} workers (threads), {args.epochs} epochs, momentum 0.9 (LAMB: "
-            f"betas 0.9/0.999), base batch {args.base_batch}, warm-up {args.warmup_epochs} epochs, seed {args.seed}; "
-            f"{wall:.0f} s in all.\n`python -m benchmarks.large_batch " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("write", "per_worker"))
-            + f" --per-worker {' '.join(map(str, args.per_worker))}`\n\n" + "\n".join(table))
+        def report(task, r):
+            print(f"B={r['global_batch']:5d} {r['method']:55s} seed {r['seed']} acc {r['final_acc']:.4f} "
+                  f"sharpness {r['sharpness']:.4f} peak lr {r['lr_peak']:.4g} steps {r['steps']}", flush=True)
+
+        runs = grid.run_grid(run_one, tasks, args.jobs, report)
+        res = grid.save(args.json, settings, runs, began, command="python -m benchmarks.large_batch " + " ".join(sys.argv[1:]))
+        print(f"results: {args.json}")
+    body = table(res)
     print(body)
     if args.write:
         replace_section("Measured: accuracy and sharpness against the global batch", body, LARGE_BATCH_DOC)

@@ -119,11 +119,17 @@ def car(ys, es, codec, server=None):
         [[p - c for p, c in zip(pj, cj)] for pj, cj in zip(ps, sent)]
 
 
-def adam_dir(m, v, x, wd):
-    return m / (v.sqrt() + EPS) + wd * x
+def adam_dir(m, v, x, wd, c=(1.0, 1.0)):
+    """``m̂/(√v̂+ε) + λ·x`` with ``m̂ = m/c[0]``, ``v̂ = v/c[1]`` (bias correction; (1, 1): none)."""
+    return (m / c[0]) / ((v / c[1]).sqrt() + EPS) + wd * x
 
 
-def ref_onebit_adam(n, steps, T_w, wd, codec, transport="twophase"):
+def corr(bc, t, n_v):
+    """``(1−β1^t, 1−β2^n_v)`` with bias correction (``bc``), else (1, 1); n_v = 0: v = 0."""
+    return (1 - B1 ** t, 1 - B2 ** n_v if n_v else 1.0) if bc else (1.0, 1.0)
+
+
+def ref_onebit_adam(n, steps, T_w, wd, codec, transport="twophase", bc=False):
     server = {} if transport == "twophase" else None
     L = len(SHAPES)
     x = [inits() for _ in range(n)]
@@ -144,11 +150,11 @@ def ref_onebit_adam(n, steps, T_w, wd, codec, transport="twophase"):
             m, e = car(local, e, codec, server)
         for j in range(n):
             for l in range(L):
-                x[j][l] = x[j][l] - LR * adam_dir(m[j][l], v[l], x[j][l], wd)
+                x[j][l] = x[j][l] - LR * adam_dir(m[j][l], v[l], x[j][l], wd, corr(bc, t, min(t, T_w)))
     return x
 
 
-def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twophase"):
+def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twophase", bc=False):
     server = {} if transport == "twophase" else None
     L = len(SHAPES)
     x = [inits() for _ in range(n)]
@@ -158,6 +164,7 @@ def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twoph
     u = [[torch.zeros(s) for s in SHAPES] for _ in range(n)]
     lr_sum, x_sync = 0.0, None
     I_v, c_v, I_u, c_u = 1, 0, 1, 0
+    n_v = 0   # v's updates (bias correction)
     for t in range(1, steps + 1):
         g = [[grad(t, j, l) for l in range(L)] for j in range(n)]
         if t <= T_v:
@@ -166,6 +173,7 @@ def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twoph
                 ghat = [gbar for _ in range(n)]
                 for l in range(L):
                     v[l] = B2 * v[l] + (1 - B2) * gbar[l] * gbar[l]
+                n_v += 1
                 c_v += 1
                 if c_v == kappa:
                     c_v, I_v = 0, 2 * I_v
@@ -174,7 +182,7 @@ def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twoph
             for j in range(n):
                 for l in range(L):
                     m[j][l] = B1 * m[j][l] + (1 - B1) * ghat[j][l]
-                    x[j][l] = x[j][l] - LR * adam_dir(m[j][l], v[l], x[j][l], wd)
+                    x[j][l] = x[j][l] - LR * adam_dir(m[j][l], v[l], x[j][l], wd, corr(bc, t, n_v))
             if t == T_v:   # both errors reset, once
                 e = [[None] * L for _ in range(n)]
                 if server is not None:
@@ -185,17 +193,18 @@ def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twoph
         for j in range(n):
             for l in range(L):
                 m[j][l] = B1 * m[j][l] + (1 - B1) * g[j][l]
-                d = adam_dir(m[j][l], v[l], x[j][l], wd)
+                d = adam_dir(m[j][l], v[l], x[j][l], wd, corr(bc, t, n_v))
                 x[j][l] = x[j][l] - LR * d
                 u[j][l] = u[j][l] - LR * d
         lr_sum += LR
         if (t - T_v) % I_u == 0:
-            w = [[u[j][l] * (v[l].sqrt() + EPS) for l in range(L)] for j in range(n)]
+            c1, c2 = corr(bc, t, n_v)
+            w = [[u[j][l] * ((v[l] / c2).sqrt() + EPS) for l in range(L)] for j in range(n)]
             wbar, e = car(w, e, codec, server)
             for j in range(n):
                 for l in range(L):
-                    m[j][l] = -wbar[j][l] / lr_sum
-                    x[j][l] = x_sync[j][l] + wbar[j][l] / (v[l].sqrt() + EPS)
+                    m[j][l] = -wbar[j][l] / lr_sum * c1
+                    x[j][l] = x_sync[j][l] + wbar[j][l] / ((v[l] / c2).sqrt() + EPS)
                     x_sync[j][l] = x[j][l].clone()
                     u[j][l] = torch.zeros(SHAPES[l])
             lr_sum = 0.0
@@ -206,7 +215,7 @@ def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twoph
 
 
 def ref_onebit_lamb(n, steps, T_w, wd, codec, min_c=0.01, max_c=10.0, beta_c=0.9, f_min=0.5, f_max=4.0, theta=0.1,
-                    transport="twophase"):
+                    transport="twophase", bc=False):
     server = {} if transport == "twophase" else None
     L = len(SHAPES)
     x = [inits() for _ in range(n)]
@@ -228,7 +237,7 @@ def ref_onebit_lamb(n, steps, T_w, wd, codec, min_c=0.01, max_c=10.0, beta_c=0.9
                     m[j][l] = B1 * m[j][l] + (1 - B1) * gbar[l]
                     if t == T_w:
                         vf[j][l] = v[l].clone()
-                    u = adam_dir(m[j][l], v[l], x[j][l], wd)
+                    u = adam_dir(m[j][l], v[l], x[j][l], wd, corr(bc, t, t))
                     xn, un = x[j][l].norm().item(), u.norm().item()
                     r = min(max(xn / un, min_c), max_c) if xn > 0 and un > 0 else 1.0
                     if r != 1.0 and j == 0:
@@ -248,9 +257,10 @@ def ref_onebit_lamb(n, steps, T_w, wd, codec, min_c=0.01, max_c=10.0, beta_c=0.9
             for l in range(L):
                 ghat = (m[j][l] - B1 * m_prev[j][l]) / (1 - B1)
                 vf[j][l] = B2 * vf[j][l] + (1 - B2) * ghat * ghat
-                u_p = m[j][l] / (v[l].sqrt() + EPS)
+                c1, c2 = corr(bc, t, T_w)
+                u_p = (m[j][l] / c1) / ((v[l] / c2).sqrt() + EPS)
                 u = u_p + wd * x[j][l]
-                f = ((v[l].sqrt() + EPS) / (vf[j][l].sqrt() + EPS)).max().item()
+                f = (((v[l] / c2).sqrt() + EPS) / ((vf[j][l] / corr(bc, t, t)[1]).sqrt() + EPS)).max().item()
                 if wd > 0:
                     q = min(1.0, u_p.norm().item() / u.norm().item())
                     f = f * q + (1 - q)
@@ -403,3 +413,51 @@ def test_betas_from_the_cli_string_and_lamb_zeroone_option_checks():
         OneBitLAMB([torch.nn.Parameter(torch.zeros(2))], lr=0.1, min_coeff=2.0, max_coeff=1.0)
     with pytest.raises(GradzipError, match="var_update_scaler"):
         ZeroOneAdam([torch.nn.Parameter(torch.zeros(2))], lr=0.1, var_update_scaler=0)
+
+
+# -- bias_correction (the spec's [choice] "an option may add it") --------------------------
+
+@pytest.mark.parametrize("cls, options", [
+    (OneBitAdam, dict(freeze_step=100)),
+    (ZeroOneAdam, dict(var_freeze_step=100, var_update_scaler=100)),   # every step a variance step
+])
+def test_bias_correction_in_the_dense_limit_is_torch_adamw(cls, options):
+    """With the identity codec and no freeze, bias-corrected 1-bit Adam / 0/1 Adam on 3
+    workers is ``torch.optim.AdamW`` on the mean gradient (ε outside the root, decoupled
+    decay: torch's own AdamW is the reference)."""
+    outs = run(cls, 3, 6, dict(compressor="none", weight_decay=0.05, bias_correction=True, **options))
+    params = [torch.nn.Parameter(t) for t in inits()]
+    adamw = torch.optim.AdamW(params, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=0.05)
+    for t in range(1, 7):
+        for layer, p in enumerate(params):
+            p.grad = sum(grad(t, j, layer) for j in range(3)) / 3
+        adamw.step()
+    assert_matches(outs, [[p.detach() for p in params]] * 3)
+    # and without it (the default), the numbers differ: the option is not a no-op
+    plain = run(cls, 3, 6, dict(compressor="none", weight_decay=0.05, **options))
+    assert not torch.allclose(plain[0][0][0], params[0].detach(), atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_bias_corrected_boxes_past_their_freeze(n):
+    """Past the warm-up / variance phase: v̂ keeps the correction of its last update,
+    m̂ = m/(1−β1^t) goes on; 0/1 Adam's sync stores m uncorrected; 1-bit LAMB's v_f has its
+    own count t. Each against its box with the corrections (the references above, bc=True)."""
+    codec, wd = "scaled_sign:scale=rms", 0.1
+    outs = run(OneBitAdam, n, 7, dict(freeze_step=3, compressor=codec, weight_decay=wd, bias_correction=True))
+    assert_matches(outs, ref_onebit_adam(n, 7, 3, wd, codec, bc=True))
+    opts = dict(var_freeze_step=10, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+    outs = run(ZeroOneAdam, n, 22, dict(compressor=codec, weight_decay=wd, bias_correction=True, **opts))
+    assert_matches(outs, ref_zeroone_adam(n, 22, 10, 2, 2, 4, wd, codec, bc=True))
+    outs = run(OneBitLAMB, n, 8, dict(freeze_step=3, compressor=codec, weight_decay=wd, bias_correction=True))
+    assert_matches(outs, ref_onebit_lamb(n, 8, 3, wd, codec, bc=True))
+
+
+def test_bias_correction_is_checked_and_resumes_exactly():
+    with pytest.raises(GradzipError, match="bias_correction must be True or False"):
+        OneBitAdam([torch.nn.Parameter(torch.zeros(2))], lr=0.1, bias_correction="yes")
+    opts = dict(var_freeze_step=4, var_update_scaler=2, bias_correction=True)
+    whole, cut = run(ZeroOneAdam, 2, 9, opts), run(ZeroOneAdam, 2, 9, opts, save_at=6)
+    for (a, _), (b, _) in zip(whole, cut):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)

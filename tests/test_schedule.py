@@ -75,3 +75,17 @@ def test_cli_large_batch_flags(tmp_path):
     assert summary["lr_peak"] == pytest.approx(0.01 * 2 ** 0.5) and summary["sam_rho"] == 0.05
     assert summary["final_test_accuracy"] > 0.5
     assert main(["train", "--warmup-epochs", "1", "--quiet"]) == 2   # a warm-up needs a scaling
+
+
+def test_dgc_lr_warmup_and_the_large_batch_warmup_are_not_stacked():
+    """DGC's ``lr_warmup_steps`` multiplies the rate the loop sets: with ``--warmup-epochs``
+    too the two ramps would multiply (a quadratic ramp nobody asked for): refused, naming
+    the fix; with ``--lr-scaling`` alone DGC's ramp climbs to the scaled rate (accepted)."""
+    from gradzip.train.config import RunConfig, check_large_batch
+    both = RunConfig(algo="dgc", options={"lr_warmup_steps": 5}, lr_scaling="linear", warmup_epochs=1.0)
+    with pytest.raises(GradzipError) as exc:
+        check_large_batch(both)
+    text = str(exc.value)
+    assert "--lr-warmup-steps" in text and "--warmup-epochs" in text and "\n" not in text
+    check_large_batch(RunConfig(algo="dgc", options={"lr_warmup_steps": 5}, lr_scaling="linear"))
+    check_large_batch(RunConfig(algo="dgc", options={"lr_warmup_steps": 0}, lr_scaling="linear", warmup_epochs=1.0))

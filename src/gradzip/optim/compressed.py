@@ -29,6 +29,7 @@ from ..validation import is_real, require
 from .base import DistributedOptimizer
 from .lamb import LAMB
 from .lars import LARS
+from .options import no_momentum, parse_betas
 from .overlap import GradientExchange
 
 
@@ -145,35 +146,40 @@ class LARSMethod(Compressed):
 
 class LAMBMethod(Compressed):
     """``--algo lamb``: :class:`~gradzip.optim.LAMB` in :class:`Compressed` (``momentum``
-    of the common options must stay 0: LAMB's are ``beta1``/``beta2``)."""
+    of the common options must stay 0: LAMB's are ``betas``, ``--betas 0.9,0.999`` or
+    ``--beta1 --beta2``)."""
 
     @classmethod
     def default_lr(cls, options: dict) -> float:
         return 1e-3   # the step is lr·‖w‖ per tensor (trust ratio), Adam-sized
 
     def __init__(self, params, lr: float, *, momentum: float = 0.0, nesterov: bool = False,
-                 weight_decay: float = 0.0, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-6,
+                 weight_decay: float = 0.0, betas: "tuple[float, float] | str | None" = None,
+                 beta1: float | None = None, beta2: float | None = None, eps: float = 1e-6,
                  exclude_1d: bool = True, compressor: str = "none", error_feedback: bool | None = None, **common):
-        _no_momentum(type(self).__name__, momentum, nesterov)
-        inner = LAMB(params, lr, betas=_betas(type(self).__name__, beta1, beta2), eps=eps,
+        name = type(self).__name__
+        no_momentum(name, momentum, nesterov)
+        inner = LAMB(params, lr, betas=parse_betas(name, betas, beta1=beta1, beta2=beta2), eps=eps,
                      weight_decay=weight_decay, exclude_1d=exclude_1d)
         super().__init__(inner, compressor=compressor, error_feedback=error_feedback, **common)
 
 
 class AdamWMethod(Compressed):
     """``--algo adamw``: ``torch.optim.AdamW`` in :class:`Compressed` (decoupled weight
-    decay from the common options; ``momentum`` must stay 0: AdamW's are ``beta1``/``beta2``)."""
+    decay from the common options; ``momentum`` must stay 0: AdamW's are ``betas``, ``--betas
+    0.9,0.999`` or ``--beta1 --beta2``)."""
 
     @classmethod
     def default_lr(cls, options: dict) -> float:
         return 1e-3   # AdamW's own default
 
     def __init__(self, params, lr: float, *, momentum: float = 0.0, nesterov: bool = False,
-                 weight_decay: float = 0.0, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                 weight_decay: float = 0.0, betas: "tuple[float, float] | str | None" = None,
+                 beta1: float | None = None, beta2: float | None = None, eps: float = 1e-8,
                  compressor: str = "none", error_feedback: bool | None = None, **common):
         name = type(self).__name__
-        _no_momentum(name, momentum, nesterov)
-        betas = _betas(name, beta1, beta2)
+        no_momentum(name, momentum, nesterov)
+        betas = parse_betas(name, betas, beta1=beta1, beta2=beta2)
         require(is_real(lr) and 0 <= lr <= 3.4e38, name, f"lr must be a finite number >= 0, got {lr!r}")
         require(is_real(eps) and 0 <= eps <= 1.0, name, f"eps must be a number in [0, 1], got {eps!r}")
         require(is_real(weight_decay) and 0 <= weight_decay <= 3.4e38, name,
@@ -182,14 +188,6 @@ class AdamWMethod(Compressed):
         super().__init__(inner, compressor=compressor, error_feedback=error_feedback, **common)
 
 
-def _no_momentum(name: str, momentum, nesterov) -> None:
-    require(is_real(momentum) and momentum == 0, name,
-            f"momentum is not an option of this optimizer (its moments are beta1, beta2), got {momentum!r}; "
-            "leave --momentum at 0")
-    _inner_options(name, momentum, nesterov)
-
-
 def _betas(name: str, beta1, beta2) -> tuple[float, float]:
-    for key, b in (("beta1", beta1), ("beta2", beta2)):
-        require(is_real(b) and 0 <= b < 1, name, f"{key} must be a number in [0, 1), got {b!r}")
-    return float(beta1), float(beta2)
+    """Alias of :func:`gradzip.optim.options.parse_betas` with ``beta1`` / ``beta2`` (kept for old callers)."""
+    return parse_betas(name, beta1=beta1, beta2=beta2)

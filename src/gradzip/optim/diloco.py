@@ -53,7 +53,7 @@ from ..nonfinite import NonFiniteAggregate
 from ..trace import maybe_span
 from ..validation import is_int, is_real, require
 from .base import DistributedOptimizer
-from .options import FLOAT32_MAX, check_hyperparameters
+from .options import FLOAT32_MAX, check_hyperparameters, no_momentum
 from .ratios import check_period
 
 
@@ -249,9 +249,8 @@ class DiLoCoMethod(DiLoCo):
         require(inner in self.INNER, name, f"inner must be one of {', '.join(self.INNER)}, got {inner!r}")
         require(inner_lr is None or (is_real(inner_lr) and 0 <= inner_lr <= FLOAT32_MAX), name,
                 f"inner_lr must be a finite number >= 0 (or None: lr), got {inner_lr!r}")
-        require(inner == "sgd" or (momentum == 0 and not nesterov), name,
-                f"momentum / nesterov apply to inner='sgd'; AdamW's moments are its betas: "
-                f"pass momentum=0 (got momentum={momentum!r}) or inner='sgd'")
+        if inner == "adamw":
+            no_momentum(name, momentum, nesterov, fix="; or pass inner='sgd' (AdamW's moments are its betas)")
         params = list(params)
         step = float(lr if inner_lr is None else inner_lr)
         if inner == "adamw":

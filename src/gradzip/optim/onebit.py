@@ -5,7 +5,13 @@ the network through a compressed allreduce with error feedback (docs/algorithms.
 What the three share (:class:`_CompressedAdaptive`):
 
 - **No bias correction, ε outside the root**: the update is ``m / (√v + ε)`` (DeepSpeed's
-  code, which ignores ``bias_correction``).
+  code, which ignores ``bias_correction``). ``bias_correction=True`` (the spec's [choice]
+  "an option may add it") divides as Adam does: ``m̂ = m/(1−β1^t)``, ``v̂ = v/(1−β2^n)``
+  with n the number of updates v has had, so once v is frozen its correction is frozen
+  with it (``1−β2^{T_w}``; 0/1 Adam: its count of variance steps) and only m's goes on
+  (→ 1). Every ``√v + ε`` of a box becomes ``√v̂ + ε`` (0/1 Adam's w, x and, for 1-bit
+  LAMB, v_f's with its own count t); where a box sets m from a corrected quantity (0/1
+  Adam's sync ``m ← −w̄/λ_Σ``) m is stored uncorrected, ``·(1−β1^t)``.
 - **Decoupled weight decay, never communicated** (except where 0/1 Adam's local steps fold
   it into the synchronised update, see :class:`ZeroOneAdam`): ``x ← x − η (m/(√v+ε) + λ·x)``.
 - **The codec**: any gradzip codec; the default is ``scaled_sign:scale=rms``, DeepSpeed's
@@ -37,22 +43,10 @@ from ..errors import GradzipError
 from ..nonfinite import NonFiniteAggregate
 from ..validation import is_int, is_real, require
 from .base import DistributedOptimizer
+from .options import no_momentum, parse_betas  # noqa: F401 (parse_betas: the old name's home)
 
 #: DeepSpeed's 1-bit codec: sign with the ℓ2-preserving scale.
 DEFAULT_CODEC = "scaled_sign:scale=rms"
-
-
-def parse_betas(where: str, betas) -> tuple[float, float]:
-    """``(β1, β2)`` from a pair of numbers or a string ``"0.9,0.999"`` (the CLI's form),
-    each in [0, 1)."""
-    if isinstance(betas, str):
-        try:
-            betas = tuple(float(b) for b in betas.split(","))
-        except ValueError:
-            betas = ()
-    ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(is_real(b) and 0 <= b < 1 for b in betas)
-    require(ok, where, f"betas must be two numbers in [0, 1) such as 0.9,0.999, got {betas!r}")
-    return float(betas[0]), float(betas[1])
 
 
 def _norm(t: torch.Tensor) -> float:
@@ -66,14 +60,15 @@ class _CompressedAdaptive(DistributedOptimizer):
     def default_lr(cls, options: dict) -> float:
         return 1e-3   # Adam's (Kingma & Ba); 0.1, momentum SGD's, diverges on digits
 
-    def __init__(self, params, lr, *, betas: "tuple[float, float] | str" = (0.9, 0.999), eps: float = 1e-8,
-                 compressor: str = DEFAULT_CODEC, **kwargs):
+    def __init__(self, params, lr, *, betas: "tuple[float, float] | str | None" = None, beta1: float | None = None,
+                 beta2: float | None = None, eps: float = 1e-8, compressor: str = DEFAULT_CODEC,
+                 bias_correction: bool = False, **kwargs):
         name = type(self).__name__
-        betas = parse_betas(name, betas)
+        betas = parse_betas(name, betas, beta1=beta1, beta2=beta2)
+        require(isinstance(bias_correction, bool), name, f"bias_correction must be True or False, got {bias_correction!r}")
+        self.bias_correction = bias_correction
         require(is_real(eps) and 0 <= eps < math.inf, name, f"eps must be a finite number >= 0, got {eps!r}")
-        if kwargs.get("momentum", 0.0) or kwargs.get("nesterov", False):
-            raise GradzipError(f"{name}: momentum is betas[0] in this method; leave momentum at 0 and "
-                               "nesterov off (CLI: drop --momentum / --nesterov, set --betas 0.9,0.999)")
+        no_momentum(name, kwargs.get("momentum", 0.0), kwargs.get("nesterov", False))
         super().__init__(params, lr, betas=betas, eps=float(eps), **kwargs)
         self.dense = self.make_psync("none", salt=0)          # ḡ = mean_j g_j
         # CAR: the two-phase compressed allreduce (worker error here, server error in the
@@ -115,10 +110,28 @@ class _CompressedAdaptive(DistributedOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
+    def _corrections(self, group: dict, v_updates: int) -> tuple[float, float]:
+        """``(1−β1^t, 1−β2^n)`` for m at this step and for a v updated ``n`` times, with
+        ``bias_correction`` (module docstring); ``(1, 1)`` without (or for n = 0: v = 0)."""
+        if not self.bias_correction:
+            return 1.0, 1.0
+        b1, b2 = group["betas"]
+        return 1 - b1 ** self.steps, (1 - b2 ** v_updates) if v_updates else 1.0
+
     @staticmethod
-    def _adam_direction(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor, group: dict) -> torch.Tensor:
-        """``m/(√v+ε) + λ·x`` (no bias correction, ε outside the root, decoupled decay)."""
-        d = m / (v.sqrt() + group["eps"])
+    def _denominator(v: torch.Tensor, group: dict, c2: float = 1.0) -> torch.Tensor:
+        """``√v̂ + ε``, ``v̂ = v / c2`` (c2 = 1: ``√v + ε``)."""
+        return (v.sqrt() if c2 == 1.0 else v.div(c2).sqrt_()).add_(group["eps"])
+
+    @staticmethod
+    def _adam_direction(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor, group: dict,
+                        c: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """``m̂/(√v̂+ε) + λ·x``, ``m̂ = m/c[0]``, ``v̂ = v/c[1]`` (:meth:`_corrections`; the
+        default (1, 1): no bias correction), ε outside the root, decoupled decay."""
+        if c == (1.0, 1.0):
+            d = m / (v.sqrt() + group["eps"])
+        else:
+            d = m.div(c[0]).div_(_CompressedAdaptive._denominator(v, group, c[1]))
         return d.add_(p, alpha=group["weight_decay"]) if group["weight_decay"] else d
 
     def _step(self, pairs: list, params: list) -> None:
@@ -173,11 +186,13 @@ class OneBitAdam(_CompressedAdaptive):
     at T_w. The worker error of the compressed stage is ``state[p]["worker_error"]``.
     """
 
-    def __init__(self, params, lr, *, freeze_step: int = 100000, betas: "tuple[float, float] | str" = (0.9, 0.999), eps: float = 1e-8,
-                 compressor: str = DEFAULT_CODEC, **kwargs):
+    def __init__(self, params, lr, *, freeze_step: int = 100000, betas: "tuple[float, float] | str | None" = None,
+                 beta1: float | None = None, beta2: float | None = None, eps: float = 1e-8,
+                 compressor: str = DEFAULT_CODEC, bias_correction: bool = False, **kwargs):
         require(is_int(freeze_step) and freeze_step >= 0, type(self).__name__,
                 f"freeze_step must be an integer >= 0, got {freeze_step!r}")
-        super().__init__(params, lr, betas=betas, eps=eps, compressor=compressor, **kwargs)
+        super().__init__(params, lr, betas=betas, beta1=beta1, beta2=beta2, eps=eps, compressor=compressor,
+                         bias_correction=bias_correction, **kwargs)
         self.freeze_step = freeze_step
 
     def _step(self, pairs, params):
@@ -188,7 +203,8 @@ class OneBitAdam(_CompressedAdaptive):
                 state, (b1, b2) = self._moments(p), group["betas"]
                 state["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
                 state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-                p.sub_(self._adam_direction(state["exp_avg"], state["exp_avg_sq"], p, group), alpha=group["lr"])
+                c = self._corrections(group, self.steps)
+                p.sub_(self._adam_direction(state["exp_avg"], state["exp_avg_sq"], p, group, c), alpha=group["lr"])
             return
         local = []
         for group, p in pairs:
@@ -200,7 +216,8 @@ class OneBitAdam(_CompressedAdaptive):
             state["exp_avg"] = m
             if e is not None:
                 state["worker_error"] = e
-            p.sub_(self._adam_direction(m, state["exp_avg_sq"], p, group), alpha=group["lr"])
+            c = self._corrections(group, self.freeze_step)
+            p.sub_(self._adam_direction(m, state["exp_avg_sq"], p, group, c), alpha=group["lr"])
 
     def metrics(self):
         return {"compressing": float(self.steps > self.freeze_step)}
@@ -236,20 +253,24 @@ class ZeroOneAdam(_CompressedAdaptive):
     replicas_differ = True
 
     def __init__(self, params, lr, *, var_freeze_step: int = 100000, var_update_scaler: int = 16,
-                 local_step_scaler: int = 32678, local_step_clipper: int = 16, betas: "tuple[float, float] | str" = (0.9, 0.999), eps: float = 1e-8,
-                 compressor: str = DEFAULT_CODEC, **kwargs):
+                 local_step_scaler: int = 32678, local_step_clipper: int = 16, betas: "tuple[float, float] | str | None" = None,
+                 beta1: float | None = None, beta2: float | None = None, eps: float = 1e-8,
+                 compressor: str = DEFAULT_CODEC, bias_correction: bool = False, **kwargs):
         name = type(self).__name__
         require(is_int(var_freeze_step) and var_freeze_step >= 0, name,
                 f"var_freeze_step must be an integer >= 0, got {var_freeze_step!r}")
         for key, value in (("var_update_scaler", var_update_scaler), ("local_step_scaler", local_step_scaler),
                            ("local_step_clipper", local_step_clipper)):
             require(is_int(value) and value >= 1, name, f"{key} must be an integer >= 1, got {value!r}")
-        super().__init__(params, lr, betas=betas, eps=eps, compressor=compressor, **kwargs)
+        super().__init__(params, lr, betas=betas, beta1=beta1, beta2=beta2, eps=eps, compressor=compressor,
+                         bias_correction=bias_correction, **kwargs)
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
         self._counters = {"var_interval": 1, "var_counter": 0, "local_interval": 1, "local_counter": 0}
+        if self.bias_correction:   # v's number of updates (only then in the schedule: old states load)
+            self._counters["var_updates"] = 0
 
     def _schedule(self):
         return self._counters
@@ -274,6 +295,8 @@ class ZeroOneAdam(_CompressedAdaptive):
         variance_step = self.steps % c["var_interval"] == 0
         if variance_step:
             grads = self._mean([p.grad for p in params], keys)
+            if self.bias_correction:
+                c["var_updates"] += 1
         else:
             grads, errors = self._car([p.grad for p in params],
                                       [self.state[p].get("worker_error") for p in params], keys)
@@ -285,7 +308,8 @@ class ZeroOneAdam(_CompressedAdaptive):
             if variance_step:
                 state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
             state["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
-            p.sub_(self._adam_direction(state["exp_avg"], state["exp_avg_sq"], p, group), alpha=group["lr"])
+            corr = self._corrections(group, c.get("var_updates", 0))
+            p.sub_(self._adam_direction(state["exp_avg"], state["exp_avg_sq"], p, group, corr), alpha=group["lr"])
         if variance_step:
             c["var_counter"] += 1
             if c["var_counter"] == self.var_update_scaler:
@@ -301,18 +325,22 @@ class ZeroOneAdam(_CompressedAdaptive):
                 state["update"] = torch.zeros_like(p)
                 state["lr_sum"] = 0.0
             state["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
-            d = self._adam_direction(state["exp_avg"], state["exp_avg_sq"], p, group)
+            d = self._adam_direction(state["exp_avg"], state["exp_avg_sq"], p, group,
+                                     self._corrections(group, c.get("var_updates", 0)))
             p.sub_(d, alpha=group["lr"])
             state["update"].sub_(d, alpha=group["lr"])
             state["lr_sum"] += group["lr"]
         if (self.steps - self.var_freeze_step) % c["local_interval"] == 0:
-            denoms = [self.state[p]["exp_avg_sq"].sqrt().add_(g["eps"]) for g, p in pairs]
+            corrs = [self._corrections(g, c.get("var_updates", 0)) for g, _ in pairs]
+            denoms = [self._denominator(self.state[p]["exp_avg_sq"], g, c2) for (g, p), (_, c2) in zip(pairs, corrs)]
             w = [self.state[p]["update"] * den for p, den in zip(params, denoms)]
             synced, errors = self._car(w, [self.state[p].get("worker_error") for p in params], keys)
-            for p, den, wbar, e in zip(params, denoms, synced, errors):
+            for p, den, wbar, e, (c1, _) in zip(params, denoms, synced, errors, corrs):
                 state = self.state[p]
                 if state["lr_sum"] > 0:   # λ_Σ = 0 only with lr 0, where nothing moved
                     state["exp_avg"] = wbar.div(-state["lr_sum"])
+                    if c1 != 1.0:         # m̂ = −w̄/λ_Σ, stored uncorrected
+                        state["exp_avg"].mul_(c1)
                 p.copy_(state["x_sync"] + wbar / den)
                 state["x_sync"] = p.detach().clone()
                 state["update"].zero_()
@@ -356,8 +384,9 @@ class OneBitLAMB(_CompressedAdaptive):
 
     def __init__(self, params, lr, *, freeze_step: int = 100000, max_coeff: float = 10.0, min_coeff: float = 0.01,
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
-                 factor_threshold: float = 0.1, betas: "tuple[float, float] | str" = (0.9, 0.999), eps: float = 1e-8,
-                 compressor: str = DEFAULT_CODEC, **kwargs):
+                 factor_threshold: float = 0.1, betas: "tuple[float, float] | str | None" = None,
+                 beta1: float | None = None, beta2: float | None = None, eps: float = 1e-8,
+                 compressor: str = DEFAULT_CODEC, bias_correction: bool = False, **kwargs):
         name = type(self).__name__
         require(is_int(freeze_step) and freeze_step >= 0, name,
                 f"freeze_step must be an integer >= 0, got {freeze_step!r}")
@@ -369,7 +398,8 @@ class OneBitLAMB(_CompressedAdaptive):
         require(is_real(coeff_beta) and 0 <= coeff_beta < 1, name, f"coeff_beta must be in [0, 1), got {coeff_beta!r}")
         require(is_real(factor_threshold) and 0 <= factor_threshold < 1, name,
                 f"factor_threshold must be in [0, 1), got {factor_threshold!r}")
-        super().__init__(params, lr, betas=betas, eps=eps, compressor=compressor, **kwargs)
+        super().__init__(params, lr, betas=betas, beta1=beta1, beta2=beta2, eps=eps, compressor=compressor,
+                         bias_correction=bias_correction, **kwargs)
         self.freeze_step = freeze_step
         self.max_coeff, self.min_coeff, self.coeff_beta = float(max_coeff), float(min_coeff), float(coeff_beta)
         self.factor_max, self.factor_min = float(factor_max), float(factor_min)
@@ -398,7 +428,8 @@ class OneBitLAMB(_CompressedAdaptive):
             state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
             if self.steps == self.freeze_step:
                 state["fresh_exp_avg_sq"] = state["exp_avg_sq"].clone()
-            u = self._adam_direction(state["exp_avg"], state["exp_avg_sq"], p, group)
+            u = self._adam_direction(state["exp_avg"], state["exp_avg_sq"], p, group,
+                                     self._corrections(group, self.steps))
             x_norm, u_norm = _norm(p), _norm(u)
             r = min(max(x_norm / u_norm, self.min_coeff), self.max_coeff) if x_norm > 0 and u_norm > 0 else 1.0
             if r != 1.0:
@@ -436,10 +467,12 @@ class OneBitLAMB(_CompressedAdaptive):
             g_hat = (m - state["exp_avg"].mul(b1)).div_(1 - b1)
             state["exp_avg"] = m
             state["fresh_exp_avg_sq"].mul_(b2).addcmul_(g_hat, g_hat, value=1 - b2)
-            denom = state["exp_avg_sq"].sqrt().add_(group["eps"])
-            u_p = m / denom
+            c1, c2 = self._corrections(group, self.freeze_step)
+            denom = self._denominator(state["exp_avg_sq"], group, c2)
+            u_p = m / denom if c1 == 1.0 else m.div(c1).div_(denom)
             u = u_p.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else u_p
-            f = float((denom / state["fresh_exp_avg_sq"].sqrt().add_(group["eps"])).max()) if n else 1.0
+            fresh = self._denominator(state["fresh_exp_avg_sq"], group, self._corrections(group, self.steps)[1])
+            f = float((denom / fresh).max()) if n else 1.0
             if group["weight_decay"] > 0:
                 u_norm = _norm(u)
                 q = min(1.0, _norm(u_p) / u_norm) if u_norm > 0 else 1.0

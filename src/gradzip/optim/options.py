@@ -52,3 +52,37 @@ def method_options(cls: type) -> dict[str, type]:
             simple = [type(param.default)]
         out[name] = simple[0] if simple else str
     return out
+
+
+#: Adam's (β1, β2) when neither spelling is given.
+DEFAULT_BETAS = (0.9, 0.999)
+
+
+def parse_betas(where: str, betas=None, *, beta1=None, beta2=None,
+                default: tuple[float, float] = DEFAULT_BETAS) -> tuple[float, float]:
+    """``(β1, β2)`` from either spelling the CLI has: ``betas``, a pair of numbers or the
+    string ``"0.9,0.999"`` (``--betas``), or ``beta1`` / ``beta2`` (``--beta1 --beta2``; one
+    alone keeps the other's default); each in [0, 1). Both spellings at once are refused."""
+    require(betas is None or (beta1 is None and beta2 is None), where,
+            f"give betas ({betas!r}) or beta1/beta2 ({beta1!r}, {beta2!r}), not both; drop --betas or --beta1/--beta2")
+    if betas is None:
+        for key, b in (("beta1", beta1), ("beta2", beta2)):
+            require(b is None or (is_real(b) and 0 <= b < 1), where, f"{key} must be a number in [0, 1), got {b!r}")
+        return (float(default[0] if beta1 is None else beta1), float(default[1] if beta2 is None else beta2))
+    if isinstance(betas, str):
+        try:
+            betas = tuple(float(b) for b in betas.split(","))
+        except ValueError:
+            betas = ()
+    ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(is_real(b) and 0 <= b < 1 for b in betas)
+    require(ok, where, f"betas must be two numbers in [0, 1) such as 0.9,0.999, got {betas!r}")
+    return float(betas[0]), float(betas[1])
+
+
+def no_momentum(where: str, momentum, nesterov, fix: str = "") -> None:
+    """The Adam-like methods' refusal of ``momentum`` / ``nesterov``: their momentum is β1.
+    ``fix``: a method's other way out (DiLoCo: ``inner='sgd'``)."""
+    require(is_real(momentum) and momentum == 0 and not nesterov, where,
+            f"momentum is betas[0] in this optimizer (its moments are beta1, beta2), got momentum={momentum!r}, "
+            f"nesterov={nesterov!r}; leave momentum at 0 and nesterov off (CLI: drop --momentum / --nesterov, "
+            f"set --betas 0.9,0.999 or --beta1/--beta2){fix}")

@@ -127,6 +127,9 @@ def check_large_batch(cfg: RunConfig) -> None:
     if cfg.warmup_epochs > 0 and cfg.lr_scaling == "none":
         raise GradzipError("--warmup-epochs ramps from --lr to the scaled learning rate: add --lr-scaling linear "
                            "(or sqrt), or leave the warm-up out")
+    if cfg.warmup_epochs > 0 and (cfg.options or {}).get("lr_warmup_steps"):
+        raise GradzipError("--warmup-epochs and DGC's --lr-warmup-steps are two learning-rate warm-ups that would "
+                           "multiply: drop one (with --lr-scaling alone, DGC's warm-up climbs to the scaled rate)")
     for name in ("sam_rho", "sharpness_rho"):
         value = getattr(cfg, name)
         if not is_real(value) or not 0 <= value < float("inf"):
