@@ -24,6 +24,8 @@ from benchmarks import grid
 from benchmarks.docs_section import replace_section, DOC
 
 import gradzip
+from gradzip.nonfinite import NonFiniteGradient
+from gradzip.optim import scaled_lr
 from gradzip.train.config import RunConfig
 from gradzip.train.loop import run_many
 
@@ -51,7 +53,14 @@ def run_one(task: tuple[dict, int, int, int]) -> dict:
     args = argparse.Namespace(**{**settings, "seed": seed})
     cfg = configs(args, per_worker)[index]
     began = time.perf_counter()
-    s = gradzip.simulate(settings["workers"], lambda comm: run_many(comm, [cfg]))[0][0]["summary"]
+    try:
+        s = gradzip.simulate(settings["workers"], lambda comm: run_many(comm, [cfg]))[0][0]["summary"]
+    except NonFiniteGradient as exc:   # diverged: a row of the table, not the end of the study
+        global_batch = settings["workers"] * per_worker
+        return {"global_batch": global_batch, "method": cfg.label, "index": index, "seed": seed,
+                "final_acc": None, "best_acc": None, "sharpness": None, "diverged": str(exc).split(":")[0],
+                "lr_peak": scaled_lr(cfg.lr, global_batch, cfg.base_batch, cfg.lr_scaling), "steps": None,
+                "wall_s": time.perf_counter() - began}
     return {"global_batch": s["global_batch"], "method": s["algo"], "index": index, "seed": seed,
             "final_acc": s["final_test_accuracy"], "best_acc": s["best_test_accuracy"], "sharpness": s["sharpness"],
             "lr_peak": s["lr_peak"], "steps": s["steps"], "wall_s": time.perf_counter() - began}
@@ -68,10 +77,16 @@ def table(res: dict) -> str:
         groups.setdefault((r["global_batch"], r["index"]), []).append(r)
     for (b, _), rs in sorted(groups.items()):
         rs.sort(key=lambda r: r["seed"])
-        mean = lambda k: statistics.mean(r[k] for r in rs)   # noqa: E731
-        per_seed = " ".join(f"{r['final_acc']:.3f}" for r in rs)
-        lines.append(f"| {b} | {rs[0]['method']} | {mean('final_acc'):.4f} | {per_seed} | {mean('best_acc'):.4f} | "
-                     f"{mean('sharpness'):.4f} | {rs[0]['lr_peak']:.4g} | {rs[0]['steps']} |")
+        ok = [r for r in rs if r["final_acc"] is not None]   # the others diverged (NaN/Inf gradient)
+
+        def mean(k: str) -> str:
+            return f"{statistics.mean(r[k] for r in ok):.4f}" if ok else "–"
+
+        per_seed = " ".join("diverged" if r["final_acc"] is None else f"{r['final_acc']:.3f}" for r in rs)
+        note = f" ({len(rs) - len(ok)} of {len(rs)} diverged)" if len(ok) < len(rs) else ""
+        steps = next((r["steps"] for r in ok), "–")
+        lines.append(f"| {b} | {rs[0]['method']} | {mean('final_acc')}{note} | {per_seed} | {mean('best_acc')} | "
+                     f"{mean('sharpness')} | {rs[0]['lr_peak']:.4g} | {steps} |")
     return (f"digits, {st['model']}, {st['workers']} workers (threads) per run, {st['epochs']} epochs, momentum 0.9 "
             f"(LAMB: betas 0.9/0.999), base batch {st['base_batch']}, warm-up {st['warmup_epochs']} epochs, seeds "
             f"{', '.join(map(str, seeds))} (mean over seeds); {res['wall_s']:.0f} s wall in all.\n"
@@ -109,6 +124,9 @@ def main() -> None:
         began = time.perf_counter()
 
         def report(task, r):
+            if r["final_acc"] is None:
+                print(f"B={r['global_batch']:5d} {r['method']:55s} seed {r['seed']} {r['diverged']}", flush=True)
+                return
             print(f"B={r['global_batch']:5d} {r['method']:55s} seed {r['seed']} acc {r['final_acc']:.4f} "
                   f"sharpness {r['sharpness']:.4f} peak lr {r['lr_peak']:.4g} steps {r['steps']}", flush=True)
 

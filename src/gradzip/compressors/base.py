@@ -136,7 +136,9 @@ class Compressor:
         return None
 
     def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
-        """Flat tensor this worker contributes to an allreduce-sum."""
+        """Flat tensor this worker contributes to an allreduce-sum. A new tensor, except where
+        the codec says otherwise (``none``: the wire itself, read-only, which may be the
+        caller's gradient): a caller that sums into it in place copies it first, as PSync does."""
         raise NotImplementedError(f"{self.name} packets do not sum")
 
     def summand_numel(self, packet: Packet, world_size: int) -> int | None:
