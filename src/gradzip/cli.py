@@ -82,9 +82,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--epochs", type=positive_int, default=20, help="default: %(default)s")
     g.add_argument("--batch-size", type=positive_int, default=32, help="per worker (default: %(default)s)")
     g.add_argument("--lr", type=non_negative, default=None,
-                   help="learning rate (default: the method's own: 0.1 for the SGD methods, 1.0 for LARS "
-                        "(its trust coefficient scales it), 0.001 for the Adam and LAMB methods and "
-                        "DiLoCo's AdamW)")
+                   help="learning rate (default: the method's own: 0.1 for the SGD methods, 3 for LARS and "
+                        "0.01 for LAMB (their trust ratios scale it), 0.001 for 1-bit / 0/1 Adam, "
+                        "1-bit LAMB, AdamW and DiLoCo's AdamW)")
     g.add_argument("--momentum", type=fraction, default=0.0,
                    help="default: %(default)s (BIT-SGD with momentum 0.9 at lr 0.1 is unstable: docs/benchmarks.md)")
     g.add_argument("--nesterov", action="store_true")

@@ -84,7 +84,7 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
     @classmethod
     def default_lr(cls, options: dict) -> float:
         """The learning rate the CLI uses where ``--lr`` is not given, for this method with
-        ``options``: 0.1 (momentum SGD); the Adam and LAMB methods say 0.001."""
+        ``options``: 0.1 (momentum SGD); LARS, LAMB and the Adam methods say their own."""
         return 0.1
 
     def __init__(self, params: Iterable, lr: float, *, comm: "comm_lib.Group | None" = None,

@@ -133,7 +133,7 @@ class LARSMethod(Compressed):
 
     @classmethod
     def default_lr(cls, options: dict) -> float:
-        return 1.0   # the step is lr·τ·‖w‖ (τ = 0.001): 0.1 barely moves (digits: 0.22 after 3 epochs, 0.73 at 1.0)
+        return 3.0   # the step is lr·τ·‖w‖ (τ = 0.001); digits, 3 epochs: 0.22 at lr 0.1, 0.58 at 0.3, 0.73 at 1, 0.88 at 3
 
     def __init__(self, params, lr: float, *, momentum: float = 0.9, nesterov: bool = False,
                  weight_decay: float = 0.0, trust_coefficient: float = 0.001, eps: float = 1e-8,
@@ -151,7 +151,7 @@ class LAMBMethod(Compressed):
 
     @classmethod
     def default_lr(cls, options: dict) -> float:
-        return 1e-3   # the step is lr·‖w‖ per tensor (trust ratio), Adam-sized
+        return 0.01   # the step is lr·‖w‖ per tensor (trust ratio); digits, 3 epochs: 0.82 at 1e-3, 0.91 at 3e-3, 0.95 at 0.01
 
     def __init__(self, params, lr: float, *, momentum: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0, betas: "tuple[float, float] | str | None" = None,
