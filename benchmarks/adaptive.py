@@ -147,6 +147,11 @@ def accuracy_table(res: dict) -> str:
             "|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
 
+#: Unmeasured steps of the speed part: 2 dense (the methods' warm-ups), then 2 compressed, in
+#: which each process loads its codec kernels (numba: ~1 s the first time), out of the timings.
+WARMUP_STEPS = 4
+
+
 def speed_part(args, settings: dict) -> dict:
     chosen = {key: METHODS[key] for key in args.methods}
     # the dense warm-up covers the bench's 2 unmeasured steps (from v = 0 the first compressed
@@ -165,7 +170,7 @@ def speed_part(args, settings: dict) -> dict:
     began = time.perf_counter()
     bench = AdaptiveNetBench(workers=[args.workers], bandwidths=[1e9], latencies=[0.0],
                              algos=[(algo, codec) for _, algo, codec in chosen.values()], model=args.model, shape="2",
-                             batch_size=args.batch_size, steps=args.speed_steps, warmup=2, out=args.out)
+                             batch_size=args.batch_size, steps=args.speed_steps, warmup=WARMUP_STEPS, out=args.out)
     results = bench.run(command=_command())
     runs = []
     for rec in results["records"]:
@@ -186,8 +191,8 @@ def speed_table(res: dict) -> str:
         lines.append(f"| {METHODS[r['method']][0]} | {1e3 * r['iteration_s']:.1f} | {ratio} | {1e3 * r['compute_s']:.1f} | "
                      f"{1e3 * r['compress_s']:.1f} | {1e3 * r['communicate_s']:.1f} | {r['bytes_per_step'] / 1e6:.3f} |")
     return (f"Command: `{res.get('command', '')}`: {s['workers']} gloo workers in network namespaces, 1 Gbit/s links, "
-            f"{s['model']}, batch {s['batch_size']}, lr 1e-3, {s['speed_steps']} measured steps after 2 dense "
-            "warm-up steps, compressed stages from step 3 (ε 1e-3; 0/1 Adam: its local-step phase with I_u = 1, a sync every step); times in ms per step "
+            f"{s['model']}, batch {s['batch_size']}, lr 1e-3, {s['speed_steps']} measured steps after {WARMUP_STEPS} "
+            "unmeasured ones (2 dense warm-up steps, then 2 compressed ones that load the codec kernels), compressed stages from step 3 (ε 1e-3; 0/1 Adam: its local-step phase with I_u = 1, a sync every step); times in ms per step "
             "(compute / compress / communicate: the mean over steps of each phase); MB / step: the optimizer's "
             "bytes over all steps, the 2 dense warm-up steps included (the compressed stage alone sends less).\n\n" + "\n".join(lines) + "\n")
 
