@@ -32,7 +32,6 @@ from typing import Any, Callable, Sequence
 
 from ..stragglers import Straggler
 from ..train.config import method_label
-from .costs import collective_time
 from .profiling import MethodProfile, profile_method
 from .shapes import model_shapes, resnet50_shapes
 
