@@ -325,8 +325,11 @@ class ZeroOneAdam(_CompressedAdaptive):
                 state["update"] = torch.zeros_like(p)
                 state["lr_sum"] = 0.0
             state["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
-            d = self._adam_direction(state["exp_avg"], state["exp_avg_sq"], p, group,
+            d = self._adam_direction(state["exp_avg"], state["exp_avg_sq"], p, dict(group, weight_decay=0.0),
                                      self._corrections(group, c.get("var_updates", 0)))
+            if group["weight_decay"]:   # decoupled, local, never in u: x ← x − η(d + λx), x_sync ← (1 − ηλ) x_sync
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                state["x_sync"].mul_(1 - group["lr"] * group["weight_decay"])
             p.sub_(d, alpha=group["lr"])
             state["update"].sub_(d, alpha=group["lr"])
             state["lr_sum"] += group["lr"]
