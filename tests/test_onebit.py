@@ -193,8 +193,9 @@ def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twoph
         for j in range(n):
             for l in range(L):
                 m[j][l] = B1 * m[j][l] + (1 - B1) * g[j][l]
-                d = adam_dir(m[j][l], v[l], x[j][l], wd, corr(bc, t, n_v))
-                x[j][l] = x[j][l] - LR * d
+                d = adam_dir(m[j][l], v[l], x[j][l], 0.0, corr(bc, t, n_v))   # u: Adam's part only
+                x[j][l] = x[j][l] - LR * (d + wd * x[j][l])                  # decay local, never sent
+                x_sync[j][l] = (1 - LR * wd) * x_sync[j][l]
                 u[j][l] = u[j][l] - LR * d
         lr_sum += LR
         if (t - T_v) % I_u == 0:
@@ -329,6 +330,26 @@ def test_onebit_adam_with_the_identity_codec_and_no_freeze_is_adam_without_bias_
     for freeze, stop_v in ((100, 6), (3, 3)):
         outs = run(OneBitAdam, 3, 6, dict(freeze_step=freeze, compressor="none", weight_decay=0.05))
         assert_matches(outs, [adam(6, stop_v)] * 3)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_zeroone_adam_with_the_identity_codec_and_sync_every_step_is_adam_with_frozen_v(n):
+    """The limit of 1-bit Adam's test, for 0/1 Adam: identity codec, every step a variance
+    step up to T_v = 3 (κ = 100), then local steps that sync every step (I_u = 1): Adam
+    (no bias correction, decoupled decay) on the mean gradient whose v stops at step 3.
+    Issue 17: with λ·x folded into the synchronised u, ``m ← −w̄/λ_Σ`` picked up
+    ``λ·x·(√v+ε)`` every sync, so the decay compounded through m (~λ/(1−β1)) and the
+    momentum no longer was Adam's."""
+    x, m, v = inits(), [torch.zeros(s) for s in SHAPES], [torch.zeros(s) for s in SHAPES]
+    for t in range(1, 9):
+        for l in range(len(SHAPES)):
+            g = sum(grad(t, j, l) for j in range(n)) / n
+            m[l] = B1 * m[l] + (1 - B1) * g
+            if t <= 3:
+                v[l] = B2 * v[l] + (1 - B2) * g * g
+            x[l] = x[l] - LR * (m[l] / (v[l].sqrt() + EPS) + 0.1 * x[l])
+    outs = run(ZeroOneAdam, n, 8, dict(var_freeze_step=3, var_update_scaler=100, compressor="none", weight_decay=0.1))
+    assert_matches(outs, [x] * n)
 
 
 @pytest.mark.parametrize("n", [1, 3])

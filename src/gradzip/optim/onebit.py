@@ -12,8 +12,8 @@ What the three share (:class:`_CompressedAdaptive`):
   (→ 1). Every ``√v + ε`` of a box becomes ``√v̂ + ε`` (0/1 Adam's w, x and, for 1-bit
   LAMB, v_f's with its own count t); where a box sets m from a corrected quantity (0/1
   Adam's sync ``m ← −w̄/λ_Σ``) m is stored uncorrected, ``·(1−β1^t)``.
-- **Decoupled weight decay, never communicated** (except where 0/1 Adam's local steps fold
-  it into the synchronised update, see :class:`ZeroOneAdam`): ``x ← x − η (m/(√v+ε) + λ·x)``.
+- **Decoupled weight decay, never communicated** (0/1 Adam's synchronised update u too,
+  see :class:`ZeroOneAdam`): ``x ← x − η (m/(√v+ε) + λ·x)``.
 - **The codec**: any gradzip codec; the default is ``scaled_sign:scale=rms``, DeepSpeed's
   1-bit codec (``‖y‖₂/√d · sgn⁺(y)``).
 - **CAR(y)**, the compressed allreduce, in one place (:meth:`_CompressedAdaptive._car`):
@@ -236,14 +236,18 @@ class ZeroOneAdam(_CompressedAdaptive):
             x ← x − η (m/(√v+ε) + λ·x)
         end of step T_v: worker errors ← 0 (once)
         Phase B, t > T_v, s = t − T_v (local steps, v frozen):
-            m ← β1 m + (1−β1) g_i;  d = m/(√v+ε) + λ·x
-            x ← x − η d;  u ← u − η d;  λ_Σ ← λ_Σ + η
+            m ← β1 m + (1−β1) g_i;  d = m/(√v+ε)
+            x ← x − η (d + λ·x);  x_sync ← (1 − ηλ) x_sync;  u ← u − η d;  λ_Σ ← λ_Σ + η
             if s mod I_u == 0:  w = u ⊙ (√v+ε);  w̄ = CAR(w)
                                 m ← −w̄/λ_Σ;  x ← x_sync + w̄/(√v+ε);  x_sync ← x;  u ← 0;  λ_Σ ← 0
             c_u += 1; if c_u == S: c_u = 0; I_u ← min(H_max, 2·I_u)
 
-    Weight decay is part of ``d``, hence of ``u`` and of the communicated ``w`` (as
-    DeepSpeed folds ``λ·x`` into it when λ > 0). ``x_sync`` (the last synchronised x,
+    Weight decay is decoupled and never communicated, in Phase B too: it is not part of
+    ``u`` (the spec box's ``d = m/(√v+ε) + λ·x`` and DeepSpeed fold ``λ·x`` into u, so
+    ``m ← −w̄/λ_Σ`` gains ``λ·x·(√v+ε)`` at every sync and the decay compounds through m,
+    about ``λ/(1−β1)``: issue 17); each local step decays x and, identically on every
+    worker, ``x_sync``. With the identity codec and I_u = 1 Phase B is Adam with v frozen
+    (the test limit of 1-bit Adam). ``x_sync`` (the last synchronised x,
     ``state[p]["x_sync"]``) is stored rather than ``x − u`` so replicas stay bitwise
     identical; between syncs the workers' models differ (``replicas_differ``). With one
     worker ĝ = g_i. State: ``exp_avg``, ``exp_avg_sq``, ``update`` (u), ``lr_sum`` (λ_Σ),
@@ -325,8 +329,11 @@ class ZeroOneAdam(_CompressedAdaptive):
                 state["update"] = torch.zeros_like(p)
                 state["lr_sum"] = 0.0
             state["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
-            d = self._adam_direction(state["exp_avg"], state["exp_avg_sq"], p, group,
+            d = self._adam_direction(state["exp_avg"], state["exp_avg_sq"], p, dict(group, weight_decay=0.0),
                                      self._corrections(group, c.get("var_updates", 0)))
+            if group["weight_decay"]:   # decoupled, local, never in u: x ← x − η(d + λx), x_sync ← (1 − ηλ) x_sync
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                state["x_sync"].mul_(1 - group["lr"] * group["weight_decay"])
             p.sub_(d, alpha=group["lr"])
             state["update"].sub_(d, alpha=group["lr"])
             state["lr_sum"] += group["lr"]
