@@ -66,21 +66,6 @@ def encode_chunks(flat: torch.Tensor, bits: int, codes_of, chunk: int | None = N
     return out
 
 
-def abs_sum(flat: torch.Tensor) -> torch.Tensor:
-    """``Σ|x|`` of a flat tensor as a 0-d tensor (float32, or wider for a wider input), summed
-    piece by piece exactly as :func:`encode_chunks` splits ``flat`` (the same float sum, so
-    the same bits, as a codec that adds each piece's sum while it encodes it)."""
-    total = torch.zeros((), dtype=torch.promote_types(flat.dtype, torch.float32), device=flat.device)
-    numel = flat.numel()
-    if numel <= CHUNK or not piecewise(flat):
-        return total.add_(torch.abs(flat).sum(dtype=total.dtype))
-    scratch = torch.empty(CHUNK, dtype=flat.dtype)  # one buffer for every piece's |x| (same values)
-    for start in range(0, numel, CHUNK):
-        part = flat[start:start + CHUNK]
-        total.add_(torch.abs(part, out=scratch[:part.numel()]).sum(dtype=total.dtype))
-    return total
-
-
 def decode_chunks(packed: torch.Tensor, bits: int, count: int, dtype: torch.dtype, fill) -> torch.Tensor:
     """A flat ``dtype`` tensor of ``count`` entries: ``fill(codes, out)`` writes the values of
     unpacked ``codes`` into ``out``, piece by piece on the CPU (see :func:`encode_chunks`)."""

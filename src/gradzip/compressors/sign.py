@@ -92,16 +92,9 @@ def _counts_of(packets: Sequence[Packet]) -> torch.Tensor | None:
     return total
 
 
-def sign_bits(tensor: torch.Tensor, abs_sum: torch.Tensor | None = None) -> torch.Tensor:
-    """Packed bits of ``tensor >= 0`` (flattened); adds ``Σ|v|`` into ``abs_sum`` if given
-    (in the same pass over the tensor)."""
-
-    def codes_of(part: torch.Tensor) -> torch.Tensor:
-        if abs_sum is not None:
-            abs_sum.add_(torch.abs(part).sum(dtype=abs_sum.dtype))
-        return (part >= 0).view(torch.uint8)
-
-    return encode_chunks(tensor.detach().reshape(-1), 1, codes_of)
+def sign_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """Packed bits of ``tensor >= 0`` (flattened)."""
+    return encode_chunks(tensor.detach().reshape(-1), 1, lambda part: (part >= 0).view(torch.uint8))
 
 
 @register
