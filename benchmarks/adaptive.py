@@ -60,22 +60,24 @@ METHODS = {
 
 
 def make_optimizer(key: str, params, comm, s: dict, steps: int):
-    """The method ``key`` with the settings ``s`` (a run's of ``steps`` steps)."""
+    """The method ``key`` with the settings ``s`` (a run's of ``steps`` steps): ``eps`` for
+    every row where given (else each optimizer's own: 1e-8, LAMB 1e-6), ``momentum_mask`` for the three 1-bit methods (older result files: defaults)."""
     o, lr, wd = gradzip.optim, s["lr"], s["weight_decay"]
     freeze = max(1, int(s["freeze_fraction"] * steps))
+    adam = dict(betas=BETAS, weight_decay=wd, **({"eps": s["eps"]} if s.get("eps") is not None else {}))
+    onebit = dict(adam, comm=comm, momentum_mask=s.get("momentum_mask", "off"))
     if key == "adamw":
-        return o.Compressed(torch.optim.AdamW(params, lr, betas=BETAS, weight_decay=wd), compressor="none", comm=comm)
+        return o.Compressed(torch.optim.AdamW(params, lr, **adam), compressor="none", comm=comm)
     if key == "adamw-topk":
-        return o.Compressed(torch.optim.AdamW(params, lr, betas=BETAS, weight_decay=wd),
-                            compressor="topk:ratio=0.01", comm=comm)
+        return o.Compressed(torch.optim.AdamW(params, lr, **adam), compressor="topk:ratio=0.01", comm=comm)
     if key == "onebitadam":
-        return o.OneBitAdam(params, lr, betas=BETAS, weight_decay=wd, freeze_step=freeze, comm=comm)
+        return o.OneBitAdam(params, lr, freeze_step=freeze, **onebit)
     if key == "zerooneadam":
-        return o.ZeroOneAdam(params, lr, betas=BETAS, weight_decay=wd, var_freeze_step=freeze, comm=comm)
+        return o.ZeroOneAdam(params, lr, var_freeze_step=freeze, **onebit)
     if key == "onebitlamb":
-        return o.OneBitLAMB(params, s["lamb_lr"], betas=BETAS, weight_decay=wd, freeze_step=freeze, comm=comm)
+        return o.OneBitLAMB(params, s["lamb_lr"], freeze_step=freeze, **onebit)
     if key == "lamb":
-        return o.Compressed(o.LAMB(params, s["lamb_lr"], betas=BETAS, weight_decay=wd), compressor="none", comm=comm)
+        return o.Compressed(o.LAMB(params, s["lamb_lr"], **adam), compressor="none", comm=comm)
     raise ValueError(key)
 
 
@@ -139,7 +141,8 @@ def accuracy_table(res: dict) -> str:
     seeds = sorted({r["seed"] for r in runs})
     return (f"Command: `{res.get('command', '')}` ({s['dataset']}, {s['model']}, {s['workers']} workers on threads "
             f"per run, {s['epochs']} epochs = {steps} steps of batch {s['batch_size']} per worker, lr {s['lr']} "
-            f"(LAMB {s['lamb_lr']}), weight decay {s['weight_decay']}, betas {BETAS}, warm-ups (T_w, 0/1 Adam's "
+            f"(LAMB {s['lamb_lr']}), weight decay {s['weight_decay']}, betas {BETAS}, eps {s.get('eps') or 'the default (1e-8, LAMB 1e-6)'}, "
+            f"momentum mask of the 1-bit methods {s.get('momentum_mask', 'off')}, warm-ups (T_w, 0/1 Adam's "
             f"T_v) {s['freeze_fraction']:.0%} of the steps, seeds {', '.join(map(str, seeds))}; "
             f"{res['wall_s'] / 60:.1f} min wall). Test loss and accuracy of the workers' average model after the "
             "last step (mean over seeds, and the worst seed); MB = bytes one worker put on the wire.\n\n"
@@ -213,6 +216,11 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--lamb-lr", type=float, default=1e-2)
     ap.add_argument("--weight-decay", type=float, default=1.0)
+    ap.add_argument("--eps", type=float, default=None, help="every row's epsilon (default: each optimizer's own)")
+    ap.add_argument("--momentum-mask", choices=["off", "auto"], default="off",
+                    help="the 1-bit methods' momentum mask (gradzip.optim.onebit)")
+    ap.add_argument("--section", default=None, help="the docs/adaptive.md section --write replaces "
+                                                    "(default: the part's own)")
     ap.add_argument("--freeze-fraction", type=float, default=0.2, help="warm-up steps / all steps")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0)
@@ -232,13 +240,13 @@ def main() -> None:
             ap.error(f"unknown --methods {', '.join(unknown)}; choose from {', '.join(METHODS)}")
         args.json = args.json or f"runs/adaptive-{args.part}.json"
         torch.set_num_threads(1)
-        settings = {k: v for k, v in vars(args).items() if k not in ("source", "write", "json", "out", "jobs")}
+        settings = {k: v for k, v in vars(args).items() if k not in ("source", "write", "json", "out", "jobs", "section")}
         res = (accuracy_part if args.part == "accuracy" else speed_part)(args, settings)
         print(f"results: {args.json}")
     text = accuracy_table(res) if res["part"] == "accuracy" else speed_table(res)
     print(text)
     if args.write:
-        replace_section(TITLES[res["part"]], text, doc=ADAPTIVE_DOC)
+        replace_section(args.section or TITLES[res["part"]], text, doc=ADAPTIVE_DOC)
 
 
 if __name__ == "__main__":

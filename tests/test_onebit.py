@@ -12,6 +12,7 @@ import torch
 from gradzip import kernels
 from gradzip.compressors import build
 from gradzip.errors import GradzipError
+from gradzip.consistency import InconsistentWorkers
 
 
 # ----------------------------------------------------------------------------- the codec
@@ -124,12 +125,17 @@ def adam_dir(m, v, x, wd, c=(1.0, 1.0)):
     return (m / c[0]) / ((v / c[1]).sqrt() + EPS) + wd * x
 
 
+def masked(t, v, c2):
+    """The momentum mask "auto": ``t`` where ``v̂ = v / c2 > ε²``, else 0."""
+    return t * (v > EPS ** 2 * c2)
+
+
 def corr(bc, t, n_v):
     """``(1−β1^t, 1−β2^n_v)`` with bias correction (``bc``), else (1, 1); n_v = 0: v = 0."""
     return (1 - B1 ** t, 1 - B2 ** n_v if n_v else 1.0) if bc else (1.0, 1.0)
 
 
-def ref_onebit_adam(n, steps, T_w, wd, codec, transport="twophase", bc=False):
+def ref_onebit_adam(n, steps, T_w, wd, codec, transport="twophase", bc=False, mask=False):
     server = {} if transport == "twophase" else None
     L = len(SHAPES)
     x = [inits() for _ in range(n)]
@@ -148,13 +154,15 @@ def ref_onebit_adam(n, steps, T_w, wd, codec, transport="twophase", bc=False):
         else:
             local = [[B1 * m[j][l] + (1 - B1) * g[j][l] for l in range(L)] for j in range(n)]
             m, e = car(local, e, codec, server)
+            if mask:
+                m = [[masked(m[j][l], v[l], corr(bc, t, T_w)[1]) for l in range(L)] for j in range(n)]
         for j in range(n):
             for l in range(L):
                 x[j][l] = x[j][l] - LR * adam_dir(m[j][l], v[l], x[j][l], wd, corr(bc, t, min(t, T_w)))
     return x
 
 
-def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twophase", bc=False):
+def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twophase", bc=False, mask=False):
     server = {} if transport == "twophase" else None
     L = len(SHAPES)
     x = [inits() for _ in range(n)]
@@ -179,6 +187,8 @@ def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twoph
                     c_v, I_v = 0, 2 * I_v
             else:
                 ghat, e = car(g, e, codec, server)
+                if mask:
+                    ghat = [[masked(ghat[j][l], v[l], corr(bc, t, n_v)[1]) for l in range(L)] for j in range(n)]
             for j in range(n):
                 for l in range(L):
                     m[j][l] = B1 * m[j][l] + (1 - B1) * ghat[j][l]
@@ -202,6 +212,8 @@ def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twoph
             c1, c2 = corr(bc, t, n_v)
             w = [[u[j][l] * ((v[l] / c2).sqrt() + EPS) for l in range(L)] for j in range(n)]
             wbar, e = car(w, e, codec, server)
+            if mask:
+                wbar = [[masked(wbar[j][l], v[l], c2) for l in range(L)] for j in range(n)]
             for j in range(n):
                 for l in range(L):
                     m[j][l] = -wbar[j][l] / lr_sum * c1
@@ -216,7 +228,7 @@ def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twoph
 
 
 def ref_onebit_lamb(n, steps, T_w, wd, codec, min_c=0.01, max_c=10.0, beta_c=0.9, f_min=0.5, f_max=4.0, theta=0.1,
-                    transport="twophase", bc=False):
+                    transport="twophase", bc=False, mask=False):
     server = {} if transport == "twophase" else None
     L = len(SHAPES)
     x = [inits() for _ in range(n)]
@@ -254,6 +266,8 @@ def ref_onebit_lamb(n, steps, T_w, wd, codec, min_c=0.01, max_c=10.0, beta_c=0.9
         M, e = car([[y] for y in scaled], e, codec, server)
         sizes = [math.prod(sh) for sh in SHAPES]
         m = [[piece.view(SHAPES[l]) / s[l] for l, piece in enumerate(torch.split(M[j][0], sizes))] for j in range(n)]
+        if mask:
+            m = [[masked(m[j][l], v[l], corr(bc, t, T_w)[1]) for l in range(L)] for j in range(n)]
         for j in range(n):
             for l in range(L):
                 ghat = (m[j][l] - B1 * m_prev[j][l]) / (1 - B1)
@@ -482,3 +496,80 @@ def test_bias_correction_is_checked_and_resumes_exactly():
     for (a, _), (b, _) in zip(whole, cut):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+
+
+def zero_coordinate_grad(t: int, rank: int, layer: int) -> torch.Tensor:
+    """:func:`grad` with tensor 1's first coordinate 0 on every worker and step (an unused
+    input, a softmax-invariant bias): its v stays 0."""
+    g = GRAD(t, rank, layer)
+    if layer == 1:
+        g[0] = 0.0
+    return g
+
+
+GRAD = grad
+MASK_CASES = {
+    "onebitadam": (OneBitAdam, dict(freeze_step=3), lambda n, wd, bc, mask: ref_onebit_adam(
+        n, 8, 3, wd, "scaled_sign:scale=rms", bc=bc, mask=mask)),
+    "zerooneadam": (ZeroOneAdam, dict(var_freeze_step=5, var_update_scaler=2), lambda n, wd, bc, mask: ref_zeroone_adam(
+        n, 8, 5, 2, 32678, 16, wd, "scaled_sign:scale=rms", bc=bc, mask=mask)),
+    "onebitlamb": (OneBitLAMB, dict(freeze_step=3), lambda n, wd, bc, mask: ref_onebit_lamb(
+        n, 8, 3, wd, "scaled_sign:scale=rms", bc=bc, mask=mask)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASK_CASES))
+@pytest.mark.parametrize("bc", [False, True])
+def test_momentum_mask_auto_is_its_box_and_stops_the_zero_variance_blow_up(name, bc, monkeypatch):
+    """``momentum_mask="auto"`` zeroes CAR's output where ``v̂ <= ε²``: each method equals its
+    box with that product (3 workers, two-phase CAR); a coordinate with a zero gradient
+    then moves only by weight decay, while without the mask the sign codec's ``±s`` over
+    ``√v + ε = ε`` throws it far away (the failure docs/adaptive.md describes)."""
+    monkeypatch.setitem(globals(), "grad", zero_coordinate_grad)
+    cls, options, reference = MASK_CASES[name]
+    wd = 0.1
+    masked_run = run(cls, 3, 8, dict(options, weight_decay=wd, bias_correction=bc, momentum_mask="auto"))
+    assert_matches(masked_run, reference(3, wd, bc, True))
+    plain = run(cls, 3, 8, dict(options, weight_decay=wd, bias_correction=bc))
+    assert_matches(plain, reference(3, wd, bc, False))
+    start = inits()[1][0]
+    for rank in range(3):
+        assert abs(float(masked_run[rank][0][1][0] - start)) < 1.0   # decay only (LAMB: times its trust ratio)
+        assert abs(float(plain[rank][0][1][0] - start)) > 1e3
+
+
+def test_momentum_mask_given_per_parameter_and_its_errors(monkeypatch):
+    """A ``{parameter: mask}`` dict (DeepSpeed's ``exp_avg_mask``) acts like "auto" where
+    it masks the same coordinates; bad masks are one-line errors naming the fix."""
+    monkeypatch.setitem(globals(), "grad", zero_coordinate_grad)
+    auto = run(OneBitAdam, 3, 8, dict(freeze_step=3, momentum_mask="auto"))
+
+    def worker(comm):
+        params = [torch.nn.Parameter(t) for t in inits()]
+        keep = torch.ones(SHAPES[1])
+        keep[0] = 0.0
+        opt = OneBitAdam(params, lr=LR, betas=(B1, B2), eps=EPS, comm=comm, freeze_step=3,
+                         momentum_mask={params[1]: keep})
+        for t in range(1, 9):
+            for layer, p in enumerate(params):
+                p.grad = zero_coordinate_grad(t, comm.rank, layer)
+            opt.step()
+        return [p.detach().clone() for p in params]
+    given = gradzip.simulate(3, worker)
+    for rank in range(3):
+        torch.testing.assert_close(given[rank][1], auto[rank][0][1], rtol=0, atol=0)
+
+    def differing(comm):   # workers whose masks differ are refused at the first step
+        p = torch.nn.Parameter(torch.zeros(3))
+        opt = OneBitAdam([p], lr=LR, comm=comm, momentum_mask={p: torch.full((3,), float(comm.rank))})
+        p.grad = torch.ones(3)
+        with pytest.raises(InconsistentWorkers, match="momentum_mask"):
+            opt.step()
+    gradzip.simulate(2, differing)
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(GradzipError, match="momentum_mask for a parameter of shape"):
+        OneBitAdam([p], lr=LR, momentum_mask={p: torch.ones(2)})
+    with pytest.raises(GradzipError, match="keys must be this optimizer's parameters"):
+        OneBitAdam([p], lr=LR, momentum_mask={torch.zeros(3): torch.ones(3)})
+    with pytest.raises(GradzipError, match="--momentum-mask auto"):
+        ZeroOneAdam([p], lr=LR, momentum_mask="everywhere")

@@ -16,6 +16,17 @@ What the three share (:class:`_CompressedAdaptive`):
   see :class:`ZeroOneAdam`): ``x ← x − η (m/(√v+ε) + λ·x)``.
 - **The codec**: any gradzip codec; the default is ``scaled_sign:scale=rms``, DeepSpeed's
   1-bit codec (``‖y‖₂/√d · sgn⁺(y)``).
+- **The momentum mask** (``momentum_mask``; DeepSpeed's ``exp_avg_mask``, an option
+  beyond the boxes, off by default): a sign codec cannot send an exact 0, so a coordinate
+  whose gradient is 0 (an unused embedding row, a constant input pixel, the key bias of
+  softmax attention) receives ``±s`` from CAR on every compressed step while its v ≈ 0,
+  and moves by ``η·s/ε`` per step: the run blows up (docs/adaptive.md). The mask zeroes
+  those coordinates of CAR's output: ``"auto"`` keeps where ``v̂ > ε²`` (√v̂ ≤ ε: the
+  update's denominator is ε's, the exact-gradient Adam update there is below η/2), a
+  ``{parameter: mask}`` dict multiplies by the caller's masks (DeepSpeed's way). Where it
+  acts: 1-bit Adam's ``m ← CAR(m)``, 0/1 Adam's ``ĝ = CAR(g_i)`` and ``w̄ = CAR(w)``
+  (a masked coordinate returns to x_sync at each sync), 1-bit LAMB's ``m_ℓ ← M_ℓ / s_ℓ``.
+  It is derived from v (in the state) or given again on construction: resumes stay exact.
 - **CAR(y)**, the compressed allreduce, in one place (:meth:`_CompressedAdaptive._car`):
   ``PSync(y + e_w)`` returns ``mean_j C(y_j + e_w,j)``, the same on every worker, and the
   worker error ``e_w ← (y + e_w) − C(y + e_w)`` that the method keeps in its state
@@ -41,6 +52,7 @@ import torch
 
 from ..errors import GradzipError
 from ..nonfinite import NonFiniteAggregate
+from ..replicas import parameter_digest
 from ..validation import is_int, is_real, require
 from .base import DistributedOptimizer
 from .options import no_momentum, parse_betas  # noqa: F401 (parse_betas: the old name's home)
@@ -62,7 +74,7 @@ class _CompressedAdaptive(DistributedOptimizer):
 
     def __init__(self, params, lr, *, betas: "tuple[float, float] | str | None" = None, beta1: float | None = None,
                  beta2: float | None = None, eps: float = 1e-8, compressor: str = DEFAULT_CODEC,
-                 bias_correction: bool = False, **kwargs):
+                 bias_correction: bool = False, momentum_mask: "str | dict | None" = None, **kwargs):
         name = type(self).__name__
         betas = parse_betas(name, betas, beta1=beta1, beta2=beta2)
         require(isinstance(bias_correction, bool), name, f"bias_correction must be True or False, got {bias_correction!r}")
@@ -70,6 +82,7 @@ class _CompressedAdaptive(DistributedOptimizer):
         require(is_real(eps) and 0 <= eps < math.inf, name, f"eps must be a finite number >= 0, got {eps!r}")
         no_momentum(name, kwargs.get("momentum", 0.0), kwargs.get("nesterov", False))
         super().__init__(params, lr, betas=betas, eps=float(eps), **kwargs)
+        self.momentum_mask = self._checked_mask(momentum_mask)
         self.dense = self.make_psync("none", salt=0)          # ḡ = mean_j g_j
         # CAR: the two-phase compressed allreduce (worker error here, server error in the
         # exchange); transport="auto" means that, another transport pins the exchange
@@ -94,6 +107,46 @@ class _CompressedAdaptive(DistributedOptimizer):
         inputs = [y if e is None else y + e for y, e in zip(tensors, errors)]
         result = self.car(inputs, self.steps, keys=keys, residual=True)
         return result.aggregate, result.residual
+
+    def _checked_mask(self, mask) -> "str | dict | None":
+        """``None`` (also ``"off"``), ``"auto"``, or ``{parameter: mask}`` with every mask of
+        its parameter's shape (stored as the parameter's dtype and device)."""
+        name = type(self).__name__
+        if mask is None or mask == "off":
+            return None
+        if mask == "auto":
+            return "auto"
+        require(isinstance(mask, dict), name, f"momentum_mask must be 'auto', 'off', None or a dict "
+                f"{{parameter: mask tensor}}, got {mask!r}; CLI: --momentum-mask auto")
+        mine = {id(p): p for group in self.param_groups for p in group["params"]}
+        out = {}
+        for p, m in mask.items():
+            require(isinstance(p, torch.Tensor) and id(p) in mine, name,
+                    "momentum_mask's keys must be this optimizer's parameters; build the dict from the same "
+                    "model.parameters() you pass to the optimizer")
+            require(isinstance(m, torch.Tensor) and m.shape == p.shape, name,
+                    f"momentum_mask for a parameter of shape {tuple(p.shape)} must be a tensor of that shape, got "
+                    f"{tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__}")
+            out[id(p)] = m.detach().to(dtype=p.dtype, device=p.device)
+        return out
+
+    def _masked(self, p: torch.Tensor, t: torch.Tensor, group: dict, c2: float) -> torch.Tensor:
+        """``t`` (a CAR output for ``p``) times the momentum mask, in place (module
+        docstring); ``c2`` is v's bias correction (``v̂ = v / c2``)."""
+        if self.momentum_mask is None:
+            return t
+        if self.momentum_mask == "auto":
+            return t.mul_(self.state[p]["exp_avg_sq"] > group["eps"] ** 2 * c2)
+        mask = self.momentum_mask.get(id(p))
+        return t if mask is None else t.mul_(mask)
+
+    def describe(self) -> dict:
+        fields = super().describe()
+        if isinstance(self.momentum_mask, dict):   # given masks: every worker must hold the same
+            order = [id(p) for p in self._all_params()]
+            fields["momentum_mask"] = {i: parameter_digest(self.momentum_mask[k])
+                                       for i, k in enumerate(order) if k in self.momentum_mask}
+        return fields
 
     def _reset_errors(self, params: Sequence[torch.Tensor]) -> None:
         """Every worker error ← 0 (0/1 Adam at the end of its variance phase)."""
@@ -188,11 +241,12 @@ class OneBitAdam(_CompressedAdaptive):
 
     def __init__(self, params, lr, *, freeze_step: int = 100000, betas: "tuple[float, float] | str | None" = None,
                  beta1: float | None = None, beta2: float | None = None, eps: float = 1e-8,
-                 compressor: str = DEFAULT_CODEC, bias_correction: bool = False, **kwargs):
+                 compressor: str = DEFAULT_CODEC, bias_correction: bool = False,
+                 momentum_mask: "str | dict | None" = None, **kwargs):
         require(is_int(freeze_step) and freeze_step >= 0, type(self).__name__,
                 f"freeze_step must be an integer >= 0, got {freeze_step!r}")
         super().__init__(params, lr, betas=betas, beta1=beta1, beta2=beta2, eps=eps, compressor=compressor,
-                         bias_correction=bias_correction, **kwargs)
+                         bias_correction=bias_correction, momentum_mask=momentum_mask, **kwargs)
         self.freeze_step = freeze_step
 
     def _step(self, pairs, params):
@@ -213,10 +267,10 @@ class OneBitAdam(_CompressedAdaptive):
         synced, errors = self._car(local, [self.state[p].get("worker_error") for p in params], keys)
         for (group, p), m, e in zip(pairs, synced, errors):   # nothing changed before the exchange
             state = self.state[p]
-            state["exp_avg"] = m
+            c = self._corrections(group, self.freeze_step)
+            state["exp_avg"] = m = self._masked(p, m, group, c[1])
             if e is not None:
                 state["worker_error"] = e
-            c = self._corrections(group, self.freeze_step)
             p.sub_(self._adam_direction(m, state["exp_avg_sq"], p, group, c), alpha=group["lr"])
 
     def metrics(self):
@@ -259,7 +313,8 @@ class ZeroOneAdam(_CompressedAdaptive):
     def __init__(self, params, lr, *, var_freeze_step: int = 100000, var_update_scaler: int = 16,
                  local_step_scaler: int = 32678, local_step_clipper: int = 16, betas: "tuple[float, float] | str | None" = None,
                  beta1: float | None = None, beta2: float | None = None, eps: float = 1e-8,
-                 compressor: str = DEFAULT_CODEC, bias_correction: bool = False, **kwargs):
+                 compressor: str = DEFAULT_CODEC, bias_correction: bool = False,
+                 momentum_mask: "str | dict | None" = None, **kwargs):
         name = type(self).__name__
         require(is_int(var_freeze_step) and var_freeze_step >= 0, name,
                 f"var_freeze_step must be an integer >= 0, got {var_freeze_step!r}")
@@ -267,7 +322,7 @@ class ZeroOneAdam(_CompressedAdaptive):
                            ("local_step_clipper", local_step_clipper)):
             require(is_int(value) and value >= 1, name, f"{key} must be an integer >= 1, got {value!r}")
         super().__init__(params, lr, betas=betas, beta1=beta1, beta2=beta2, eps=eps, compressor=compressor,
-                         bias_correction=bias_correction, **kwargs)
+                         bias_correction=bias_correction, momentum_mask=momentum_mask, **kwargs)
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
@@ -309,10 +364,12 @@ class ZeroOneAdam(_CompressedAdaptive):
                     self.state[p]["worker_error"] = e
         for (group, p), g in zip(pairs, grads):
             state, (b1, b2) = self._moments(p), group["betas"]
+            corr = self._corrections(group, c.get("var_updates", 0))
             if variance_step:
                 state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+            else:
+                g = self._masked(p, g, group, corr[1])
             state["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
-            corr = self._corrections(group, c.get("var_updates", 0))
             p.sub_(self._adam_direction(state["exp_avg"], state["exp_avg_sq"], p, group, corr), alpha=group["lr"])
         if variance_step:
             c["var_counter"] += 1
@@ -342,8 +399,9 @@ class ZeroOneAdam(_CompressedAdaptive):
             denoms = [self._denominator(self.state[p]["exp_avg_sq"], g, c2) for (g, p), (_, c2) in zip(pairs, corrs)]
             w = [self.state[p]["update"] * den for p, den in zip(params, denoms)]
             synced, errors = self._car(w, [self.state[p].get("worker_error") for p in params], keys)
-            for p, den, wbar, e, (c1, _) in zip(params, denoms, synced, errors, corrs):
+            for (group, p), den, wbar, e, (c1, c2) in zip(pairs, denoms, synced, errors, corrs):
                 state = self.state[p]
+                wbar = self._masked(p, wbar, group, c2)
                 if state["lr_sum"] > 0:   # λ_Σ = 0 only with lr 0, where nothing moved
                     state["exp_avg"] = wbar.div(-state["lr_sum"])
                     if c1 != 1.0:         # m̂ = −w̄/λ_Σ, stored uncorrected
@@ -393,7 +451,8 @@ class OneBitLAMB(_CompressedAdaptive):
                  coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                  factor_threshold: float = 0.1, betas: "tuple[float, float] | str | None" = None,
                  beta1: float | None = None, beta2: float | None = None, eps: float = 1e-8,
-                 compressor: str = DEFAULT_CODEC, bias_correction: bool = False, **kwargs):
+                 compressor: str = DEFAULT_CODEC, bias_correction: bool = False,
+                 momentum_mask: "str | dict | None" = None, **kwargs):
         name = type(self).__name__
         require(is_int(freeze_step) and freeze_step >= 0, name,
                 f"freeze_step must be an integer >= 0, got {freeze_step!r}")
@@ -406,7 +465,7 @@ class OneBitLAMB(_CompressedAdaptive):
         require(is_real(factor_threshold) and 0 <= factor_threshold < 1, name,
                 f"factor_threshold must be in [0, 1), got {factor_threshold!r}")
         super().__init__(params, lr, betas=betas, beta1=beta1, beta2=beta2, eps=eps, compressor=compressor,
-                         bias_correction=bias_correction, **kwargs)
+                         bias_correction=bias_correction, momentum_mask=momentum_mask, **kwargs)
         self.freeze_step = freeze_step
         self.max_coeff, self.min_coeff, self.coeff_beta = float(max_coeff), float(min_coeff), float(coeff_beta)
         self.factor_max, self.factor_min = float(factor_max), float(factor_min)
@@ -467,14 +526,14 @@ class OneBitLAMB(_CompressedAdaptive):
         for group, p in pairs:
             state, (b1, b2) = self.state[p], group["betas"]
             n = p.numel()
-            m = synced[0][offset:offset + n].view_as(p).div(state["scaling_coeff"])
+            c1, c2 = self._corrections(group, self.freeze_step)
+            m = self._masked(p, synced[0][offset:offset + n].view_as(p).div(state["scaling_coeff"]), group, c2)
             if new_error[0] is not None:
                 state["worker_error"] = new_error[0][offset:offset + n].view_as(p).clone()
             offset += n
             g_hat = (m - state["exp_avg"].mul(b1)).div_(1 - b1)
             state["exp_avg"] = m
             state["fresh_exp_avg_sq"].mul_(b2).addcmul_(g_hat, g_hat, value=1 - b2)
-            c1, c2 = self._corrections(group, self.freeze_step)
             denom = self._denominator(state["exp_avg_sq"], group, c2)
             u_p = m / denom if c1 == 1.0 else m.div(c1).div_(denom)
             u = u_p.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else u_p
