@@ -70,6 +70,5 @@ def test_one_momentum_refusal_keeps_each_methods_message(make, kept):
 
 
 def test_old_names_are_aliases():
-    from gradzip.optim import compressed, onebit
+    from gradzip.optim import onebit
     assert onebit.parse_betas("X", "0.8,0.95") == (0.8, 0.95)
-    assert compressed._betas("X", 0.8, 0.95) == (0.8, 0.95)

@@ -186,8 +186,3 @@ class AdamWMethod(Compressed):
                 f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
         inner = torch.optim.AdamW(params, lr=float(lr), betas=betas, eps=float(eps), weight_decay=float(weight_decay))
         super().__init__(inner, compressor=compressor, error_feedback=error_feedback, **common)
-
-
-def _betas(name: str, beta1, beta2) -> tuple[float, float]:
-    """Alias of :func:`gradzip.optim.options.parse_betas` with ``beta1`` / ``beta2`` (kept for old callers)."""
-    return parse_betas(name, beta1=beta1, beta2=beta2)
