@@ -236,6 +236,11 @@ def abs_sum_blocks_many(x, starts, stops, partials, offsets):
             partials[offsets[m] + b] = acc[0]
 
 
+def sign_encode_slices(x, starts, stops, packed, offsets):
+    """:func:`sign_encode` of every slice (the *many* contract of :func:`sign_encode_residual_many`)."""
+    sign_encode_many(x, starts, stops, packed, offsets, _NO_SUMS, False)
+
+
 def sign_encode_l1(x, out, partials):
     """:func:`sign_encode` and :func:`abs_sum_blocks`'s ``partials`` of the whole ℓ1 blocks,
     in one pass (the partial last one: the caller runs :func:`abs_sum_blocks` on it)."""
@@ -426,6 +431,18 @@ def sign_of_counts(total, table, out):
 # ``wires``: one row per worker, each holding that worker's packets of the same slices at the
 # same byte ``offsets``; slice m's aggregate goes to ``out[starts[m]:stops[m]]``. Each is
 # the codec's own aggregate of the decoded packets, in the same float operations.
+
+
+def slice_layout(bounds, bits: int, trailer: int = 0):
+    """(starts, stops, byte offsets, total bytes) of packets of ``bits``-bit codes of the
+    slices ``bounds`` back to back, each followed by ``trailer`` bytes (``scaled_sign``'s
+    scale), as int64 numpy arrays."""
+    ab = np.array(bounds, np.int64).reshape(-1, 2)
+    starts, stops = np.ascontiguousarray(ab[:, 0]), np.ascontiguousarray(ab[:, 1])
+    sizes = (stops - starts) * bits // 8 + ((stops - starts) * bits % 8 > 0) + trailer
+    offsets = np.zeros(sizes.size, np.int64)
+    np.cumsum(sizes[:-1], out=offsets[1:])
+    return starts, stops, offsets, int(sizes.sum())
 
 
 @njit

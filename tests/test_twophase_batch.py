@@ -1,0 +1,101 @@
+"""The two-phase exchange's batched codec calls (Compressor.compress_slices, aggregate_slices,
+decode_slices; gradzip.twophase) give the bytes and values of one codec call per slice, bit
+for bit: the fused overrides (sign, scaled_sign, 2bit) against the per-slice calls, and
+PSync's two-phase exchange against a per-slice reference of the spec's box."""
+import numpy as np
+import pytest
+import torch
+
+from gradzip import twophase as tp
+from gradzip.comm import simulate
+from gradzip.compressors import Compressor, build
+from gradzip.exchange import PSync
+
+CODECS = ["scaled_sign", "scaled_sign:scale=rms", "sign", "2bit:threshold=0.4", "1bit", "topk:ratio=0.3", "qsgd"]
+SIZES = (1, 2, 5, 13, 30, 1027, 9000)   # d < n, d not divisible by n, a whole 1024-entry block and more
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns (so -0.0 != 0.0 and NaNs compare by payload)."""
+    return t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.uint8)
+
+
+def _vector(d: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(d, generator=gen)
+    x[::7] = 0.0
+    x[3::11] = -0.0
+    x[5::13] = 0.4   # exactly the 2bit threshold
+    return x
+
+
+def _layout(n: int):
+    """All tensors flattened into one x: every slice's bounds in x, destination-major (as phase 1)."""
+    offsets = np.cumsum((0,) + SIZES)
+    return [[(int(offsets[k]) + a, int(offsets[k]) + b) for k, d in enumerate(SIZES)
+             for a, b in [tp.slice_bounds(d, n)[j]] if b > a] for j in range(n)]
+
+
+def _per_slice(codec, x, bounds, seeds, residual):
+    packets = [codec.compress_residual(x[a:b].clone(), s, residual[a:b]) for (a, b), s in zip(bounds, seeds)]
+    return torch.cat([w for p in packets for w in p.raw()]), packets
+
+
+@pytest.mark.parametrize("spec", CODECS)
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_slices_calls_equal_one_call_per_slice(spec, n):
+    codec = build(spec)
+    gen = torch.Generator().manual_seed(n)
+    xs = [_vector(sum(SIZES), gen) for _ in range(n)]
+    blocks = _layout(n)
+    bounds = [b for block in blocks for b in block]
+    seeds = [1000 + m for m in range(len(bounds))]
+    made = []
+    for x in xs:
+        res, ref_res = torch.full_like(x, 7.0), torch.full_like(x, 7.0)
+        got = codec.compress_slices(x, bounds, seeds, residual=res)
+        ref_wire, ref_packets = _per_slice(codec, x, bounds, seeds, ref_res)
+        assert torch.equal(got.wire, ref_wire)
+        assert got.nbytes == [p.nbytes for p in ref_packets]
+        assert torch.equal(_bits(res), _bits(ref_res))
+        plain = codec.compress_slices(x, bounds, seeds)      # without a residual: the same packets
+        assert torch.equal(plain.wire, ref_wire)
+        made.append((got, ref_packets))
+    # one destination's block: aggregate the n workers' packets of it, decode it
+    first = sum(len(block) for block in blocks[:n - 1])
+    block = blocks[n - 1]
+    sizes = made[0][0].nbytes[first:first + len(block)]
+    start = sum(made[0][0].nbytes[:first])
+    wires = [g.wire[start:start + sum(sizes)] for g, _ in made]
+    templates = made[0][1][first:first + len(block)]
+    packed, pos = [], 0   # the block's slices back to back in a short output
+    for a, b in block:
+        packed.append((pos, pos + b - a))
+        pos += b - a
+    out = torch.full((pos,), 7.0)
+    codec.aggregate_slices(wires, packed, out, templates if made[0][0].packets is not None else None)
+    ref = torch.cat([codec.aggregate([made[i][1][first + m] for i in range(n)]).reshape(-1)
+                     for m in range(len(block))])
+    assert torch.equal(_bits(out), _bits(ref))
+    decoded = torch.full((pos,), 7.0)
+    codec.decode_slices(wires[0], packed, decoded, templates if made[0][0].packets is not None else None)
+    ref = torch.cat([codec.decompress(made[0][1][first + m]).reshape(-1) for m in range(len(block))])
+    assert torch.equal(_bits(decoded), _bits(ref))
+
+
+@pytest.mark.parametrize("spec", ["scaled_sign", "scaled_sign:scale=rms", "sign", "2bit:threshold=0.4"])
+def test_the_fused_overrides_equal_the_default_loop(spec):
+    """The overrides against Compressor's own (looping) methods on the same codec."""
+    codec = build(spec)
+    x = _vector(sum(SIZES), torch.Generator().manual_seed(5))
+    bounds = _layout(4)[1] + _layout(4)[3] + _layout(4)[0]
+    seeds = list(range(len(bounds)))
+    r1, r2 = torch.zeros_like(x), torch.zeros_like(x)
+    fused = codec.compress_slices(x, bounds, seeds, r1)
+    loop = Compressor.compress_slices(codec, x, bounds, seeds, r2)
+    assert fused.packets is None and loop.packets is not None
+    assert torch.equal(fused.wire, loop.wire) and fused.nbytes == loop.nbytes
+    assert torch.equal(_bits(r1), _bits(r2))
+    o1, o2 = torch.zeros_like(x), torch.zeros_like(x)
+    codec.decode_slices(fused.wire, bounds, o1, None)
+    Compressor.decode_slices(codec, loop.wire, bounds, o2, loop.packets)
+    assert torch.equal(_bits(o1), _bits(o2))
