@@ -99,3 +99,73 @@ def test_the_fused_overrides_equal_the_default_loop(spec):
     codec.decode_slices(fused.wire, bounds, o1, None)
     Compressor.decode_slices(codec, loop.wire, bounds, o2, loop.packets)
     assert torch.equal(_bits(o1), _bits(o2))
+
+
+# -- the whole exchange against the per-slice box ------------------------------------------
+STEPS = 3
+SHAPES = ((1,), (5,), (13, 1), (6, 5), (1027,), (3, 3))
+
+
+def _inputs(rank: int, step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return [_vector(int(np.prod(s)), gen).view(s) for s in SHAPES]
+
+
+def _box(codec, n: int):
+    """The spec's box, one codec call per (tensor, slice), as the exchange did before it
+    batched them: per step, (aggregate, residual of each worker, server errors)."""
+    from gradzip import seeds
+    servers, steps = {}, []
+    for step in range(1, STEPS + 1):
+        inputs = [_inputs(i, step) for i in range(n)]
+        packets, residuals = {}, [[] for _ in range(n)]
+        for i in range(n):
+            for k, t in enumerate(inputs[i]):
+                flat, r = t.reshape(-1), torch.empty(t.numel())
+                base = seeds.mix(0, step, k) if codec.shared_randomness else seeds.mix(0, step, k, i + 1)
+                for j, (a, b) in enumerate(tp.slice_bounds(t.numel(), n)):
+                    if b > a:
+                        packets[i, k, j] = codec.compress_residual(flat[a:b], tp.phase1_seed(base, j), r[a:b])
+                residuals[i].append(r.view(t.shape))
+        aggregates = []
+        for k, shape in enumerate(SHAPES):
+            out = torch.empty(int(np.prod(shape)))
+            for j, (a, b) in enumerate(tp.slice_bounds(out.numel(), n)):
+                if a == b:
+                    continue
+                mine = packets[j, k, j]   # worker j decodes with its own packet's layout
+                s = codec.aggregate([mine.from_raw(torch.cat(packets[i, k, j].raw())) for i in range(n)]).reshape(-1)
+                if (k, j) in servers:
+                    s = s + servers[k, j]
+                e = torch.empty_like(s)
+                c = codec.compress_residual(s, tp.phase2_seed(0, step, k, j), e)
+                servers[k, j] = e
+                codec.decompress(mine.from_raw(torch.cat(c.raw())), out=out[a:b])
+            aggregates.append(out.view(shape))
+        steps.append((aggregates, residuals, {f"{k}:{j}": e.clone() for (k, j), e in servers.items()}))
+    return steps
+
+
+def _exchange(comm, spec, bucket_bytes):
+    psync = PSync(comm, spec, transport="twophase", bucket_bytes=bucket_bytes)
+    steps = []
+    for step in range(1, STEPS + 1):
+        r = psync(_inputs(comm.rank, step), step)
+        steps.append(([a.clone() for a in r.aggregate], [x.clone() for x in r.residual],
+                      psync.server_errors.state_dict()))
+    return steps
+
+
+@pytest.mark.parametrize("spec", CODECS)
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_the_exchange_equals_the_per_slice_box_bit_for_bit(spec, n):
+    bucket_bytes = 40 if spec.startswith("2bit") else 4 << 20   # several buckets, one bucket
+    got = simulate(n, lambda comm: _exchange(comm, spec, bucket_bytes))
+    want = _box(build(spec), n)
+    for rank in range(n):
+        for (agg, res, server), (w_agg, w_res, w_server) in zip(got[rank], want):
+            assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(agg, w_agg))
+            assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(res, w_res[rank]))
+            mine = {name: e for name, e in w_server.items() if int(name.split(":")[1]) == rank}
+            assert server.keys() == mine.keys()
+            assert all(torch.equal(_bits(server[name]), _bits(mine[name])) for name in mine)
