@@ -169,3 +169,21 @@ def test_the_exchange_equals_the_per_slice_box_bit_for_bit(spec, n):
             mine = {name: e for name, e in w_server.items() if int(name.split(":")[1]) == rank}
             assert server.keys() == mine.keys()
             assert all(torch.equal(_bits(server[name]), _bits(mine[name])) for name in mine)
+
+
+@pytest.mark.parametrize("spec", ["scaled_sign", "scaled_sign:scale=rms"])
+def test_per_slice_scales_over_many_lengths(spec):
+    """The batched scales (rms: one row-wise norm per run of equal slices; l1: the defined
+    order) equal each slice's own, over many lengths, runs and an ℓ1 fold (> 65536 entries)."""
+    codec = build(spec)
+    gen = torch.Generator().manual_seed(9)
+    lengths = list(range(1, 80)) + [255, 1024, 1025, 4099, 70001]
+    x = torch.randn(sum(lengths) * 2, generator=gen) * torch.rand(1, generator=gen)
+    bounds, a = [], 0
+    for d in lengths:
+        bounds += [(a + lo, a + hi) for lo, hi in tp.slice_bounds(d, 3) if hi > lo]
+        a += d
+    bounds = bounds[1::2] + bounds[::2] + [(a, a + 5), (a + 5, a + 10), (a + 10, a + 15)]   # any order; a run
+    got = codec.compress_slices(x, bounds, [0] * len(bounds))
+    want = torch.cat([torch.cat(codec.compress(x[lo:hi]).raw()) for lo, hi in bounds])
+    assert torch.equal(got.wire, want)

@@ -382,16 +382,23 @@ def _encode_slices(x, starts, stops, wire, offsets, residual, tables) -> None:
 
 
 def _rms_scales(x: torch.Tensor, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-    """:func:`rms_scale` of every slice ``x[a:b]`` (float32; see ``ScaledSign._slice_scales``)."""
-    out = np.empty(starts.size, np.float32)
+    """:func:`rms_scale` of every slice ``x[a:b]`` (float32; see ``ScaledSign._slice_scales``):
+    the norms of each run of adjacent equally long slices (in the order of their starts) by
+    one row-wise norm, then each divided by ``√size`` in float32 (as torch divides a float32
+    tensor by a Python float)."""
     order = np.argsort(starts, kind="stable")
+    norms = torch.empty(order.size, dtype=torch.float32)
+    roots = np.empty(order.size, np.float32)
     i = 0
     while i < order.size:
         a, size = int(starts[order[i]]), int(stops[order[i]] - starts[order[i]])
         j = i + 1
         while j < order.size and starts[order[j]] == a + (j - i) * size and stops[order[j]] - starts[order[j]] == size:
             j += 1
-        norms = torch.linalg.vector_norm(x[a:a + (j - i) * size].view(j - i, size), dim=1, dtype=torch.float32)
-        out[order[i:j]] = (norms / math.sqrt(size)).numpy()
+        torch.linalg.vector_norm(x[a:a + (j - i) * size].view(j - i, size), dim=1, dtype=torch.float32,
+                                 out=norms[i:j])
+        roots[i:j] = math.sqrt(size)
         i = j
+    out = np.empty(order.size, np.float32)
+    out[order] = norms.numpy() / roots
     return out
