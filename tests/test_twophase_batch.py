@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from gradzip import seeds
 from gradzip import twophase as tp
 from gradzip.comm import simulate
 from gradzip.compressors import Compressor, build
@@ -114,7 +115,6 @@ def _inputs(rank: int, step: int) -> list[torch.Tensor]:
 def _box(codec, n: int):
     """The spec's box, one codec call per (tensor, slice), as the exchange did before it
     batched them: per step, (aggregate, residual of each worker, server errors)."""
-    from gradzip import seeds
     servers, steps = {}, []
     for step in range(1, STEPS + 1):
         inputs = [_inputs(i, step) for i in range(n)]

@@ -377,7 +377,7 @@ def _encode_slices(x, starts, stops, wire, offsets, residual, tables) -> None:
     if residual is None:
         ek.sign_encode_slices(kernels.array(x), starts, stops, kernels.array(wire), offsets)
     else:
-        ek.sign_encode_residual_many(kernels.array(x), starts, stops, tables[0], kernels.array(wire), offsets,
+        ek.sign_encode_residual_slices(kernels.array(x), starts, stops, tables[0], kernels.array(wire), offsets,
                                      kernels.array(residual))
 
 

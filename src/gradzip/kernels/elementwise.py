@@ -38,7 +38,7 @@ def sign_encode(x, out):
     """``out`` (uint8, ceil(n/8)) = packed bits of ``x >= 0`` (:func:`sign_encode_l1` without
     the sums)."""
     starts, stops, offsets = whole(x.size)
-    sign_encode_many(x, starts, stops, out, offsets, _NO_SUMS, False)
+    sign_encode_many(x, starts, stops, out, offsets, _NO_SUMS, False, _NO_TABLES, x[:0], False)
 
 
 @njit
@@ -68,59 +68,24 @@ def sign_encode_bits(x, inf, out):
             out[k >> 3] = 0
         out[k >> 3] |= bit << (7 - (k & 7))
 
+
 def sign_encode_residual(x, table, out, res):
     """:func:`sign_encode`, and ``res = x − table[bit]`` (``table``: the decoded −, + value)."""
     starts, stops, offsets = whole(x.size)
-    sign_encode_residual_many(x, starts, stops, table.reshape(1, 2), out, offsets, res)
+    sign_encode_residual_slices(x, starts, stops, table.reshape(1, 2), out, offsets, res)
+
+
+def sign_encode_residual_slices(x, starts, stops, tables, packed, offsets, residual):
+    """:func:`sign_encode_residual` of every slice ``x[starts[m]:stops[m]]`` (the *many*
+    contract: its codes from byte ``offsets[m]`` of ``packed``, its residual at the same
+    positions of ``residual``, ``tables[m]`` its decoded −, + value): the same bytes and
+    values as one call per slice."""
+    sign_encode_many(x, starts, stops, packed, offsets, _NO_SUMS, False, tables, residual, True)
 
 
 def whole(n):
     """(starts, stops, offsets) of one slice covering ``n`` entries, for a ``*_many`` kernel."""
     return np.zeros(1, np.int64), np.full(1, n, np.int64), np.zeros(1, np.int64)
-
-
-@njit
-def sign_encode_residual_many(x, starts, stops, tables, packed, offsets, residual):
-    """:func:`sign_encode_residual` of every slice ``x[starts[m]:stops[m]]`` (the *many*
-    contract: its codes from byte ``offsets[m]`` of ``packed``, its residual at the same
-    positions of ``residual``, ``tables[m]`` its decoded −, + value): the same bytes and
-    values as one call per slice."""
-    for m in range(starts.size):
-        x_ = x[starts[m]:stops[m]]
-        res = residual[starts[m]:stops[m]]
-        out = packed[offsets[m]:]
-        n = x_.size
-        neg, pos = tables[m, 0], tables[m, 1]
-        blocked = n // _BLOCK * _BLOCK
-        tmp = np.empty(_BLOCK, np.uint8)
-        words = tmp.view(np.uint64)
-        for s in range(0, blocked, _BLOCK):
-            for k in range(_BLOCK):
-                v = x_[s + k]
-                ge = v >= 0
-                res[s + k] = v - (pos if ge else neg)
-                tmp[k] = ge
-            for i in range(_BLOCK // 8):  # eight 0/1 bytes of a little-endian word -> one byte
-                u = words[i]
-                b = u & 1
-                for j in range(1, 8):
-                    b = (b << 1) | ((u >> (8 * j)) & 1)
-                out[s // 8 + i] = b
-        for k in range(blocked, n):
-            v = x_[k]
-            res[k] = v - (pos if v >= 0 else neg)
-        full = n // 8  # the entries after the last whole block, code by code
-        for i in range(blocked // 8, full):
-            b = 0
-            for j in range(8):
-                b = (b << 1) | (x_[i * 8 + j] >= 0)
-            out[i] = b
-        rem = n - full * 8
-        if rem:
-            b = 0
-            for j in range(rem):
-                b = (b << 1) | (x_[full * 8 + j] >= 0)
-            out[full] = b << (8 - rem)
 
 
 def twobit_encode(x, t, out):
@@ -142,7 +107,7 @@ _NO_TABLE = np.zeros(4, np.float32)
 @njit
 def twobit_encode_many(x, starts, stops, t, table, packed, offsets, residual, with_residual):
     """:func:`twobit_encode` (``with_residual``: :func:`twobit_encode_residual`) of every
-    slice ``x[starts[m]:stops[m]]`` (the *many* contract of :func:`sign_encode_residual_many`;
+    slice ``x[starts[m]:stops[m]]`` (the *many* contract of :func:`sign_encode_residual_slices`;
     one threshold ``t`` and one ``table`` for all)."""
     mt = -t
     zero, minus, plus = table[0], table[2], table[3]  # selects, not a gather: LLVM vectorizes them
@@ -237,37 +202,48 @@ def abs_sum_blocks_many(x, starts, stops, partials, offsets):
 
 
 def sign_encode_slices(x, starts, stops, packed, offsets):
-    """:func:`sign_encode` of every slice (the *many* contract of :func:`sign_encode_residual_many`)."""
-    sign_encode_many(x, starts, stops, packed, offsets, _NO_SUMS, False)
+    """:func:`sign_encode` of every slice (the *many* contract of :func:`sign_encode_residual_slices`)."""
+    sign_encode_many(x, starts, stops, packed, offsets, _NO_SUMS, False, _NO_TABLES, x[:0], False)
 
 
 def sign_encode_l1(x, out, partials):
     """:func:`sign_encode` and :func:`abs_sum_blocks`'s ``partials`` of the whole ℓ1 blocks,
     in one pass (the partial last one: the caller runs :func:`abs_sum_blocks` on it)."""
     starts, stops, offsets = whole(x.size)
-    sign_encode_many(x, starts, stops, out, offsets, partials, True)
+    sign_encode_many(x, starts, stops, out, offsets, partials, True, _NO_TABLES, x[:0], False)
 
 
 _NO_SUMS = np.empty(0, np.float64)
+_NO_TABLES = np.zeros((1, 2), np.float32)
 
 
 @njit
-def sign_encode_many(x, starts, stops, packed, offsets, partials, sums):
+def sign_encode_many(x, starts, stops, packed, offsets, partials, sums, tables, residual, with_residual):
     """:func:`sign_encode` of every slice ``x[starts[m]:stops[m]]`` (the *many* contract of
-    :func:`sign_encode_residual_many`); ``sums`` (one slice only): also the ℓ1 partials of
-    its whole blocks into ``partials`` (:func:`sign_encode_l1`)."""
+    :func:`sign_encode_residual_slices`); ``sums`` (one slice only): also the ℓ1 partials of
+    its whole blocks into ``partials`` (:func:`sign_encode_l1`); ``with_residual``: also
+    ``residual = x − tables[m, bit]``."""
+    tmp = np.empty(_BLOCK, np.uint8)
+    words = tmp.view(np.uint64)
+    acc = np.zeros(_BLOCK, np.float64)
     for m in range(starts.size):
         x_ = x[starts[m]:stops[m]]
+        res = residual[starts[m]:stops[m]] if with_residual else residual
         out = packed[offsets[m]:]
+        neg, pos = tables[m if with_residual else 0, 0], tables[m if with_residual else 0, 1]
         n = x_.size
         blocked = n // _BLOCK * _BLOCK
-        tmp = np.empty(_BLOCK, np.uint8)
-        words = tmp.view(np.uint64)
-        acc = np.zeros(_BLOCK, np.float64)
         for s in range(0, blocked, _BLOCK):
             blk = x_[s:s + _BLOCK]
-            for k in range(_BLOCK):
-                tmp[k] = blk[k] >= 0
+            if with_residual:
+                for k in range(_BLOCK):
+                    v = blk[k]
+                    ge = v >= 0
+                    res[s + k] = v - (pos if ge else neg)
+                    tmp[k] = ge
+            else:
+                for k in range(_BLOCK):
+                    tmp[k] = blk[k] >= 0
             if sums:
                 for k in range(_BLOCK):
                     acc[k] += abs(np.float64(blk[k]))
@@ -285,6 +261,10 @@ def sign_encode_many(x, starts, stops, packed, offsets, partials, sums):
                     h //= 2
                 partials[s // L1_BLOCK] = acc[0]
                 acc[:] = 0.0
+        if with_residual:
+            for k in range(blocked, n):
+                v = x_[k]
+                res[k] = v - (pos if v >= 0 else neg)
         full = n // 8  # the entries after the last whole block, code by code
         for i in range(blocked // 8, full):
             b = 0
