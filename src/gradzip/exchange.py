@@ -179,7 +179,8 @@ class PSync:
         self.server_errors = tp.ServerErrors()   # the two-phase E_j (gradzip.twophase)
         self._sizer = None if isinstance(self.compressor, PerTensor) else tp.Sizer(self.compressor)
         self._plans: dict = {}
-        self._layouts: dict = {}   # two-phase: numels -> tp.Layout, (numel, dtype) -> packet bytes
+        self._layouts: dict = {}      # two-phase: numels of a bucket -> tp.Layout
+        self._slice_bytes: dict = {}  # two-phase: (numel, dtype) -> its slices' packet bytes
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.timings = Timings()
@@ -358,11 +359,11 @@ class PSync:
 
     def _twophase_bytes(self, numel: int, dtype: torch.dtype) -> int:
         """The packets' bytes of one tensor's slices (cached; for bucketing before compressing)."""
-        nbytes = self._layouts.get((numel, dtype))
+        nbytes = self._slice_bytes.get((numel, dtype))
         if nbytes is None:
             probe = [self.compressor.compress(torch.zeros(b - a, dtype=dtype)).nbytes
                      for a, b in tp.slice_bounds(numel, self.comm.world_size) if b > a]
-            nbytes = self._layouts[(numel, dtype)] = sum(probe)
+            nbytes = self._slice_bytes[(numel, dtype)] = sum(probe)
         return nbytes
 
     def _seed(self, step: int, key: int, codec: Compressor | None = None) -> int:
