@@ -16,7 +16,10 @@ Both rounds are :meth:`Group.all_to_all` calls: one message per peer holding tha
 slices of every tensor of the bucket (phase 2 sends the same message to every peer, what
 an allgather of unequal sizes sends). A receiver sizes what it gets from its own packet of
 the same slice (same shape, same codec: the layout PSync's allgather relies on too), so
-no sizes travel. Bytes per worker: ``Σ_{j≠i} |c_ij| + (n−1)·|ĉ_i|`` ≈ 2(n−1)/n × packet
+no sizes travel. Local work: each stage (compress, aggregate + recompress, decode) is one
+codec call per bucket over all its slices (:class:`Layout`,
+:meth:`~gradzip.compressors.Compressor.compress_slices`), the same bits as a call per slice.
+Bytes per worker: ``Σ_{j≠i} |c_ij| + (n−1)·|ĉ_i|`` ≈ 2(n−1)/n × packet
 (:func:`wire_bytes`).
 
 Seeds: phase 1 slice ``j`` uses ``mix(seed of (step, key) as for the exact transports, j)``
