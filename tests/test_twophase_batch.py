@@ -108,20 +108,25 @@ SHAPES = ((1,), (5,), (13, 1), (6, 5), (1027,), (3, 3))
 
 
 def _inputs(rank: int, step: int) -> list[torch.Tensor]:
+    """One float64 tensor among float32 ones: the exchange's buckets hold one dtype each."""
     gen = torch.Generator().manual_seed(100 * step + rank)
-    return [_vector(int(np.prod(s)), gen).view(s) for s in SHAPES]
+    return [_vector(int(np.prod(s)), gen).view(s).to(torch.float64 if k == 3 else torch.float32)
+            for k, s in enumerate(SHAPES)]
 
 
-def _box(codec, n: int):
+def _box(codec, n: int, drop=None):
     """The spec's box, one codec call per (tensor, slice), as the exchange did before it
-    batched them: per step, (aggregate, residual of each worker, server errors)."""
+    batched them: per step, (aggregate, residual of each worker, server errors); ``drop``:
+    the (tensor, slice) whose server error is lost before the last step."""
     servers, steps = {}, []
     for step in range(1, STEPS + 1):
+        if step == STEPS and drop is not None:
+            servers.pop(drop)
         inputs = [_inputs(i, step) for i in range(n)]
         packets, residuals = {}, [[] for _ in range(n)]
         for i in range(n):
             for k, t in enumerate(inputs[i]):
-                flat, r = t.reshape(-1), torch.empty(t.numel())
+                flat, r = t.reshape(-1), torch.empty(t.numel(), dtype=t.dtype)
                 base = seeds.mix(0, step, k) if codec.shared_randomness else seeds.mix(0, step, k, i + 1)
                 for j, (a, b) in enumerate(tp.slice_bounds(t.numel(), n)):
                     if b > a:
@@ -129,7 +134,7 @@ def _box(codec, n: int):
                 residuals[i].append(r.view(t.shape))
         aggregates = []
         for k, shape in enumerate(SHAPES):
-            out = torch.empty(int(np.prod(shape)))
+            out = torch.empty(int(np.prod(shape)), dtype=inputs[0][k].dtype)
             for j, (a, b) in enumerate(tp.slice_bounds(out.numel(), n)):
                 if a == b:
                     continue
@@ -146,22 +151,19 @@ def _box(codec, n: int):
     return steps
 
 
-def _exchange(comm, spec, bucket_bytes):
+def _exchange(comm, spec, bucket_bytes, drop=None):
     psync = PSync(comm, spec, transport="twophase", bucket_bytes=bucket_bytes)
     steps = []
     for step in range(1, STEPS + 1):
+        if step == STEPS and drop is not None:
+            psync.server_errors.errors.pop(drop, None)
         r = psync(_inputs(comm.rank, step), step)
         steps.append(([a.clone() for a in r.aggregate], [x.clone() for x in r.residual],
                       psync.server_errors.state_dict()))
     return steps
 
 
-@pytest.mark.parametrize("spec", CODECS)
-@pytest.mark.parametrize("n", [1, 3, 4])
-def test_the_exchange_equals_the_per_slice_box_bit_for_bit(spec, n):
-    bucket_bytes = 40 if spec.startswith("2bit") else 4 << 20   # several buckets, one bucket
-    got = simulate(n, lambda comm: _exchange(comm, spec, bucket_bytes))
-    want = _box(build(spec), n)
+def _compare(got, want, n):
     for rank in range(n):
         for (agg, res, server), (w_agg, w_res, w_server) in zip(got[rank], want):
             assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(agg, w_agg))
@@ -169,6 +171,19 @@ def test_the_exchange_equals_the_per_slice_box_bit_for_bit(spec, n):
             mine = {name: e for name, e in w_server.items() if int(name.split(":")[1]) == rank}
             assert server.keys() == mine.keys()
             assert all(torch.equal(_bits(server[name]), _bits(mine[name])) for name in mine)
+
+
+@pytest.mark.parametrize("spec", CODECS)
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_the_exchange_equals_the_per_slice_box_bit_for_bit(spec, n):
+    bucket_bytes = 40 if spec.startswith("2bit") else 4 << 20   # several buckets, one bucket
+    _compare(simulate(n, lambda comm: _exchange(comm, spec, bucket_bytes)), _box(build(spec), n), n)
+
+
+@pytest.mark.parametrize("spec", ["scaled_sign:scale=rms", "2bit:threshold=0.4"])
+def test_a_missing_server_error_is_not_added(spec):
+    """Some slices of a bucket with a server error, one without (a lost entry): each as the box."""
+    _compare(simulate(3, lambda comm: _exchange(comm, spec, 4 << 20, drop=(4, 1))), _box(build(spec), 3, (4, 1)), 3)
 
 
 @pytest.mark.parametrize("spec", ["scaled_sign", "scaled_sign:scale=rms"])
