@@ -74,7 +74,7 @@ import torch
 
 from . import seeds
 from .comm import Group, Work, allgather_wire_bytes, allreduce_wire_bytes
-from .compressors import Compressor, Packet, PerTensor, build
+from .compressors import Compressor, Packet, PerTensor, Slices, build
 from .errors import GradzipError
 from .nonfinite import NonFiniteAggregate, first_nonfinite
 from . import twophase as tp
@@ -179,6 +179,8 @@ class PSync:
         self.server_errors = tp.ServerErrors()   # the two-phase E_j (gradzip.twophase)
         self._sizer = None if isinstance(self.compressor, PerTensor) else tp.Sizer(self.compressor)
         self._plans: dict = {}
+        self._layouts: dict = {}      # two-phase: numels of a bucket -> tp.Layout
+        self._slice_bytes: dict = {}  # two-phase: (numel, dtype) -> its slices' packet bytes
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.timings = Timings()
@@ -348,6 +350,22 @@ class PSync:
         bucket.buffer = buf.copy_(parts[0]) if len(parts) == 1 else torch.cat(parts, out=buf)
         return buf
 
+    def _twophase_layout(self, numels: tuple[int, ...]) -> tp.Layout:
+        """The slices of a two-phase bucket of tensors of ``numels`` entries (cached)."""
+        layout = self._layouts.get(numels)
+        if layout is None:
+            layout = self._layouts[numels] = tp.Layout(numels, self.comm.world_size)
+        return layout
+
+    def _twophase_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        """The packets' bytes of one tensor's slices (cached; for bucketing before compressing)."""
+        nbytes = self._slice_bytes.get((numel, dtype))
+        if nbytes is None:
+            probe = [self.compressor.compress(torch.zeros(b - a, dtype=dtype)).nbytes
+                     for a, b in tp.slice_bounds(numel, self.comm.world_size) if b > a]
+            nbytes = self._slice_bytes[(numel, dtype)] = sum(probe)
+        return nbytes
+
     def _seed(self, step: int, key: int, codec: Compressor | None = None) -> int:
         if (codec or self.compressor).shared_randomness:
             return mix_seed(self.seed, step, key)
@@ -440,7 +458,7 @@ class PSync:
                     out[i] = codec.from_sum(total, packet, n)
                 else:
                     chunk = gathered.reshape(n, -1)[:, offset:offset + size]
-                    out[i] = codec.aggregate([packet.like(_unpack_wire(packet, row)) for row in chunk])
+                    out[i] = codec.aggregate([packet.from_raw(row) for row in chunk])
                 offset += size
             decoded = time.perf_counter()
             self._add_compress(decoded - decoding)
@@ -457,21 +475,6 @@ class PSync:
         self.server_errors.errors.update(errors)   # only once the aggregate passed the check
         self._release(pending, out)
         return Result(out, pending.residual, sent, pending.packet_bytes)
-
-
-def _unpack_wire(template: Packet, raw: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Another worker's wire tensors from its raw bytes, laid out like ``template``'s: views
-    of ``raw`` (read-only for the codec's aggregate), a copy only where the offset is not a
-    multiple of the dtype's size (a dtype view needs that alignment)."""
-    wire, offset = {}, 0
-    for name, t in template.wire.items():
-        nbytes = t.numel() * t.element_size()
-        piece = raw[offset:offset + nbytes]
-        if piece.storage_offset() % t.element_size():
-            piece = piece.clone()
-        wire[name] = piece.view(t.dtype).view(t.shape)
-        offset += nbytes
-    return wire
 
 
 def _storages(tensors) -> set[int]:
@@ -491,67 +494,63 @@ def _device(packet: Packet) -> torch.device:
 
 @dataclass
 class _TwoPhaseBucket:
-    """Two-phase tensors launched together: one all-to-all message per peer."""
+    """Two-phase tensors launched together (one dtype and device): one all-to-all message
+    per peer, every slice of them compressed by one codec call (``twophase.Layout``)."""
 
     positions: list[int]                 # in the exchange's tensor list
     keys: list[int]
     shapes: list[torch.Size]
-    dtypes: list[torch.dtype]
+    dtype: torch.dtype
     device: torch.device
-    bounds: list[list[tuple[int, int]]]  # per tensor, its n slices
-    slices: list[list[Packet | None]]    # per tensor, c_ij per slice j (None: empty slice)
     step: int
-    payload: int
+    payload: int                         # the packets' bytes (as predicted, then as made)
+    layout: tp.Layout | None = None
+    sent: Slices | None = None           # phase 1's packets, destination by destination
+    sizes: list[int] = field(default_factory=list)   # bytes of phase 1's message to each peer
     work: Work | None = None
 
-
-def _raw(packet: Packet | None) -> list[torch.Tensor]:
-    if packet is None:
-        return []
-    return [w.contiguous().reshape(-1).view(torch.uint8) for w in packet.wire.values()]
-
-
-def _cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    def templates(self, j: int) -> list[Packet] | None:
+        """This worker's own packets of the slices for destination ``j`` (the layout of every
+        packet of those slices: ``Compressor.aggregate_slices``), None from a fused codec."""
+        packets, first = self.sent.packets, self.layout.first
+        return None if packets is None else packets[first[j]:first[j + 1]]
 
 
 def _two_phase_start(psync: PSync, tensors, positions, keys, step, residuals) -> list[_TwoPhaseBucket]:
     """Phase 1 (gradzip.twophase): compress every slice (residual into ``residuals``) and
     launch one all-to-all per bucket of up to ``bucket_bytes`` of packets."""
-    codec, n, rank = psync.compressor, psync.comm.world_size, psync.comm.rank
+    codec, comm = psync.compressor, psync.comm
+    n, rank = comm.world_size, comm.rank
     buckets: list[_TwoPhaseBucket] = []
+    members: list[list[torch.Tensor]] = []
     current = None
     for t, pos, key in zip(tensors, positions, keys):
-        flat = t.detach().reshape(-1)
-        bounds = tp.slice_bounds(flat.numel(), n)
-        base = psync._seed(step, key)
-        r = None
-        if residuals is not None:
-            r = torch.empty(flat.numel(), dtype=t.dtype, device=t.device)
-            residuals[pos] = r.view(t.shape)
-        packets = []
-        for j, (a, b) in enumerate(bounds):
-            if a == b:
-                packets.append(None)
-            elif r is not None:
-                packets.append(codec.compress_residual(flat[a:b], tp.phase1_seed(base, j), r[a:b]))
-            else:
-                packets.append(codec.compress(flat[a:b], tp.phase1_seed(base, j)))
-        nbytes = sum(p.nbytes for p in packets if p is not None)
-        if current is None or (current.payload + nbytes > psync.bucket_bytes and current.positions):
-            current = _TwoPhaseBucket([], [], [], [], t.device, [], [], step, 0)
+        nbytes = psync._twophase_bytes(t.numel(), t.dtype)
+        if (current is None or current.dtype != t.dtype or current.device != t.device
+                or (current.payload + nbytes > psync.bucket_bytes and current.positions)):
+            current = _TwoPhaseBucket([], [], [], t.dtype, t.device, step, 0)
             buckets.append(current)
+            members.append([])
         current.positions.append(pos)
         current.keys.append(key)
         current.shapes.append(t.shape)
-        current.dtypes.append(t.dtype)
-        current.bounds.append(bounds)
-        current.slices.append(packets)
         current.payload += nbytes
-    for bucket in buckets:
-        messages = [_cat([w for packets in bucket.slices for w in _raw(packets[j])], bucket.device) for j in range(n)]
-        mine = sum(p.nbytes for packets in bucket.slices if packets[rank] is not None for p in [packets[rank]])
-        bucket.work = psync.comm.all_to_all(messages, [mine] * n, async_op=True)
+        members[-1].append(t.detach().reshape(-1))
+    for bucket, flats in zip(buckets, members):
+        layout = bucket.layout = psync._twophase_layout(tuple(f.numel() for f in flats))
+        x = torch.cat(flats) if len(flats) > 1 else flats[0]
+        r = None if residuals is None else torch.empty(layout.total, dtype=bucket.dtype, device=bucket.device)
+        bases = [psync._seed(step, key) for key in bucket.keys]
+        seeds = [tp.phase1_seed(bases[k], j) for j in range(n) for k in layout.members[j]]
+        bucket.sent = codec.compress_slices(x, layout.bounds, seeds, r)
+        if r is not None:
+            for pos, shape, a, f in zip(bucket.positions, bucket.shapes, layout.offsets, flats):
+                residuals[pos] = r[a:a + f.numel()].view(shape)
+        nbytes = bucket.sent.nbytes
+        bucket.sizes = [sum(nbytes[layout.first[j]:layout.first[j + 1]]) for j in range(n)]
+        bucket.payload = sum(bucket.sizes)
+        messages = list(torch.split(bucket.sent.wire, bucket.sizes))
+        bucket.work = comm.all_to_all(messages, [bucket.sizes[rank]] * n, async_op=True)
         psync.bytes_sent += bucket.work.nbytes
     return buckets
 
@@ -560,53 +559,40 @@ def _two_phase_finish(psync: PSync, bucket: _TwoPhaseBucket, out: list, errors: 
     """Phase 2: decode + aggregate this worker's slices, add the server error, compress
     again (the new server error into ``errors``), send to every peer; then decode every
     slice into ``out``. Returns the bytes sent by both rounds."""
-    codec, comm = psync.compressor, psync.comm
+    codec, comm, layout = psync.compressor, psync.comm, bucket.layout
     n, rank = comm.world_size, comm.rank
     began = time.perf_counter()
     received = bucket.work.wait()
     decoding = time.perf_counter()
     psync.count_wait(began, decoding)
     sent = bucket.work.nbytes
-    offsets = [0] * n
-    mine: list[Packet | None] = []
-    for key, packets in zip(bucket.keys, bucket.slices):
-        template = packets[rank]
-        if template is None:
-            mine.append(None)
-            continue
-        theirs = []
-        for i in range(n):
-            size = template.nbytes
-            theirs.append(template.like(_unpack_wire(template, received[i][offsets[i]:offsets[i] + size])))
-            offsets[i] += size
-        s = codec.aggregate(theirs).reshape(-1)
-        old = psync.server_errors.errors.get((key, rank))
-        if old is not None:
-            s = s + old
-        e = torch.empty_like(s)
-        mine.append(codec.compress_residual(s, tp.phase2_seed(psync.seed, bucket.step, key, rank), e))
-        errors[(key, rank)] = e
-    message = _cat([w for p in mine for w in _raw(p)], bucket.device)
-    sizes = [sum(packets[i].nbytes for packets in bucket.slices if packets[i] is not None) for i in range(n)]
+    mine, packed = layout.members[rank], layout.packed[rank]
+    s = torch.empty(packed[-1][1] if packed else 0, dtype=bucket.dtype, device=bucket.device)
+    codec.aggregate_slices(received, packed, s, bucket.templates(rank))
+    keys = [bucket.keys[k] for k in mine]
+    old = [psync.server_errors.errors.get((key, rank)) for key in keys]
+    if old and all(e is not None for e in old):
+        s.add_(torch.cat(old) if len(old) > 1 else old[0])
+    else:   # before the first exchange (or after a reset) of some: only where one is held
+        for (a, b), e in zip(packed, old):
+            if e is not None:
+                s[a:b].add_(e)
+    e = torch.empty_like(s)
+    back = codec.compress_slices(s, packed, [tp.phase2_seed(psync.seed, bucket.step, key, rank) for key in keys], e)
+    for key, (a, b) in zip(keys, packed):
+        errors[(key, rank)] = e[a:b]
     compressed = time.perf_counter()
     psync._add_compress(compressed - decoding)
-    work = comm.all_to_all([message] * n, sizes, async_op=True)
+    work = comm.all_to_all([back.wire] * n, bucket.sizes, async_op=True)
     psync.bytes_sent += work.nbytes
     sent += work.nbytes
     gathered = work.wait()
     decoding = time.perf_counter()
     psync.count_wait(compressed, decoding)
-    offsets = [0] * n
-    for pos, shape, dtype, bounds, packets in zip(bucket.positions, bucket.shapes, bucket.dtypes,
-                                                  bucket.bounds, bucket.slices):
-        flat = torch.empty(sum(b - a for a, b in bounds), dtype=dtype, device=bucket.device)
-        for j, (a, b) in enumerate(bounds):
-            template = packets[j]
-            if template is None:
-                continue
-            raw = gathered[j][offsets[j]:offsets[j] + template.nbytes]
-            offsets[j] += template.nbytes
-            codec.decompress(template.like(_unpack_wire(template, raw)), out=flat[a:b])
-        out[pos] = flat.view(shape)
+    flat = torch.empty(layout.total, dtype=bucket.dtype, device=bucket.device)
+    for j in range(n):
+        codec.decode_slices(gathered[j], layout.blocks[j], flat, bucket.templates(j))
+    for pos, shape, a in zip(bucket.positions, bucket.shapes, layout.offsets):
+        out[pos] = flat[a:a + shape.numel()].view(shape)
     psync._add_compress(time.perf_counter() - decoding)
     return sent

@@ -16,7 +16,10 @@ Both rounds are :meth:`Group.all_to_all` calls: one message per peer holding tha
 slices of every tensor of the bucket (phase 2 sends the same message to every peer, what
 an allgather of unequal sizes sends). A receiver sizes what it gets from its own packet of
 the same slice (same shape, same codec: the layout PSync's allgather relies on too), so
-no sizes travel. Bytes per worker: ``Σ_{j≠i} |c_ij| + (n−1)·|ĉ_i|`` ≈ 2(n−1)/n × packet
+no sizes travel. Local work: each stage (compress, aggregate + recompress, decode) is one
+codec call per bucket over all its slices (:class:`Layout`,
+:meth:`~gradzip.compressors.Compressor.compress_slices`), the same bits as a call per slice.
+Bytes per worker: ``Σ_{j≠i} |c_ij| + (n−1)·|ĉ_i|`` ≈ 2(n−1)/n × packet
 (:func:`wire_bytes`).
 
 Seeds: phase 1 slice ``j`` uses ``mix(seed of (step, key) as for the exact transports, j)``
@@ -40,6 +43,7 @@ the exact numbers; the choice depends on the bucket, never on the rank, and neve
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Sequence
 
@@ -72,6 +76,35 @@ def slice_bounds(d: int, n: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+class Layout:
+    """Where the slices of a bucket's tensors (``numels``, back to back in one flat buffer)
+    lie, for ``n`` workers: the exchange's codec calls take them all at once
+    (:meth:`gradzip.compressors.Compressor.compress_slices`), so its local work grows with the
+    bytes, not with tensors × slices.
+
+    ``offsets[k]``: tensor k's first entry in the buffer. Per destination ``j``: ``members[j]``
+    (the tensors whose slice j is not empty, in order), ``blocks[j]`` (those slices' bounds
+    in the buffer) and ``packed[j]`` (the same slices back to back from 0: phase 2's buffer
+    on worker j). ``bounds``: every block, destination by destination (phase 1's order, so
+    each peer's message is one contiguous run), ``first[j]``: block j's first index there."""
+
+    def __init__(self, numels: Sequence[int], n: int):
+        self.offsets = [0]
+        for d in numels:
+            self.offsets.append(self.offsets[-1] + d)
+        self.total = self.offsets.pop()
+        cut = [slice_bounds(d, n) for d in numels]
+        self.members = [[k for k, c in enumerate(cut) if c[j][1] > c[j][0]] for j in range(n)]
+        self.blocks = [[(self.offsets[k] + cut[k][j][0], self.offsets[k] + cut[k][j][1]) for k in self.members[j]]
+                       for j in range(n)]
+        self.packed = []
+        for block in self.blocks:
+            ends = itertools.accumulate(b - a for a, b in block)
+            self.packed.append([(end - (b - a), end) for (a, b), end in zip(block, ends)])
+        self.bounds = [ab for block in self.blocks for ab in block]
+        self.first = [0, *itertools.accumulate(len(block) for block in self.blocks)]
 
 
 def phase1_seed(base: int, j: int) -> int:

@@ -3,10 +3,10 @@
 Adding a codec: one module with a ``@register``-ed :class:`Compressor` subclass, and one
 import line below.
 """
-from .base import Compressor, Packet, keep_count
+from .base import Compressor, Packet, Slices, keep_count
 from .registry import build, names, register
 
 from . import identity, threshold2bit, onebit, sign, qsgd, terngrad, sparsify, dgc, powersgd  # noqa: E402,F401  (registration)
 from .policy import PerTensor  # noqa: E402  (a codec per tensor: gradzip.PerTensor)
 
-__all__ = ["Compressor", "Packet", "build", "names", "register", "keep_count", "PerTensor"]
+__all__ = ["Compressor", "Packet", "Slices", "build", "names", "register", "keep_count", "PerTensor"]

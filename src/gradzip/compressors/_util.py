@@ -119,6 +119,19 @@ def fused_counts(packets: Sequence[Packet], wire: str, values: Sequence, decode,
     return out
 
 
+def fused_slices(values: Sequence[torch.Tensor | None], wires: Sequence[torch.Tensor] = ()) -> bool:
+    """Whether a codec's fused ``*_slices`` path runs (:meth:`Compressor.compress_slices`): the
+    kernels run for these tensors, all contiguous, ``values`` float32 (None: absent)."""
+    values = [t for t in values if t is not None]
+    return (fused(*values, *wires) and all(t.is_contiguous() for t in (*values, *wires))
+            and all(t.dtype == torch.float32 for t in values))
+
+
+def rows(wires: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The workers' equally long wire buffers as the rows of one contiguous uint8 matrix."""
+    return torch.stack(list(wires)) if len(wires) > 1 else wires[0].contiguous().view(1, -1)
+
+
 def sample_indices(numel: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """A uniformly random k-subset of ``range(numel)``, sorted, int64, on the CPU.
 

@@ -21,6 +21,14 @@ the wire sizes):
   of dtype ``sum_dtype(n)``; after the collective sum, ``from_sum(total, packet, n)``
   returns the same aggregate.
 
+Many slices at once (the two-phase transport, :mod:`gradzip.twophase`): :meth:`Compressor.compress_slices`
+compresses many slices ``x[a:b]`` of one flat tensor, each with its own seed, into one
+:class:`Slices` (every packet's raw wire bytes back to back), :meth:`Compressor.aggregate_slices`
+and :meth:`Compressor.decode_slices` read such buffers back. Each slice is still its own
+packet (its own scale, its own seed): the bytes and values are those of one call per slice,
+which is what the defaults do; ``sign``, ``scaled_sign`` and ``2bit`` override them with
+kernels that do all slices in one call (float32 on the CPU).
+
 Memory rules every codec keeps: ``compress`` never modifies its input, and its wire
 tensors do not share memory with it, except for ``none``, whose wire is the input itself
 (no copy): do not modify a tensor in place while its ``none`` packet is still needed.
@@ -62,6 +70,40 @@ class Packet:
     def like(self, wire: dict[str, torch.Tensor]) -> "Packet":
         """A packet with another worker's wire tensors and this packet's (shared) metadata."""
         return Packet(wire=wire, shape=self.shape, dtype=self.dtype, meta=self.meta)
+
+    def raw(self) -> list[torch.Tensor]:
+        """The wire tensors as flat uint8 views (a copy only where one is not contiguous), in
+        ``wire`` order: what an exchange sends, back to back."""
+        return [w.contiguous().reshape(-1).view(torch.uint8) for w in self.wire.values()]
+
+    def from_raw(self, raw: torch.Tensor) -> "Packet":
+        """Another worker's packet from its raw bytes (:meth:`raw`, concatenated), laid out
+        like this one: its wire tensors are views of ``raw`` (read-only for the codec), a copy
+        only where the offset is not a multiple of the dtype's size (a dtype view needs that
+        alignment); this packet's metadata."""
+        wire, offset = {}, 0
+        for name, t in self.wire.items():
+            nbytes = t.numel() * t.element_size()
+            piece = raw[offset:offset + nbytes]
+            if piece.storage_offset() % t.element_size():
+                piece = piece.clone()
+            wire[name] = piece.view(t.dtype).view(t.shape)
+            offset += nbytes
+        return self.like(wire)
+
+
+@dataclass
+class Slices:
+    """The packets of many slices (:meth:`Compressor.compress_slices`): ``wire`` holds each
+    packet's raw wire bytes (:meth:`Packet.raw`) back to back, ``nbytes`` their sizes;
+    ``packets``: the per-slice packets where the codec made them one by one (the default),
+    None where a fused override wrote ``wire`` directly. A receiver passes ``packets`` back
+    as the ``templates`` of :meth:`Compressor.aggregate_slices` / :meth:`Compressor.decode_slices`
+    (the layout of other workers' packets of the same slices)."""
+
+    wire: torch.Tensor
+    nbytes: list[int]
+    packets: list[Packet] | None = None
 
 
 def deliver(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -120,6 +162,49 @@ class Compressor:
         packet = self.compress(tensor, seed, reuse)
         torch.sub(tensor, self.decompress(packet), out=out)
         return packet
+
+    # -- many slices (the two-phase transport) ------------------------------------------
+    def compress_slices(self, x: torch.Tensor, bounds: Sequence[tuple[int, int]], seeds: Sequence[int],
+                        residual: torch.Tensor | None = None) -> Slices:
+        """``compress(x[a:b], seed)`` for every ``(a, b)`` of ``bounds`` (non-empty slices of the
+        flat tensor ``x``, any order) with its seed, as one :class:`Slices`; with ``residual``
+        (``x``'s shape and dtype, not overlapping it), ``x[a:b] − dec`` into ``residual[a:b]``
+        (:meth:`compress_residual`). The same bytes and residual bits as one call per slice,
+        which is what this default does."""
+        packets = [self.compress(x[a:b], seed) if residual is None
+                   else self.compress_residual(x[a:b], seed, residual[a:b])
+                   for (a, b), seed in zip(bounds, seeds)]
+        raw = [w for p in packets for w in p.raw()]
+        wire = torch.cat(raw) if raw else torch.empty(0, dtype=torch.uint8, device=x.device)
+        return Slices(wire, [p.nbytes for p in packets], packets)
+
+    def aggregate_slices(self, wires: Sequence[torch.Tensor], bounds: Sequence[tuple[int, int]],
+                         out: torch.Tensor, templates: Sequence[Packet] | None) -> None:
+        """For each slice m: :meth:`aggregate` of the workers' packets of it (``wires[i]``:
+        worker i's :class:`Slices` wire of these slices, in rank order) into
+        ``out[a_m:b_m]``. ``templates``: this worker's ``Slices.packets`` of the same slices
+        (None from a fused override, which knows its layout from the lengths)."""
+        offset = 0
+        for (a, b), template in zip(bounds, self._templates(templates, bounds, out)):
+            size = template.nbytes
+            out[a:b].copy_(self.aggregate([template.from_raw(w[offset:offset + size]) for w in wires]).reshape(-1))
+            offset += size
+
+    def decode_slices(self, wire: torch.Tensor, bounds: Sequence[tuple[int, int]], out: torch.Tensor,
+                      templates: Sequence[Packet] | None) -> None:
+        """:meth:`decompress` of each packet of ``wire`` (a :class:`Slices` wire of these
+        slices) into ``out[a_m:b_m]``; ``templates`` as for :meth:`aggregate_slices`."""
+        offset = 0
+        for (a, b), template in zip(bounds, self._templates(templates, bounds, out)):
+            size = template.nbytes
+            self.decompress(template.from_raw(wire[offset:offset + size]), out=out[a:b])
+            offset += size
+
+    def _templates(self, templates, bounds, out: torch.Tensor) -> Sequence[Packet]:
+        if templates is not None:
+            return templates
+        # a fused codec's Slices carry no packets: its layout from zero slices of these sizes
+        return [self.compress(torch.zeros(b - a, dtype=out.dtype, device=out.device)) for a, b in bounds]
 
     # -- aggregation -----------------------------------------------------------------
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:

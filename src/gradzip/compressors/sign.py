@@ -25,14 +25,15 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from .. import kernels
 from ..kernels import elementwise as ek
 from ..kernels.sparse import INF_BITS
-from ._util import (FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused, fused_counts, value_table,
-                    wire_buffer)
-from .base import Compressor, Packet, deliver
+from ._util import (FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused, fused_counts, fused_slices, rows,
+                    value_table, wire_buffer)
+from .base import Compressor, Packet, Slices, deliver
 from .bitpack import packed_nbytes
 from .registry import register
 from ..validation import require
@@ -119,6 +120,28 @@ class Sign(Compressor):
         if fused(packet.wire["bits"]) and packet.dtype.is_floating_point:
             return _decode_fused(packet, value_table(_PM1, packet.dtype), out)
         return deliver(decode_lut(packet.wire["bits"], 1, _PM1, packet.numel, packet.dtype).view(packet.shape), out)
+
+    # -- many slices (Compressor.compress_slices): one kernel call for all of them -------------
+    def compress_slices(self, x: torch.Tensor, bounds, seeds, residual: torch.Tensor | None = None) -> Slices:
+        if not (bounds and fused_slices([x, residual])):
+            return super().compress_slices(x, bounds, seeds, residual)
+        starts, stops, offsets, total = ek.slice_layout(bounds, 1)
+        wire = torch.empty(total, dtype=torch.uint8)
+        _encode_slices(x, starts, stops, wire, offsets, residual, _pm1_tables(1, len(bounds)))
+        return Slices(wire, _sizes(offsets, total))
+
+    def aggregate_slices(self, wires, bounds, out: torch.Tensor, templates) -> None:
+        if not (bounds and fused_slices([out], wires)):
+            return super().aggregate_slices(wires, bounds, out, templates)
+        starts, stops, offsets, _ = ek.slice_layout(bounds, 1)
+        ek.votes1_many(kernels.array(rows(wires)), offsets, kernels.array(value_table(_SIGN3, torch.float32)),
+                       kernels.array(out), starts, stops)
+
+    def decode_slices(self, wire: torch.Tensor, bounds, out: torch.Tensor, templates) -> None:
+        if not (bounds and fused_slices([out], [wire])):
+            return super().decode_slices(wire, bounds, out, templates)
+        starts, stops, offsets, _ = ek.slice_layout(bounds, 1)
+        ek.decode1_many(kernels.array(wire), offsets, _pm1_tables(1, len(bounds))[0], kernels.array(out), starts, stops)
 
     def summand_numel(self, packet: Packet, world_size: int) -> int:
         return packet.numel  # one int8 per entry
@@ -277,3 +300,105 @@ class ScaledSign(Compressor):
         else:
             scale = _l1_scale(ek.l1_of(kernels.array(x)), x.numel(), reuse)
         return x, bits, scale
+
+    # -- many slices (Compressor.compress_slices): one kernel call for all of them -------------
+    # each packet: its bits, then its float32 scale (4 bytes), as Packet.raw lays them out
+    def compress_slices(self, x: torch.Tensor, bounds, seeds, residual: torch.Tensor | None = None) -> Slices:
+        if not (bounds and fused_slices([x, residual])):
+            return super().compress_slices(x, bounds, seeds, residual)
+        starts, stops, offsets, total = ek.slice_layout(bounds, 1, 4)
+        scales = self._slice_scales(x, starts, stops)
+        wire = torch.empty(total, dtype=torch.uint8)
+        _encode_slices(x, starts, stops, wire, offsets, residual, scales[None, :, None] * _PM1_F32)
+        ek.place_bytes(scales.view(np.uint8).reshape(-1, 4), kernels.array(wire), _scale_offsets(starts, stops, offsets))
+        return Slices(wire, _sizes(offsets, total))
+
+    def aggregate_slices(self, wires, bounds, out: torch.Tensor, templates) -> None:
+        if not (bounds and fused_slices([out], wires)):
+            return super().aggregate_slices(wires, bounds, out, templates)
+        starts, stops, offsets, _ = ek.slice_layout(bounds, 1, 4)
+        matrix = kernels.array(rows(wires))
+        ek.mean1_many(matrix, offsets, _scale_tables(matrix, starts, stops, offsets), kernels.array(out), starts,
+                      stops, np.float32(len(wires)))
+
+    def decode_slices(self, wire: torch.Tensor, bounds, out: torch.Tensor, templates) -> None:
+        if not (bounds and fused_slices([out], [wire])):
+            return super().decode_slices(wire, bounds, out, templates)
+        starts, stops, offsets, _ = ek.slice_layout(bounds, 1, 4)
+        packed = kernels.array(wire)
+        ek.decode1_many(packed, offsets, _scale_tables(packed[None], starts, stops, offsets)[0], kernels.array(out),
+                        starts, stops)
+
+    def _slice_scales(self, x: torch.Tensor, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        """The float32 scale of every slice, bit for bit :meth:`_fused_scale`'s: ``‖v‖₂/√d``
+        by one torch norm per run of equally long adjacent slices (a row-wise norm of a
+        matrix runs the same loop per row as the norm of one row), ``‖v‖₁/d`` in the
+        defined order (:func:`gradzip.kernels.elementwise.l1_of`)."""
+        if self.scale == "rms":
+            return _rms_scales(x, starts, stops)
+        lengths = stops - starts
+        blocks = np.maximum(1, -(-lengths // ek.L1_BLOCK))
+        first = np.zeros(blocks.size, np.int64)
+        np.cumsum(blocks[:-1], out=first[1:])
+        partials = np.empty(int(blocks.sum()), np.float64)
+        ek.abs_sum_blocks_many(kernels.array(x), starts, stops, partials, first)
+        l1 = partials[first]
+        for m in np.flatnonzero(blocks > 1):   # slices over one ℓ1 block: their block sums folded
+            l1[m] = ek.l1_of(partials[first[m]:first[m] + blocks[m]])
+        return (l1 / np.maximum(lengths, 1)).astype(np.float32)
+
+
+_PM1_F32 = np.array(_PM1, np.float32)
+
+
+def _pm1_tables(workers: int, slices: int) -> np.ndarray:
+    """``sign``'s decoded −1, +1 (float32) for every worker and slice."""
+    return np.ascontiguousarray(np.broadcast_to(_PM1_F32, (workers, slices, 2)))
+
+
+def _sizes(offsets: np.ndarray, total: int) -> list[int]:
+    return np.diff(offsets, append=total).tolist()
+
+
+def _scale_offsets(starts: np.ndarray, stops: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    return offsets + (stops - starts + 7) // 8
+
+
+def _scale_tables(matrix: np.ndarray, starts, stops, offsets) -> np.ndarray:
+    """Each worker's (row's) decoded −, + value of each slice: ``−1·s``, ``1·s`` (float32), the
+    values ``decompress``'s table holds, from the scales in the wire bytes."""
+    raw = np.empty((matrix.shape[0], starts.size, 4), np.uint8)
+    ek.take_bytes(matrix, _scale_offsets(starts, stops, offsets), raw)
+    return raw.view(np.float32) * _PM1_F32
+
+
+def _encode_slices(x, starts, stops, wire, offsets, residual, tables) -> None:
+    """The bits of every slice into ``wire``; with ``residual``, ``x − tables[0, m, bit]`` too."""
+    if residual is None:
+        ek.sign_encode_slices(kernels.array(x), starts, stops, kernels.array(wire), offsets)
+    else:
+        ek.sign_encode_residual_slices(kernels.array(x), starts, stops, tables[0], kernels.array(wire), offsets,
+                                     kernels.array(residual))
+
+
+def _rms_scales(x: torch.Tensor, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """:func:`rms_scale` of every slice ``x[a:b]`` (float32; see ``ScaledSign._slice_scales``):
+    the norms of each run of adjacent equally long slices (in the order of their starts) by
+    one row-wise norm, then each divided by ``√size`` in float32 (as torch divides a float32
+    tensor by a Python float)."""
+    order = np.argsort(starts, kind="stable")
+    norms = torch.empty(order.size, dtype=torch.float32)
+    roots = np.empty(order.size, np.float32)
+    i = 0
+    while i < order.size:
+        a, size = int(starts[order[i]]), int(stops[order[i]] - starts[order[i]])
+        j = i + 1
+        while j < order.size and starts[order[j]] == a + (j - i) * size and stops[order[j]] - starts[order[j]] == size:
+            j += 1
+        torch.linalg.vector_norm(x[a:a + (j - i) * size].view(j - i, size), dim=1, dtype=torch.float32,
+                                 out=norms[i:j])
+        roots[i:j] = math.sqrt(size)
+        i = j
+    out = np.empty(order.size, np.float32)
+    out[order] = norms.numpy() / roots
+    return out

@@ -30,14 +30,15 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .. import kernels
 from ..kernels import elementwise as ek
 from ..validation import is_real, require
-from ._util import (FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused, fused_counts, value_table,
-                    wire_buffer)
-from .base import Compressor, Packet, deliver
+from ._util import (FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused, fused_counts, fused_slices, rows,
+                    value_table, wire_buffer)
+from .base import Compressor, Packet, Slices, deliver
 from .bitpack import packed_nbytes
 from .registry import register
 
@@ -94,6 +95,31 @@ class TwoBit(Compressor):
             return target if target is out else deliver(target, out)
         return deliver(decode_lut(packet.wire["codes"], 2, self._values, packet.numel, packet.dtype).view(packet.shape), out)
 
+    # -- many slices (Compressor.compress_slices): one kernel call for all of them -------------
+    def compress_slices(self, x: torch.Tensor, bounds, seeds, residual: torch.Tensor | None = None) -> Slices:
+        if not (bounds and fused_slices([x, residual])):
+            return super().compress_slices(x, bounds, seeds, residual)
+        starts, stops, offsets, total = ek.slice_layout(bounds, 2)
+        wire = torch.empty(total, dtype=torch.uint8)
+        xs = kernels.array(x)
+        ek.twobit_encode_many(xs, starts, stops, self._threshold(x.dtype),
+                              kernels.array(value_table(self._values, torch.float32)), kernels.array(wire), offsets,
+                              xs[:0] if residual is None else kernels.array(residual), residual is not None)
+        return Slices(wire, np.diff(offsets, append=total).tolist())
+
+    def aggregate_slices(self, wires, bounds, out: torch.Tensor, templates) -> None:
+        if not (bounds and fused_slices([out], wires)):
+            return super().aggregate_slices(wires, bounds, out, templates)
+        starts, stops, offsets, _ = ek.slice_layout(bounds, 2)
+        ek.counts2_many(kernels.array(rows(wires)), offsets, self._step(len(wires)), kernels.array(out), starts, stops)
+
+    def decode_slices(self, wire: torch.Tensor, bounds, out: torch.Tensor, templates) -> None:
+        if not (bounds and fused_slices([out], [wire])):
+            return super().decode_slices(wire, bounds, out, templates)
+        starts, stops, offsets, _ = ek.slice_layout(bounds, 2)
+        ek.decode2_many(kernels.array(wire), offsets, kernels.array(value_table(self._values, torch.float32)),
+                        kernels.array(out), starts, stops)
+
     @property
     def _values(self) -> tuple:
         """The decoded value of each code (00, 01, 10, 11)."""
@@ -104,9 +130,11 @@ class TwoBit(Compressor):
         """(flat contiguous input, codes buffer, the threshold rounded to the input's dtype as
         torch rounds it in ``p >= t``)."""
         x = flat_input(tensor)
-        codes = wire_buffer(reuse, "codes", packed_nbytes(x.numel(), 2))
-        t = kernels.array(torch.tensor([self.threshold], dtype=x.dtype))[0]
-        return x, codes, t
+        return x, wire_buffer(reuse, "codes", packed_nbytes(x.numel(), 2)), self._threshold(x.dtype)
+
+    def _threshold(self, dtype: torch.dtype):
+        """The threshold rounded to ``dtype`` as torch rounds it in ``p >= t`` (a kernel's scalar)."""
+        return kernels.array(torch.tensor([self.threshold], dtype=dtype))[0]
 
     def summand_numel(self, packet: Packet, world_size: int) -> int:
         return packet.numel  # one int8 (int16) per entry

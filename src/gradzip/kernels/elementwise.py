@@ -37,7 +37,8 @@ BLOCK = _BLOCK
 def sign_encode(x, out):
     """``out`` (uint8, ceil(n/8)) = packed bits of ``x >= 0`` (:func:`sign_encode_l1` without
     the sums)."""
-    _sign_encode(x, out, _NO_SUMS, False)
+    starts, stops, offsets = whole(x.size)
+    sign_encode_many(x, starts, stops, out, offsets, _NO_SUMS, False, _NO_TABLES, x[:0], False)
 
 
 @njit
@@ -67,111 +68,93 @@ def sign_encode_bits(x, inf, out):
             out[k >> 3] = 0
         out[k >> 3] |= bit << (7 - (k & 7))
 
-@njit
+
 def sign_encode_residual(x, table, out, res):
     """:func:`sign_encode`, and ``res = x − table[bit]`` (``table``: the decoded −, + value)."""
-    n = x.size
-    neg, pos = table[0], table[1]
-    blocked = n // _BLOCK * _BLOCK
-    tmp = np.empty(_BLOCK, np.uint8)
-    words = tmp.view(np.uint64)
-    for s in range(0, blocked, _BLOCK):
-        for k in range(_BLOCK):
-            v = x[s + k]
-            ge = v >= 0
-            res[s + k] = v - (pos if ge else neg)
-            tmp[k] = ge
-        for i in range(_BLOCK // 8):  # eight 0/1 bytes of a little-endian word -> one byte
-            u = words[i]
-            b = u & 1
-            for j in range(1, 8):
-                b = (b << 1) | ((u >> (8 * j)) & 1)
-            out[s // 8 + i] = b
-    for k in range(blocked, n):
-        v = x[k]
-        res[k] = v - (pos if v >= 0 else neg)
-    full = n // 8  # the entries after the last whole block, code by code
-    for i in range(blocked // 8, full):
-        b = 0
-        for j in range(8):
-            b = (b << 1) | (x[i * 8 + j] >= 0)
-        out[i] = b
-    rem = n - full * 8
-    if rem:
-        b = 0
-        for j in range(rem):
-            b = (b << 1) | (x[full * 8 + j] >= 0)
-        out[full] = b << (8 - rem)
+    starts, stops, offsets = whole(x.size)
+    sign_encode_residual_slices(x, starts, stops, table.reshape(1, 2), out, offsets, res)
 
 
-@njit
+def sign_encode_residual_slices(x, starts, stops, tables, packed, offsets, residual):
+    """:func:`sign_encode_residual` of every slice ``x[starts[m]:stops[m]]`` (the *many*
+    contract: its codes from byte ``offsets[m]`` of ``packed``, its residual at the same
+    positions of ``residual``, ``tables[m]`` its decoded −, + value): the same bytes and
+    values as one call per slice."""
+    sign_encode_many(x, starts, stops, packed, offsets, _NO_SUMS, False, tables, residual, True)
+
+
+def whole(n):
+    """(starts, stops, offsets) of one slice covering ``n`` entries, for a ``*_many`` kernel."""
+    return np.zeros(1, np.int64), np.full(1, n, np.int64), np.zeros(1, np.int64)
+
+
 def twobit_encode(x, t, out):
     """``out`` (uint8, ceil(n/4)) = MXNet 2-bit codes of ``x`` (``x >= t``: 11, ``x <= −t``:
     10, else 00), four a byte, first in the top bits."""
-    n = x.size
-    mt = -t
-    blocked = n // _BLOCK * _BLOCK
-    tmp = np.empty(_BLOCK, np.uint8)
-    words = tmp.view(np.uint32)
-    for s in range(0, blocked, _BLOCK):
-        for k in range(_BLOCK):
-            v = x[s + k]
-            tmp[k] = 3 * (v >= t) + 2 * (v <= mt)
-        for i in range(_BLOCK // 4):  # four codes, the bytes of a little-endian word -> one byte
-            u = words[i]
-            out[s // 4 + i] = ((u & 3) << 6) | (((u >> 8) & 3) << 4) | (((u >> 16) & 3) << 2) | ((u >> 24) & 3)
-    full = n // 4  # the entries after the last whole block, code by code
-    for i in range(blocked // 4, full):
-        b = 0
-        for j in range(4):
-            v = x[i * 4 + j]
-            b = (b << 2) | (3 * (v >= t) + 2 * (v <= mt))
-        out[i] = b
-    rem = n - full * 4
-    if rem:
-        b = 0
-        for j in range(rem):
-            v = x[full * 4 + j]
-            b = (b << 2) | (3 * (v >= t) + 2 * (v <= mt))
-        out[full] = b << (2 * (4 - rem))
+    starts, stops, offsets = whole(x.size)
+    twobit_encode_many(x, starts, stops, t, _NO_TABLE, out, offsets, x[:0], False)
+
+
+def twobit_encode_residual(x, t, table, out, res):
+    """:func:`twobit_encode`, and ``res = x − table[code]`` (``table``: the 4 decoded values)."""
+    starts, stops, offsets = whole(x.size)
+    twobit_encode_many(x, starts, stops, t, table, out, offsets, res, True)
+
+
+_NO_TABLE = np.zeros(4, np.float32)
 
 
 @njit
-def twobit_encode_residual(x, t, table, out, res):
-    """:func:`twobit_encode`, and ``res = x − table[code]`` (``table``: the 4 decoded values)."""
-    n = x.size
+def twobit_encode_many(x, starts, stops, t, table, packed, offsets, residual, with_residual):
+    """:func:`twobit_encode` (``with_residual``: :func:`twobit_encode_residual`) of every
+    slice ``x[starts[m]:stops[m]]`` (the *many* contract of :func:`sign_encode_residual_slices`;
+    one threshold ``t`` and one ``table`` for all)."""
     mt = -t
     zero, minus, plus = table[0], table[2], table[3]  # selects, not a gather: LLVM vectorizes them
-    blocked = n // _BLOCK * _BLOCK
-    tmp = np.empty(_BLOCK, np.uint8)
-    words = tmp.view(np.uint32)
-    for s in range(0, blocked, _BLOCK):
-        for k in range(_BLOCK):
-            v = x[s + k]
-            ge = v >= t
-            le = v <= mt
-            res[s + k] = v - (plus if ge else (minus if le else zero))
-            tmp[k] = 3 * ge + 2 * le
-        for i in range(_BLOCK // 4):  # four codes, the bytes of a little-endian word -> one byte
-            u = words[i]
-            out[s // 4 + i] = ((u & 3) << 6) | (((u >> 8) & 3) << 4) | (((u >> 16) & 3) << 2) | ((u >> 24) & 3)
-    for k in range(blocked, n):
-        v = x[k]
-        res[k] = v - (plus if v >= t else (minus if v <= mt else zero))
-    full = n // 4  # the entries after the last whole block, code by code
-    for i in range(blocked // 4, full):
-        b = 0
-        for j in range(4):
-            v = x[i * 4 + j]
-            b = (b << 2) | (3 * (v >= t) + 2 * (v <= mt))
-        out[i] = b
-    rem = n - full * 4
-    if rem:
-        b = 0
-        for j in range(rem):
-            v = x[full * 4 + j]
-            b = (b << 2) | (3 * (v >= t) + 2 * (v <= mt))
-        out[full] = b << (2 * (4 - rem))
+    for m in range(starts.size):
+        x_ = x[starts[m]:stops[m]]
+        out = packed[offsets[m]:]
+        n = x_.size
+        blocked = n // _BLOCK * _BLOCK
+        tmp = np.empty(_BLOCK, np.uint8)
+        words = tmp.view(np.uint32)
+        if with_residual:
+            res = residual[starts[m]:stops[m]]
+            for s in range(0, blocked, _BLOCK):
+                for k in range(_BLOCK):
+                    v = x_[s + k]
+                    ge = v >= t
+                    le = v <= mt
+                    res[s + k] = v - (plus if ge else (minus if le else zero))
+                    tmp[k] = 3 * ge + 2 * le
+                for i in range(_BLOCK // 4):  # four codes, the bytes of a little-endian word -> one byte
+                    u = words[i]
+                    out[s // 4 + i] = ((u & 3) << 6) | (((u >> 8) & 3) << 4) | (((u >> 16) & 3) << 2) | ((u >> 24) & 3)
+            for k in range(blocked, n):
+                v = x_[k]
+                res[k] = v - (plus if v >= t else (minus if v <= mt else zero))
+        else:
+            for s in range(0, blocked, _BLOCK):
+                for k in range(_BLOCK):
+                    v = x_[s + k]
+                    tmp[k] = 3 * (v >= t) + 2 * (v <= mt)
+                for i in range(_BLOCK // 4):  # four codes, the bytes of a little-endian word -> one byte
+                    u = words[i]
+                    out[s // 4 + i] = ((u & 3) << 6) | (((u >> 8) & 3) << 4) | (((u >> 16) & 3) << 2) | ((u >> 24) & 3)
+        full = n // 4  # the entries after the last whole block, code by code
+        for i in range(blocked // 4, full):
+            b = 0
+            for j in range(4):
+                v = x_[i * 4 + j]
+                b = (b << 2) | (3 * (v >= t) + 2 * (v <= mt))
+            out[i] = b
+        rem = n - full * 4
+        if rem:
+            b = 0
+            for j in range(rem):
+                v = x_[full * 4 + j]
+                b = (b << 2) | (3 * (v >= t) + 2 * (v <= mt))
+            out[full] = b << (2 * (4 - rem))
 
 
 # -- the l1 norm of scaled_sign, in its defined order ----------------------------------
@@ -188,77 +171,112 @@ ROWS = 64
 L1_BLOCK = ROWS * _BLOCK
 
 
-@njit
 def abs_sum_blocks(x, partials):
     """``partials[b]`` = the ℓ1 sum of block ``b`` of ``x`` (float32 or float64), in the
     defined order; ``partials`` has ``max(1, ceil(n / L1_BLOCK))`` entries (0.0 for n = 0)."""
-    n = x.size
-    acc = np.zeros(_BLOCK, np.float64)
-    for b in range(max(1, -(-n // L1_BLOCK))):
-        acc[:] = 0.0
-        first = b * L1_BLOCK
-        for s in range(first, min(n, first + L1_BLOCK), _BLOCK):
-            row = x[s:min(n, s + _BLOCK)]   # a partial last row: its missing entries add +0.0
-            for k in range(row.size):
-                acc[k] += abs(np.float64(row[k]))
-        h = _BLOCK // 2
-        while h:
-            for k in range(h):
-                acc[k] = acc[k] + acc[k + h]
-            h //= 2
-        partials[b] = acc[0]
-
-
-def sign_encode_l1(x, out, partials):
-    """:func:`sign_encode` and :func:`abs_sum_blocks`'s ``partials`` of the whole ℓ1 blocks,
-    in one pass (the partial last one: the caller runs :func:`abs_sum_blocks` on it)."""
-    _sign_encode(x, out, partials, True)
-
-
-_NO_SUMS = np.empty(0, np.float64)
+    starts, stops, offsets = whole(x.size)
+    abs_sum_blocks_many(x, starts, stops, partials, offsets)
 
 
 @njit
-def _sign_encode(x, out, partials, sums):
-    # the packed bits of x >= 0 into out; with sums, the ℓ1 partials of the whole blocks
-    n = x.size
-    blocked = n // _BLOCK * _BLOCK
-    tmp = np.empty(_BLOCK, np.uint8)
-    words = tmp.view(np.uint64)
+def abs_sum_blocks_many(x, starts, stops, partials, offsets):
+    """:func:`abs_sum_blocks` of every slice ``x[starts[m]:stops[m]]``, its partials from
+    ``partials[offsets[m]]`` on."""
     acc = np.zeros(_BLOCK, np.float64)
-    for s in range(0, blocked, _BLOCK):
-        blk = x[s:s + _BLOCK]
-        for k in range(_BLOCK):
-            tmp[k] = blk[k] >= 0
-        if sums:
-            for k in range(_BLOCK):
-                acc[k] += abs(np.float64(blk[k]))
-        for i in range(_BLOCK // 8):  # eight 0/1 bytes of a little-endian word -> one byte
-            u = words[i]
-            b = u & 1
-            for j in range(1, 8):
-                b = (b << 1) | ((u >> (8 * j)) & 1)
-            out[s // 8 + i] = b
-        if sums and (s // _BLOCK) % ROWS == ROWS - 1:   # the last row of an ℓ1 block
+    for m in range(starts.size):
+        x_ = x[starts[m]:stops[m]]
+        n = x_.size
+        for b in range(max(1, -(-n // L1_BLOCK))):
+            acc[:] = 0.0
+            first = b * L1_BLOCK
+            for s in range(first, min(n, first + L1_BLOCK), _BLOCK):
+                row = x_[s:min(n, s + _BLOCK)]   # a partial last row: its missing entries add +0.0
+                for k in range(row.size):
+                    acc[k] += abs(np.float64(row[k]))
             h = _BLOCK // 2
             while h:
                 for k in range(h):
                     acc[k] = acc[k] + acc[k + h]
                 h //= 2
-            partials[s // L1_BLOCK] = acc[0]
-            acc[:] = 0.0
-    full = n // 8  # the entries after the last whole block, code by code
-    for i in range(blocked // 8, full):
-        b = 0
-        for j in range(8):
-            b = (b << 1) | (x[i * 8 + j] >= 0)
-        out[i] = b
-    rem = n - full * 8
-    if rem:
-        b = 0
-        for j in range(rem):
-            b = (b << 1) | (x[full * 8 + j] >= 0)
-        out[full] = b << (8 - rem)
+            partials[offsets[m] + b] = acc[0]
+
+
+def sign_encode_slices(x, starts, stops, packed, offsets):
+    """:func:`sign_encode` of every slice (the *many* contract of :func:`sign_encode_residual_slices`)."""
+    sign_encode_many(x, starts, stops, packed, offsets, _NO_SUMS, False, _NO_TABLES, x[:0], False)
+
+
+def sign_encode_l1(x, out, partials):
+    """:func:`sign_encode` and :func:`abs_sum_blocks`'s ``partials`` of the whole ℓ1 blocks,
+    in one pass (the partial last one: the caller runs :func:`abs_sum_blocks` on it)."""
+    starts, stops, offsets = whole(x.size)
+    sign_encode_many(x, starts, stops, out, offsets, partials, True, _NO_TABLES, x[:0], False)
+
+
+_NO_SUMS = np.empty(0, np.float64)
+_NO_TABLES = np.zeros((1, 2), np.float32)
+
+
+@njit
+def sign_encode_many(x, starts, stops, packed, offsets, partials, sums, tables, residual, with_residual):
+    """:func:`sign_encode` of every slice ``x[starts[m]:stops[m]]`` (the *many* contract of
+    :func:`sign_encode_residual_slices`); ``sums`` (one slice only): also the ℓ1 partials of
+    its whole blocks into ``partials`` (:func:`sign_encode_l1`); ``with_residual``: also
+    ``residual = x − tables[m, bit]``."""
+    tmp = np.empty(_BLOCK, np.uint8)
+    words = tmp.view(np.uint64)
+    acc = np.zeros(_BLOCK, np.float64)
+    for m in range(starts.size):
+        x_ = x[starts[m]:stops[m]]
+        res = residual[starts[m]:stops[m]] if with_residual else residual
+        out = packed[offsets[m]:]
+        neg, pos = tables[m if with_residual else 0, 0], tables[m if with_residual else 0, 1]
+        n = x_.size
+        blocked = n // _BLOCK * _BLOCK
+        for s in range(0, blocked, _BLOCK):
+            blk = x_[s:s + _BLOCK]
+            if with_residual:
+                for k in range(_BLOCK):
+                    v = blk[k]
+                    ge = v >= 0
+                    res[s + k] = v - (pos if ge else neg)
+                    tmp[k] = ge
+            else:
+                for k in range(_BLOCK):
+                    tmp[k] = blk[k] >= 0
+            if sums:
+                for k in range(_BLOCK):
+                    acc[k] += abs(np.float64(blk[k]))
+            for i in range(_BLOCK // 8):  # eight 0/1 bytes of a little-endian word -> one byte
+                u = words[i]
+                b = u & 1
+                for j in range(1, 8):
+                    b = (b << 1) | ((u >> (8 * j)) & 1)
+                out[s // 8 + i] = b
+            if sums and (s // _BLOCK) % ROWS == ROWS - 1:   # the last row of an ℓ1 block
+                h = _BLOCK // 2
+                while h:
+                    for k in range(h):
+                        acc[k] = acc[k] + acc[k + h]
+                    h //= 2
+                partials[s // L1_BLOCK] = acc[0]
+                acc[:] = 0.0
+        if with_residual:
+            for k in range(blocked, n):
+                v = x_[k]
+                res[k] = v - (pos if v >= 0 else neg)
+        full = n // 8  # the entries after the last whole block, code by code
+        for i in range(blocked // 8, full):
+            b = 0
+            for j in range(8):
+                b = (b << 1) | (x_[i * 8 + j] >= 0)
+            out[i] = b
+        rem = n - full * 8
+        if rem:
+            b = 0
+            for j in range(rem):
+                b = (b << 1) | (x_[full * 8 + j] >= 0)
+            out[full] = b << (8 - rem)
 
 
 def l1_of(x, partials=None) -> float:
@@ -280,48 +298,68 @@ def l1_of(x, partials=None) -> float:
 # -- decoders ---------------------------------------------------------------------------
 
 
-@njit
 def decode1(packed, table, out):
     """``out[i] = table[bit i]`` for the ``out.size`` first bits of ``packed``. In blocks
     (see the encoders): each byte spread into the eight bytes of a little-endian word, then
     one select per entry (vectorized)."""
-    n = out.size
-    zero, one = table[0], table[1]
-    blocked = n // _BLOCK * _BLOCK
-    tmp = np.empty(_BLOCK, np.uint8)
-    words = tmp.view(np.uint64)
-    for s in range(0, blocked, _BLOCK):
-        for i in range(_BLOCK // 8):
-            b = np.uint64(packed[s // 8 + i])
-            w = (b >> 7) & 1
-            for j in range(1, 8):
-                w |= ((b >> (7 - j)) & 1) << (8 * j)
-            words[i] = w
-        for k in range(_BLOCK):
-            out[s + k] = one if tmp[k] else zero
-    for k in range(blocked, n):
-        out[k] = table[(packed[k >> 3] >> (7 - (k & 7))) & 1]
+    starts, stops, offsets = whole(out.size)
+    decode1_many(packed, offsets, table.reshape(1, 2), out, starts, stops)
 
 
 @njit
+def decode1_many(packed, offsets, tables, out, starts, stops):
+    """:func:`decode1` of every slice: the bits from byte ``offsets[m]`` of ``packed`` into
+    ``out[starts[m]:stops[m]]`` through ``tables[m]``."""
+    tmp = np.empty(_BLOCK, np.uint8)
+    words = tmp.view(np.uint64)
+    for m in range(starts.size):
+        src = packed[offsets[m]:]
+        dst = out[starts[m]:stops[m]]
+        n = dst.size
+        zero, one = tables[m, 0], tables[m, 1]
+        blocked = n // _BLOCK * _BLOCK
+        for s in range(0, blocked, _BLOCK):
+            for i in range(_BLOCK // 8):
+                b = np.uint64(src[s // 8 + i])
+                w = (b >> 7) & 1
+                for j in range(1, 8):
+                    w |= ((b >> (7 - j)) & 1) << (8 * j)
+                words[i] = w
+            for k in range(_BLOCK):
+                dst[s + k] = one if tmp[k] else zero
+        for k in range(blocked, n):
+            dst[k] = tables[m, (src[k >> 3] >> (7 - (k & 7))) & 1]
+
+
 def decode2(packed, table, out):
     """``out[i] = table[code i]`` for the ``out.size`` first 2-bit codes of ``packed``. In
     blocks: each byte spread into the four bytes of a little-endian word, then two selects
     per entry (vectorized; a table gather is not)."""
-    n = out.size
+    starts, stops, offsets = whole(out.size)
+    decode2_many(packed, offsets, table, out, starts, stops)
+
+
+@njit
+def decode2_many(packed, offsets, table, out, starts, stops):
+    """:func:`decode2` of every slice: the codes from byte ``offsets[m]`` of ``packed`` into
+    ``out[starts[m]:stops[m]]`` (one ``table`` for all)."""
     t0, t1, t2, t3 = table[0], table[1], table[2], table[3]
-    blocked = n // _BLOCK * _BLOCK
     tmp = np.empty(_BLOCK, np.uint8)
     words = tmp.view(np.uint32)
-    for s in range(0, blocked, _BLOCK):
-        for i in range(_BLOCK // 4):
-            b = np.uint32(packed[s // 4 + i])
-            words[i] = (b >> 6) | (((b >> 4) & 3) << 8) | (((b >> 2) & 3) << 16) | ((b & 3) << 24)
-        for k in range(_BLOCK):
-            c = tmp[k]
-            out[s + k] = (t3 if c & 1 else t2) if c >> 1 else (t1 if c & 1 else t0)
-    for k in range(blocked, n):
-        out[k] = table[(packed[k >> 2] >> (6 - 2 * (k & 3))) & 3]
+    for m in range(starts.size):
+        src = packed[offsets[m]:]
+        dst = out[starts[m]:stops[m]]
+        n = dst.size
+        blocked = n // _BLOCK * _BLOCK
+        for s in range(0, blocked, _BLOCK):
+            for i in range(_BLOCK // 4):
+                b = np.uint32(src[s // 4 + i])
+                words[i] = (b >> 6) | (((b >> 4) & 3) << 8) | (((b >> 2) & 3) << 16) | ((b & 3) << 24)
+            for k in range(_BLOCK):
+                c = tmp[k]
+                dst[s + k] = (t3 if c & 1 else t2) if c >> 1 else (t1 if c & 1 else t0)
+        for k in range(blocked, n):
+            dst[k] = table[(src[k >> 2] >> (6 - 2 * (k & 3))) & 3]
 
 
 @njit
@@ -367,3 +405,84 @@ def sign_of_counts(total, table, out):
     for i in range(out.size):
         v = total[i]
         out[i] = table[1 + (v > 0) - (v < 0)]
+
+
+# -- many slices of n workers (the two-phase exchange, gradzip.twophase) -------------------
+# ``wires``: one row per worker, each holding that worker's packets of the same slices at the
+# same byte ``offsets``; slice m's aggregate goes to ``out[starts[m]:stops[m]]``. Each is
+# the codec's own aggregate of the decoded packets, in the same float operations.
+
+
+def slice_layout(bounds, bits: int, trailer: int = 0):
+    """(starts, stops, byte offsets, total bytes) of packets of ``bits``-bit codes of the
+    slices ``bounds`` back to back, each followed by ``trailer`` bytes (``scaled_sign``'s
+    scale), as int64 numpy arrays."""
+    ab = np.array(bounds, np.int64).reshape(-1, 2)
+    starts, stops = np.ascontiguousarray(ab[:, 0]), np.ascontiguousarray(ab[:, 1])
+    sizes = (stops - starts) * bits // 8 + ((stops - starts) * bits % 8 > 0) + trailer
+    offsets = np.zeros(sizes.size, np.int64)
+    np.cumsum(sizes[:-1], out=offsets[1:])
+    return starts, stops, offsets, int(sizes.sum())
+
+
+@njit
+def mean1_many(wires, offsets, tables, out, starts, stops, count):
+    """``scaled_sign``'s mean: worker i's entry decodes to ``tables[i, m, bit]``, summed in
+    worker order in the output's dtype (``d_0 + d_1 + …``), then divided by ``count`` (the
+    worker count, in that dtype): ``Compressor.aggregate``'s ``clone, add_, div_``."""
+    for m in range(starts.size):
+        dst = out[starts[m]:stops[m]]
+        first = offsets[m]
+        for k in range(dst.size):
+            byte, shift = first + (k >> 3), 7 - (k & 7)
+            acc = tables[0, m, (wires[0, byte] >> shift) & 1]
+            for i in range(1, wires.shape[0]):
+                acc = acc + tables[i, m, (wires[i, byte] >> shift) & 1]
+            dst[k] = acc / count
+
+
+@njit
+def votes1_many(wires, offsets, table, out, starts, stops):
+    """``sign``'s majority vote: ``table[sign(Σ_i ±1) + 1]`` (``table``: −1, 0, +1)."""
+    for m in range(starts.size):
+        dst = out[starts[m]:stops[m]]
+        first = offsets[m]
+        for k in range(dst.size):
+            byte, shift = first + (k >> 3), 7 - (k & 7)
+            c = 0
+            for i in range(wires.shape[0]):
+                c += 2 * ((wires[i, byte] >> shift) & 1) - 1
+            dst[k] = table[1 + (c > 0) - (c < 0)]
+
+
+@njit
+def counts2_many(wires, offsets, step, out, starts, stops):
+    """``2bit``'s mean: ``float32(Σ_i code_i) * step`` (codes −1, 0, +1; ``step`` the float32
+    ``t / n``), as :func:`accumulate2` then :func:`scale_counts`."""
+    for m in range(starts.size):
+        dst = out[starts[m]:stops[m]]
+        first = offsets[m]
+        for k in range(dst.size):
+            byte, shift = first + (k >> 2), 6 - 2 * (k & 3)
+            c = 0
+            for i in range(wires.shape[0]):
+                code = (wires[i, byte] >> shift) & 3
+                c += (code == 3) - (code == 2)
+            dst[k] = np.float32(c) * step
+
+
+@njit
+def place_bytes(src, dst, offsets):
+    """``dst[offsets[m]:offsets[m] + w] = src[m]`` for the rows of ``src`` (uint8, w wide)."""
+    for m in range(src.shape[0]):
+        for b in range(src.shape[1]):
+            dst[offsets[m] + b] = src[m, b]
+
+
+@njit
+def take_bytes(wires, offsets, dst):
+    """``dst[i, m] = wires[i, offsets[m]:offsets[m] + w]`` (``dst``: uint8, rows × slices × w)."""
+    for i in range(wires.shape[0]):
+        for m in range(offsets.size):
+            for b in range(dst.shape[2]):
+                dst[i, m, b] = wires[i, offsets[m] + b]
