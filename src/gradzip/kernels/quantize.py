@@ -26,11 +26,25 @@ import torch
 
 from . import array
 from . import decode_target as _decode_target
+from . import elementwise as ek
 from . import njit as _njit
 from . import counter_rng
 
 #: Entries per piece (a multiple of 8: pieces pack to whole bytes).
 PIECE = 4096
+#: 1bit's column sums (docs/algorithms.md §codec: 1bit, "Summation order"): at least this
+#: many float64 lanes a line, and lines a block.
+LANES = 1024
+LINES = 64
+
+
+def lane_width(cols: int) -> int:
+    """Entries of a line of 1bit's column sums: ``cols·m``, ``m`` the least power of two with
+    ``cols·m ≥`` :data:`LANES` (0 for no columns)."""
+    m = 1
+    while 0 < cols * m < LANES:
+        m *= 2
+    return cols * m
 _helpers_ready: list[bool] = []
 _helpers_lock = threading.Lock()
 
@@ -45,7 +59,7 @@ def _compile_helpers() -> None:
         import numba
         g = globals()
         for name in ("_merge", "_split", "_bswap", "_pack", "_pack_words", "_unpack", "_unpack_words", "_onebit_run",
-                     "_pack2", "_unpack2"):
+                     "_pack2", "_unpack2", "_fold_lanes"):
             if not hasattr(g[name], "py_func"):  # not compiled by a thread before us
                 g[name] = numba.njit(cache=True, nogil=True, inline="always")(g[name])
         g["_uniform"] = counter_rng.numba_uniform()  # (cached: the same object every time)
@@ -161,44 +175,109 @@ def _terngrad_decode(packed, count, s, out, add):
 
 
 @njit
-def _onebit_encode(v, cols, packed, nonneg, pos, neg):
-    """1-bit codes ``v ≥ 0`` packed MSB-first into ``packed``; ``nonneg[c]`` += the column's
-    count of them (``v`` is the row-major ``rows × cols`` matrix, flat). If ``pos`` and
-    ``neg`` have ``v``'s size, torch's ``clamp(v, min=0)`` and ``clamp(v, max=0)`` into them,
-    bit for bit (a zero keeps its sign, a NaN stays NaN): what the column sums add up."""
+def _onebit_encode(v, cols, width, packed, nonneg, psums, nsums):
+    """1-bit codes ``v ≥ 0`` packed MSB-first into ``packed`` (``v``: the row-major ``rows ×
+    cols`` matrix, flat, float32 or float64); ``nonneg[c]`` += the column's count of them;
+    ``psums``, ``nsums`` (``blocks × cols`` float64, flat): each block's column sums of the
+    non-negative and of the negative parts, in the order docs/algorithms.md §codec: 1bit
+    defines: lines of ``width`` entries (lane ``k`` is column ``k mod cols``), blocks of
+    :data:`LINES` lines, float64 lanes summing the clamped entries line by line from 0.0,
+    then folded pairwise to the columns (:func:`_fold_lanes`)."""
     n = v.size
-    split = pos.size == n
     codes = np.empty(PIECE, np.uint8)
+    lanes_p = np.zeros(width, np.float64)
+    lanes_n = np.zeros(width, np.float64)
+    counts = np.zeros(width, np.int64)
     zero = np.float32(0.0)
-    c = 0  # the column of the piece's first entry
+    k = 0  # the lane of the next entry
+    line = 0  # lines done in the current block
+    b = 0  # the current block
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
         for i in range(m):
             codes[i] = np.uint8(vb[i] >= 0)
-        if split:
-            pb = pos[base:base + m]
-            nb = neg[base:base + m]
-            for i in range(m):
-                a = vb[i]
-                pb[i] = zero if a < zero else a
-                nb[i] = zero if a > zero else a
         _pack(codes, m, 1, packed, base // 8)
         i = 0
-        if cols == 1:
-            total = 0
-            for t in range(m):
-                total += codes[t]
-            nonneg[0] += total
-            continue
-        while i < m:  # the counts, one run of a row's columns at a time (vectorised)
-            run = min(m - i, cols - c)
-            nt = nonneg[c:c + run]
-            ct = codes[i:i + run]
+        while i < m:  # one run of consecutive lanes at a time (vectorised)
+            run = min(m - i, width - k)
+            xt = vb[i:i + run]
+            pt = lanes_p[k:k + run]
+            nt = lanes_n[k:k + run]
+            ct = counts[k:k + run]
+            dt = codes[i:i + run]
             for t in range(run):
-                nt[t] += ct[t]
+                a = xt[t]
+                pt[t] += np.float64(zero if a < zero else a)  # torch's clamp(min=0), widened
+                nt[t] += np.float64(zero if a > zero else a)  # clamp(max=0)
+                ct[t] += dt[t]
             i += run
-            c = (c + run) % cols
+            k += run
+            if k == width:
+                k = 0
+                line += 1
+                if line == LINES:
+                    _fold_lanes(lanes_p, lanes_n, cols, psums, nsums, b)
+                    line = 0
+                    b += 1
+    if line or k:  # the partial last block (its missing entries add nothing)
+        _fold_lanes(lanes_p, lanes_n, cols, psums, nsums, b)
+    for t in range(width):
+        nonneg[t % cols] += counts[t]
+
+
+def _fold_lanes(lanes_p, lanes_n, cols, psums, nsums, b):
+    """Block ``b``'s lanes folded pairwise (lane ``t`` + lane ``t + h``, ``h`` halving down to
+    ``cols``: the same column) into ``psums``/``nsums[b·cols:]``; the lanes reset to 0.0."""
+    size = lanes_p.size
+    while size > cols:  # size = cols·2^j: each half holds the same columns
+        h = size // 2
+        for t in range(h):
+            lanes_p[t] = lanes_p[t] + lanes_p[t + h]
+            lanes_n[t] = lanes_n[t] + lanes_n[t + h]
+        size = h
+    for t in range(cols):
+        psums[b * cols + t] = lanes_p[t]
+        nsums[b * cols + t] = lanes_n[t]
+    lanes_p[:] = 0.0
+    lanes_n[:] = 0.0
+
+
+@njit
+def _abs_max_bits(bits):
+    """The largest ``bits_j & 0x7FFFFFFF`` of float32 bit patterns (int32): the bits of
+    ``max_j |v_j|``, since non-negative floats order as their bits; a NaN lies above +inf,
+    so any NaN gives a NaN; +0.0 for a zero or empty tensor. Exact in any order (an integer
+    max, which LLVM vectorises without fastmath)."""
+    top = np.int32(0)
+    for i in range(bits.size):
+        top = max(top, np.int32(bits[i] & np.int32(0x7FFFFFFF)))
+    return top
+
+
+@njit
+def _square_sum_blocks(v, lanes, rows, partials):
+    """``partials[b]`` = Σ v_j² over block ``b`` of ``rows`` lines of ``lanes`` entries: each
+    square rounded to float32 (as torch's ``v * v``), widened, added into float64 lane
+    ``j mod lanes`` from 0.0 line by line, the lanes then added pairwise: scaled_sign's ℓ1
+    order (:func:`.elementwise.abs_sum_blocks`) applied to the squares."""
+    n = v.size
+    acc = np.zeros(lanes, np.float64)
+    size = rows * lanes
+    for b in range(max(1, -(-n // size))):
+        acc[:] = 0.0
+        first = b * size
+        for s in range(first, min(n, first + size), lanes):
+            row = v[s:min(n, s + lanes)]  # a partial last line: its missing entries add nothing
+            for k in range(row.size):
+                a = row[k]
+                acc[k] += np.float64(a * a)
+        h = lanes // 2
+        while h:
+            for k in range(h):
+                acc[k] = acc[k] + acc[k + h]
+            h //= 2
+        partials[b] = acc[0]
 
 
 @njit
@@ -529,14 +608,33 @@ def terngrad_decode(packed: torch.Tensor, s: float, out: torch.Tensor, add: bool
     _terngrad_decode(array(packed), out.numel(), np.float32(s), array(out.view(-1)), add)
 
 
-def onebit_encode(v: torch.Tensor, cols: int, packed: torch.Tensor, nonneg: torch.Tensor,
-                  pos: torch.Tensor | None = None, neg: torch.Tensor | None = None) -> None:
-    """1-bit codes of the flat contiguous float32 ``v`` into ``packed``; ``nonneg`` (int64,
-    ``cols``) += each column's count of non-negative entries; ``pos``, ``neg`` (contiguous
-    float32 of ``v``'s size, or None): ``v.clamp(min=0)``, ``v.clamp(max=0)`` into them."""
-    none = np.empty(0, np.float32)
-    _onebit_encode(array(v), cols, array(packed), array(nonneg),
-                   none if pos is None else array(pos), none if neg is None else array(neg))
+def onebit_encode(v: torch.Tensor, cols: int, packed: torch.Tensor, nonneg: torch.Tensor) -> torch.Tensor:
+    """1-bit codes of the flat contiguous float32 / float64 ``v`` into ``packed``; ``nonneg``
+    (int64, ``cols``) += each column's count of non-negative entries. Returns the block
+    column sums of the non-negative and of the negative parts, ``(2, blocks, cols)`` float64
+    (:func:`_onebit_encode`; the caller adds the blocks up pairwise, as its torch path does)."""
+    width = lane_width(cols)
+    lines = -(-v.numel() // width) if width else 0
+    sums = torch.zeros(2, max(1, -(-lines // LINES)), cols, dtype=torch.float64)
+    _onebit_encode(array(v), cols, width, array(packed), array(nonneg), array(sums[0].view(-1)),
+                   array(sums[1].view(-1)))
+    return sums
+
+
+def abs_max(v: torch.Tensor) -> float:
+    """``max_j |v_j|`` of the flat contiguous float32 ``v`` (:func:`_abs_max_bits`): a float32
+    value as a Python float; +0.0 for a zero or empty tensor, NaN if ``v`` holds one."""
+    return float(np.int32(_abs_max_bits(array(v).view(np.int32))).view(np.float32))
+
+
+def square_sum(v: torch.Tensor) -> float:
+    """``Σ v_j²`` of the flat contiguous float32 ``v`` in the order docs/algorithms.md §codec:
+    qsgd defines (:func:`_square_sum_blocks`, the block sums then added as scaled_sign adds
+    its ℓ1 block sums: :func:`.elementwise.l1_of`)."""
+    x = array(v)
+    partials = np.empty(max(1, -(-x.size // ek.L1_BLOCK)), np.float64)
+    _square_sum_blocks(x, ek.BLOCK, ek.ROWS, partials)
+    return ek.l1_of(partials)
 
 
 def onebit_decode(packed: torch.Tensor, cols: int, pos: torch.Tensor, neg: torch.Tensor,
