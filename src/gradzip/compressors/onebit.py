@@ -50,20 +50,18 @@ class OneBit(_util.DecodeAddMean):
                       tensor.dtype)
 
     def _encode(self, tensor: torch.Tensor, reuse: Packet | None) -> Packet:
-        """The fused compress: the bits, the non-negative counts and the block column sums
-        in one kernel pass (:func:`gradzip.kernels.quantize.onebit_encode`), the blocks then
-        added up as :func:`column_sums` adds them."""
-        rows, cols = matrix_shape(tensor.shape)
+        """The fused compress: the bits, the non-negative counts, the column sums (in
+        :func:`column_sums`' order) and the means in one kernel pass
+        (:func:`gradzip.kernels.quantize.onebit_encode`)."""
+        _, cols = matrix_shape(tensor.shape)
         flat = tensor.detach().reshape(-1)
         if flat.dtype not in (torch.float32, torch.float64):
             flat = flat.to(torch.float32)  # exact: the same comparisons and sums
         wire = reuse.wire if reuse is not None else {}
         bits = kernels.reused(wire.get("bits"), packed_nbytes(flat.numel(), 1))
-        pos_n = torch.zeros(cols, dtype=torch.int64)
-        blocks = quantize.onebit_encode(flat.contiguous(), cols, bits, pos_n)
-        sums = torch.stack([_add_blocks(blocks[0]), _add_blocks(blocks[1])])
         means = kernels.reused(wire.get("means"), 2 * cols, torch.float32).view(2, cols)
-        return Packet({"bits": bits, "means": means.copy_(_means(sums, pos_n, rows))}, tensor.shape, tensor.dtype)
+        quantize.onebit_encode(flat.contiguous(), cols, bits, means)
+        return Packet({"bits": bits, "means": means}, tensor.shape, tensor.dtype)
 
     def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
                           reuse: Packet | None = None) -> Packet:
@@ -107,9 +105,10 @@ def column_sums(flat: torch.Tensor, cols: int) -> torch.Tensor:
     the sum of its non-negative parts ``clamp(v, min=0)`` and of its negative parts
     ``clamp(v, max=0)``, in the order docs/algorithms.md §codec: 1bit defines: lines of
     ``w = quantize.lane_width(cols)`` entries (lane ``k`` belongs to column ``k mod cols``),
-    blocks of ``quantize.LINES`` lines; in a block, float64 lanes from 0.0 add their entries
-    (exactly widened) line by line, then fold pairwise (lane ``k`` + lane ``k + w/2``, ...,
-    down to ``cols`` lanes); the blocks' sums are added by :func:`_add_blocks`. The torch
+    blocks of ``quantize.LINES`` lines; in a block, float32 lanes from 0.0 add their clamped
+    entries (rounded to float32) line by line, then are widened and fold pairwise in float64
+    (lane ``k`` + lane ``k + w/2``, ..., down to ``cols`` lanes); the blocks' sums are added by
+    :func:`_add_blocks`. The torch
     statement of what the fused kernel computes in its one pass (the same bits)."""
     width = quantize.lane_width(cols)
     if not width:
@@ -119,10 +118,11 @@ def column_sums(flat: torch.Tensor, cols: int) -> torch.Tensor:
     padded = torch.zeros(blocks * quantize.LINES * width, dtype=flat.dtype, device=flat.device)
     padded[: flat.numel()] = flat  # a missing entry adds +0.0: nothing (the lanes start at +0.0)
     grid = padded.view(blocks, quantize.LINES, width)
-    lanes = torch.zeros(2, blocks, width, dtype=torch.float64, device=flat.device)
-    for r in range(quantize.LINES):  # each clamp exactly widened by the in-place add
-        lanes[0] += torch.clamp(grid[:, r], min=0)
-        lanes[1] += torch.clamp(grid[:, r], max=0)
+    lanes = torch.zeros(2, blocks, width, dtype=torch.float32, device=flat.device)
+    for r in range(quantize.LINES):
+        lanes[0] += torch.clamp(grid[:, r], min=0).to(torch.float32)
+        lanes[1] += torch.clamp(grid[:, r], max=0).to(torch.float32)
+    lanes = lanes.double()
     while lanes.shape[2] > cols:
         half = lanes.shape[2] // 2
         lanes = lanes[:, :, :half] + lanes[:, :, half:]
@@ -131,7 +131,8 @@ def column_sums(flat: torch.Tensor, cols: int) -> torch.Tensor:
 
 def _add_blocks(blocks: torch.Tensor) -> torch.Tensor:
     """The ``(blocks, cols)`` block sums added pairwise into ``(cols,)``: while more than one
-    row is left, row ``b`` += row ``b + ⌈count/2⌉`` (a middle row without a partner stays)."""
+    row is left, row ``b`` += row ``b + ⌈count/2⌉`` (a middle row without a partner stays;
+    ``gradzip.kernels.quantize._add_blocks`` in the fused pass)."""
     while blocks.shape[0] > 1:
         count, half = blocks.shape[0], (blocks.shape[0] + 1) // 2
         top = blocks[:half].clone()

@@ -59,7 +59,8 @@ def _compile_helpers() -> None:
         import numba
         g = globals()
         for name in ("_merge", "_split", "_bswap", "_pack", "_pack_words", "_unpack", "_unpack_words", "_onebit_run",
-                     "_pack2", "_unpack2", "_fold_lanes"):
+                     "_pack2", "_unpack2", "_fold_lanes", "_pack1",
+                     "_onebit_sums", "_add_blocks"):
             if not hasattr(g[name], "py_func"):  # not compiled by a thread before us
                 g[name] = numba.njit(cache=True, nogil=True, inline="always")(g[name])
         g["_uniform"] = counter_rng.numba_uniform()  # (cached: the same object every time)
@@ -175,19 +176,54 @@ def _terngrad_decode(packed, count, s, out, add):
 
 
 @njit
-def _onebit_encode(v, cols, width, packed, nonneg, psums, nsums):
+def _onebit_encode(v, cols, width, packed, means):
+    """:func:`_onebit_sums` of ``v``, then ``means`` (float32, ``2 × cols``, flat) = each
+    column's mean of its non-negative and of its negative entries (float64 sum / count,
+    rounded once; 0 for a kind the column lacks): 1bit's whole compress."""
+    n = v.size
+    rows = n // cols if cols else 0
+    lines = -(-n // width) if width else 0
+    blocks = max(1, -(-lines // LINES))
+    psums = np.zeros(blocks * cols, np.float64)
+    nsums = np.zeros(blocks * cols, np.float64)
+    nonneg = np.zeros(cols, np.int64)
+    _onebit_sums(v, cols, width, packed, nonneg, psums, nsums)
+    _add_blocks(psums, blocks, cols)
+    _add_blocks(nsums, blocks, cols)
+    for c in range(cols):
+        pos = nonneg[c]
+        means[c] = np.float32(psums[c] / np.float64(max(pos, 1)))
+        means[cols + c] = np.float32(nsums[c] / np.float64(max(rows - pos, 1)))
+
+
+def _add_blocks(sums, blocks, cols):
+    """The ``blocks × cols`` block sums (flat) added pairwise into ``sums[:cols]``: while
+    more than one row is left, row ``b`` += row ``b + ⌈count/2⌉`` (a middle row without a
+    partner stays): ``gradzip.compressors.onebit._add_blocks``."""
+    count = blocks
+    while count > 1:
+        half = (count + 1) // 2
+        for t in range((count - half) * cols):
+            sums[t] = sums[t] + sums[half * cols + t]
+        count = half
+
+
+def _onebit_sums(v, cols, width, packed, nonneg, psums, nsums):
     """1-bit codes ``v ≥ 0`` packed MSB-first into ``packed`` (``v``: the row-major ``rows ×
-    cols`` matrix, flat, float32 or float64); ``nonneg[c]`` += the column's count of them;
-    ``psums``, ``nsums`` (``blocks × cols`` float64, flat): each block's column sums of the
-    non-negative and of the negative parts, in the order docs/algorithms.md §codec: 1bit
-    defines: lines of ``width`` entries (lane ``k`` is column ``k mod cols``), blocks of
-    :data:`LINES` lines, float64 lanes summing the clamped entries line by line from 0.0,
-    then folded pairwise to the columns (:func:`_fold_lanes`)."""
+    cols`` matrix, flat, float32 or float64; compared in its own dtype); ``nonneg[c]`` += the
+    column's count of them; ``psums``, ``nsums`` (``blocks × cols`` float64, flat): each
+    block's column sums of the non-negative and of the negative parts, in the order
+    docs/algorithms.md §codec: 1bit defines: lines of ``width`` entries (lane ``k`` is column
+    ``k mod cols``), blocks of :data:`LINES` lines, float32 lanes adding the clamped entries
+    (rounded to float32) line by line from 0.0, then widened and folded pairwise in float64
+    to the columns (:func:`_fold_lanes`). Codes, counts and sums in one loop over a run of
+    consecutive lanes (vectorised), then the piece is packed."""
     n = v.size
     codes = np.empty(PIECE, np.uint8)
-    lanes_p = np.zeros(width, np.float64)
-    lanes_n = np.zeros(width, np.float64)
-    counts = np.zeros(width, np.int64)
+    lanes_p = np.zeros(width, np.float32)
+    lanes_n = np.zeros(width, np.float32)
+    wide = np.empty(2 * width, np.float64)
+    counts = np.zeros(width, np.int32)  # at most a count of lines: < 2^31 up to 2^41 entries
     zero = np.float32(0.0)
     k = 0  # the lane of the next entry
     line = 0  # lines done in the current block
@@ -195,11 +231,8 @@ def _onebit_encode(v, cols, width, packed, nonneg, psums, nsums):
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
-        for i in range(m):
-            codes[i] = np.uint8(vb[i] >= 0)
-        _pack(codes, m, 1, packed, base // 8)
         i = 0
-        while i < m:  # one run of consecutive lanes at a time (vectorised)
+        while i < m:
             run = min(m - i, width - k)
             xt = vb[i:i + run]
             pt = lanes_p[k:k + run]
@@ -208,39 +241,69 @@ def _onebit_encode(v, cols, width, packed, nonneg, psums, nsums):
             dt = codes[i:i + run]
             for t in range(run):
                 a = xt[t]
-                pt[t] += np.float64(zero if a < zero else a)  # torch's clamp(min=0), widened
-                nt[t] += np.float64(zero if a > zero else a)  # clamp(max=0)
-                ct[t] += dt[t]
+                ge = a >= 0
+                f = np.float32(a)
+                pt[t] += zero if f < zero else f  # torch's clamp(min=0)
+                nt[t] += zero if f > zero else f  # clamp(max=0)
+                dt[t] = ge
+                ct[t] += ge
             i += run
             k += run
             if k == width:
                 k = 0
                 line += 1
                 if line == LINES:
-                    _fold_lanes(lanes_p, lanes_n, cols, psums, nsums, b)
+                    _fold_lanes(lanes_p, lanes_n, wide, cols, psums, nsums, b)
                     line = 0
                     b += 1
+        _pack1(codes, m, packed, base // 8)
     if line or k:  # the partial last block (its missing entries add nothing)
-        _fold_lanes(lanes_p, lanes_n, cols, psums, nsums, b)
+        _fold_lanes(lanes_p, lanes_n, wide, cols, psums, nsums, b)
     for t in range(width):
         nonneg[t % cols] += counts[t]
 
 
-def _fold_lanes(lanes_p, lanes_n, cols, psums, nsums, b):
-    """Block ``b``'s lanes folded pairwise (lane ``t`` + lane ``t + h``, ``h`` halving down to
-    ``cols``: the same column) into ``psums``/``nsums[b·cols:]``; the lanes reset to 0.0."""
+def _fold_lanes(lanes_p, lanes_n, wide, cols, psums, nsums, b):
+    """Block ``b``'s float32 lanes widened and folded pairwise in float64 (lane ``t`` + lane
+    ``t + h``, ``h`` halving down to ``cols``: the same column) into ``psums``/``nsums[b·cols:]``;
+    the lanes reset to 0.0. ``wide``: float64 scratch of twice the lanes."""
     size = lanes_p.size
+    wp = wide[:size]
+    wn = wide[size:]
+    for t in range(size):
+        wp[t] = lanes_p[t]
+        wn[t] = lanes_n[t]
     while size > cols:  # size = cols·2^j: each half holds the same columns
         h = size // 2
         for t in range(h):
-            lanes_p[t] = lanes_p[t] + lanes_p[t + h]
-            lanes_n[t] = lanes_n[t] + lanes_n[t + h]
+            wp[t] = wp[t] + wp[t + h]
+            wn[t] = wn[t] + wn[t + h]
         size = h
     for t in range(cols):
-        psums[b * cols + t] = lanes_p[t]
-        nsums[b * cols + t] = lanes_n[t]
+        psums[b * cols + t] = wp[t]
+        nsums[b * cols + t] = wn[t]
     lanes_p[:] = 0.0
     lanes_n[:] = 0.0
+
+
+def _pack1(codes, m, packed, at):
+    """:func:`_pack` for 1-bit codes: each byte from one little-endian 64-bit word of eight
+    0/1 codes (vectorised, as the sign encoder packs)."""
+    words = codes.view(np.uint64)
+    full = m // 8
+    out = packed[at:at + full]
+    for g in range(full):
+        u = words[g]
+        y = u & np.uint64(1)
+        for j in range(1, 8):
+            y = (y << np.uint64(1)) | ((u >> np.uint64(8 * j)) & np.uint64(1))
+        out[g] = np.uint8(y)
+    rest = m - 8 * full
+    if rest:  # the last, partial byte: codes past m are 0
+        y = 0
+        for t in range(rest):
+            y |= int(codes[8 * full + t]) << (7 - t)
+        packed[at + full] = np.uint8(y)
 
 
 @njit
@@ -608,17 +671,11 @@ def terngrad_decode(packed: torch.Tensor, s: float, out: torch.Tensor, add: bool
     _terngrad_decode(array(packed), out.numel(), np.float32(s), array(out.view(-1)), add)
 
 
-def onebit_encode(v: torch.Tensor, cols: int, packed: torch.Tensor, nonneg: torch.Tensor) -> torch.Tensor:
-    """1-bit codes of the flat contiguous float32 / float64 ``v`` into ``packed``; ``nonneg``
-    (int64, ``cols``) += each column's count of non-negative entries. Returns the block
-    column sums of the non-negative and of the negative parts, ``(2, blocks, cols)`` float64
-    (:func:`_onebit_encode`; the caller adds the blocks up pairwise, as its torch path does)."""
-    width = lane_width(cols)
-    lines = -(-v.numel() // width) if width else 0
-    sums = torch.zeros(2, max(1, -(-lines // LINES)), cols, dtype=torch.float64)
-    _onebit_encode(array(v), cols, width, array(packed), array(nonneg), array(sums[0].view(-1)),
-                   array(sums[1].view(-1)))
-    return sums
+def onebit_encode(v: torch.Tensor, cols: int, packed: torch.Tensor, means: torch.Tensor) -> None:
+    """1-bit codes of the flat contiguous float32 / float64 ``v`` (``cols`` columns) into
+    ``packed``, the column means (``2 × cols`` float32, contiguous) into ``means``:
+    :func:`_onebit_encode`, one pass over ``v``."""
+    _onebit_encode(array(v), cols, lane_width(cols), array(packed), array(means.view(-1)))
 
 
 def abs_max(v: torch.Tensor) -> float:
