@@ -92,7 +92,6 @@ def _qsgd_encode(v, scale, levels, bits, k0, k1, packed, residual, step):
     codes = np.empty(PIECE, np.uint8)
     us = np.empty(PIECE, np.float32)
     sf = np.float32(levels)
-    s32 = np.int32(levels)
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
@@ -102,8 +101,8 @@ def _qsgd_encode(v, scale, levels, bits, k0, k1, packed, residual, step):
             u = us[i]
             a = vb[i]
             y = np.float32(abs(a) * scale) + u
-            xi = np.int32(y if y < sf else sf)
-            codes[i] = np.uint8(s32 + xi if a >= 0 else s32 - xi)
+            xi = np.float32(np.int32(y if y < sf else sf))  # ⌊·⌋ as an integer-valued float32
+            codes[i] = np.uint8(np.int32(sf + xi if a >= 0 else sf - xi))  # exact: ≤ 254, float lanes
         _pack_words(codes, m, bits, packed, base // 8 * bits)
         if want:
             rb = residual[base:base + m]
