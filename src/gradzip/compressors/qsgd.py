@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import kernels
@@ -58,14 +59,14 @@ class QSGD(OnePassResidual):
             scale = torch.where(norm > 0, s / norm, torch.zeros_like(norm))  # no host sync
             return self._encode_reference(tensor, v, norm, scale, seed)
         v = v.contiguous()
-        norm = torch.tensor(math.sqrt(quantize.square_sum(v)), dtype=torch.float32)  # l2_norm's bits
-        scale = torch.where(norm > 0, s / norm, torch.zeros_like(norm))
+        # the reference's float32 scalars in numpy float32 (IEEE: the same bits, no torch op)
+        norm = np.float32(math.sqrt(quantize.square_sum(v)))  # l2_norm's bits
+        scale = np.float32(s) / norm if norm > 0 else np.float32(0.0)
         wire = reuse.wire if reuse is not None else {}
         codes = kernels.reused(wire.get("codes"), packed_nbytes(v.numel(), self.bits))
-        norm_ = kernels.reused(wire.get("norm"), 1, torch.float32)
-        step = (norm / s).item()  # what decompress multiplies by: the residual's C(v)
-        quantize.qsgd_encode(v, scale.item(), s, self.bits, seed, codes, residual, step)
-        return Packet({"norm": norm_.copy_(norm.reshape(1)), "codes": codes}, tensor.shape, tensor.dtype)
+        norm_ = kernels.reused(wire.get("norm"), 1, torch.float32).fill_(float(norm))
+        quantize.qsgd_encode(v, scale, s, self.bits, seed, codes, residual, _step(norm, s))
+        return Packet({"norm": norm_, "codes": codes}, tensor.shape, tensor.dtype)
 
     def _encode_reference(self, tensor, v, norm, scale, seed) -> Packet:
         """The torch reference (CUDA, and ``GRADZIP_KERNELS=torch``)."""
@@ -83,11 +84,11 @@ class QSGD(OnePassResidual):
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         s = self.levels
-        step = packet.wire["norm"] / s
         if kernels.enabled(packet.wire["codes"]):
             dense = quantize.decode_target(out, packet.shape, packet.dtype)
-            quantize.qsgd_decode(packet.wire["codes"], s, self.bits, step.item(), dense)
+            quantize.qsgd_decode(packet.wire["codes"], s, self.bits, _step(packet.wire["norm"].item(), s), dense)
             return dense if dense is out else deliver(dense.to(packet.dtype), out)
+        step = packet.wire["norm"] / s
 
         def fill(codes: torch.Tensor, out: torch.Tensor) -> None:
             out.copy_(codes).sub_(s).mul_(step)  # (code - s)·‖v‖/s
@@ -96,8 +97,14 @@ class QSGD(OnePassResidual):
         return deliver(dense.to(packet.dtype).view(packet.shape), out)
 
     def _decode_add(self, packet: Packet, total: torch.Tensor) -> None:
-        step = (packet.wire["norm"] / self.levels).item()
+        step = _step(packet.wire["norm"].item(), self.levels)
         quantize.qsgd_decode(packet.wire["codes"], self.levels, self.bits, step, total, add=True)
+
+
+def _step(norm: float, levels: int) -> np.float32:
+    """``‖v‖/s`` rounded to float32, as the reference's ``norm / s`` (a float32 tensor by an
+    int) rounds it: what a code step is worth."""
+    return np.float32(norm) / np.float32(levels)
 
 
 def l2_norm(v: torch.Tensor) -> torch.Tensor:
