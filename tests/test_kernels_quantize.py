@@ -74,6 +74,21 @@ def test_fused_equals_reference_on_every_shape(spec, dtype):
             assert_same(run(codec, x, 7 + i, "torch"), run(codec, x, 7 + i, "numba"))
 
 
+@pytest.mark.parametrize("spec", ["1bit", "qsgd", "terngrad"])
+def test_fused_equals_reference_for_float64(spec):
+    """float64 inputs, with entries that float32 cannot hold (a tiny negative one rounds to
+    −0.0 there: 1bit compares in float64 on both paths, so its bit is 0)."""
+    codec = build(spec)
+    for i, shape in enumerate([(7,), (37, 41), (4099,), (3, 1, 5)]):
+        for transpose in (False, True):
+            x = sample(shape, seed=i, dtype=torch.float64)
+            x.view(-1)[1] = -1e-300
+            x.view(-1)[2] = 1e-300
+            if transpose and x.dim() >= 2:
+                x = x.transpose(0, 1).contiguous().transpose(0, 1)  # same shape, not contiguous
+            assert_same(run(codec, x, 7 + i, "torch"), run(codec, x, 7 + i, "numba"))
+
+
 @settings(max_examples=30, deadline=None)
 @given(spec=st.sampled_from(SPECS), rows=st.integers(0, 70), cols=st.integers(0, 9),
        seed=st.integers(-2**63, 2**64), dtype=st.sampled_from(DTYPES), scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e30]))
