@@ -5,9 +5,9 @@ is one pass (codes, bit packing and, when asked, the error-feedback residual
 Every kernel is bit-identical to its codec's torch reference for finite tensors: the same
 float32 operations in the same order (no fastmath, so no fused multiply-add), the uniforms of
 :mod:`.counter_rng` computed inline (in 32-bit vector lanes), the codes
-packed MSB-first in the layout of :mod:`gradzip.compressors.bitpack`. Scalars that come
-from order-dependent reductions (the norm, the column sums) are computed by torch and
-passed in. (A NaN or Inf, which the optimizers stop before compressing unless
+packed MSB-first in the layout of :mod:`gradzip.compressors.bitpack`. The reductions run
+in the kernels too: terngrad's ``max|v|`` (exact in any order), qsgd's norm and 1bit's
+column sums in the orders docs/algorithms.md defines, which the codecs' torch paths follow. (A NaN or Inf, which the optimizers stop before compressing unless
 ``nonfinite="off"``: the reference casts NaN to uint8, which is unspecified; the kernels
 write in-range codes.)
 
