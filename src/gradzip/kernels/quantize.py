@@ -58,7 +58,7 @@ def _compile_helpers() -> None:
     with _helpers_lock:
         import numba
         g = globals()
-        for name in ("_merge", "_split", "_bswap", "_pack", "_pack_words", "_unpack", "_unpack_words", "_onebit_run",
+        for name in ("_merge", "_split", "_bswap", "_pack_words", "_unpack", "_unpack_words", "_onebit_run",
                      "_pack2", "_unpack2", "_fold_lanes", "_pack1",
                      "_onebit_sums", "_add_blocks"):
             if not hasattr(g[name], "py_func"):  # not compiled by a thread before us
@@ -286,8 +286,9 @@ def _fold_lanes(lanes_p, lanes_n, wide, cols, psums, nsums, b):
 
 
 def _pack1(codes, m, packed, at):
-    """:func:`_pack` for 1-bit codes: each byte from one little-endian 64-bit word of eight
-    0/1 codes (vectorised, as the sign encoder packs)."""
+    """Pack the 1-bit ``codes[:m]`` (``codes`` a PIECE scratch) MSB-first into ``packed[at:]``
+    (:mod:`gradzip.compressors.bitpack`'s layout): each byte from one little-endian 64-bit
+    word of eight 0/1 codes (vectorised, as the sign encoder packs)."""
     words = codes.view(np.uint64)
     full = m // 8
     out = packed[at:at + full]
@@ -406,33 +407,8 @@ _M16 = np.uint64(0x0000FFFF0000FFFF)  # low half of every 32-bit lane
 _M32 = np.uint64(0xFFFFFFFF)
 
 
-def _pack(codes, m, bits, packed, at):
-    """Pack ``codes[:m]`` (``bits``-bit codes, ``codes`` a PIECE scratch) MSB-first into
-    ``packed[at:]``: eight codes read as one little-endian word and merged pairwise in
-    three shift/or rounds into one ``8·bits``-bit group, written as ``bits`` bytes
-    (:mod:`gradzip.compressors.bitpack`'s algorithm, one word at a time). Inlined into the
-    kernels; with a literal ``bits`` (1bit, terngrad) the byte loop folds to ``bits`` stores,
-    qsgd's runtime width costs a predictable branch per byte (one compiled copy, not eight:
-    compiling eight took ~30 s)."""
-    words = codes.view(np.uint64)
-    full = m // 8
-    top = np.uint64(64 - 8 * bits)
-    for g in range(full):
-        lo = _merge(words[g], bits) << top  # the group's first byte in the word's top byte
-        o = at + g * bits
-        for t in range(8):
-            if t < bits:
-                packed[o + t] = np.uint8(lo >> np.uint64(56 - 8 * t))
-    rest = m - 8 * full
-    if rest:  # the last, partial group: codes past m are 0
-        lo = _merge(words[full] & ((np.uint64(1) << np.uint64(8 * rest)) - np.uint64(1)), bits)
-        o = at + full * bits
-        for t in range((rest * bits + 7) // 8):
-            packed[o + t] = np.uint8((lo >> np.uint64(8 * (bits - 1 - t))) & np.uint64(0xFF))
-
-
 def _pack2(codes, m, packed, at):
-    """:func:`_pack` for 2-bit codes (terngrad's): each byte from one little-endian 32-bit
+    """:func:`_pack1` for 2-bit codes (terngrad's): each byte from one little-endian 32-bit
     word of four codes, a loop LLVM vectorises (the general 64-bit merge is serial; this ran
     ~6x faster)."""
     words = codes.view(np.uint32)
@@ -466,13 +442,14 @@ def _unpack2(packed, at, m, codes):
 
 
 def _pack_words(codes, m, bits, packed, at):
-    """:func:`_pack` for a width known only at run time (qsgd's): each group of eight codes
-    merged into the top of a 64-bit word and stored as 8 big-endian bytes at its own offset
-    (:func:`_store_be64`, unaligned): its ``bits`` bytes, then zeros that the next group's
-    store overwrites (one store per group instead of a branch and a store per byte; ~2x
-    faster). Groups whose 8 bytes would pass the end of ``packed`` are written byte by byte.
-    The same bytes as :func:`_pack`; pieces are written in order, so a store's zeros past
-    the piece are overwritten by the next piece."""
+    """Pack ``bits``-bit codes, a width known only at run time (qsgd's), MSB-first
+    (:mod:`gradzip.compressors.bitpack`'s layout): each group of eight codes merged
+    (:func:`_merge`) into the top of a 64-bit word and stored as 8 big-endian bytes at its
+    own offset (:func:`_store_be64`, unaligned): its ``bits`` bytes, then zeros that the
+    next group's store overwrites (one store per group instead of a branch and a store per
+    byte; ~2x faster). Groups whose 8 bytes would pass the end of ``packed`` are written
+    byte by byte. Pieces are written in order, so a store's zeros past the piece are
+    overwritten by the next piece."""
     words = codes.view(np.uint64)
     full = m // 8
     top = np.uint64(64 - 8 * bits)
@@ -597,7 +574,7 @@ def _split(y, bits):
 
 def _unpack(packed, at, bits, m, codes):
     """``codes[:m]`` = the ``bits``-bit codes packed MSB-first from ``packed[at:]``
-    (:func:`_pack` backwards; bytes past the end of ``packed`` read as 0)."""
+    (bitpack's layout backwards; bytes past the end of ``packed`` read as 0)."""
     words = codes.view(np.uint64)
     groups = (m + 7) // 8
     whole = min(groups, (packed.size - at) // bits)  # groups whose bytes all exist
