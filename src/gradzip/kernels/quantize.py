@@ -91,6 +91,7 @@ def _qsgd_encode(v, scale, levels, bits, k0, k1, packed, residual, step):
     want = residual.size == n
     codes = np.empty(PIECE, np.uint8)
     us = np.empty(PIECE, np.float32)
+    merged = np.empty(PIECE // 8, np.uint64)
     sf = np.float32(levels)
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
@@ -103,7 +104,7 @@ def _qsgd_encode(v, scale, levels, bits, k0, k1, packed, residual, step):
             y = np.float32(abs(a) * scale) + u
             xi = np.float32(np.int32(y if y < sf else sf))  # ⌊·⌋ as an integer-valued float32
             codes[i] = np.uint8(np.int32(sf + xi if a >= 0 else sf - xi))  # exact: ≤ 254, float lanes
-        _pack_words(codes, m, bits, packed, base // 8 * bits)
+        _pack_words(codes, m, bits, packed, base // 8 * bits, merged)
         if want:
             rb = residual[base:base + m]
             for i in range(m):
@@ -441,13 +442,14 @@ def _unpack2(packed, at, m, codes):
         words[k] = np.uint32(0)
 
 
-def _pack_words(codes, m, bits, packed, at):
+def _pack_words(codes, m, bits, packed, at, merged):
     """Pack ``bits``-bit codes, a width known only at run time (qsgd's), MSB-first
     (:mod:`gradzip.compressors.bitpack`'s layout): each group of eight codes merged
     (:func:`_merge`) into the top of a 64-bit word and stored as 8 big-endian bytes at its
     own offset (:func:`_store_be64`, unaligned): its ``bits`` bytes, then zeros that the
     next group's store overwrites (one store per group instead of a branch and a store per
-    byte; ~2x faster). Groups whose 8 bytes would pass the end of ``packed`` are written
+    byte; ~2x faster), the groups merged first into the scratch ``merged`` (``m/8`` words),
+    a loop LLVM vectorises. Groups whose 8 bytes would pass the end of ``packed`` are written
     byte by byte. Pieces are written in order, so a store's zeros past the piece are
     overwritten by the next piece."""
     words = codes.view(np.uint64)
@@ -455,8 +457,10 @@ def _pack_words(codes, m, bits, packed, at):
     top = np.uint64(64 - 8 * bits)
     room = packed.size - at
     safe = min(full, (room - 8) // bits + 1) if room >= 8 else 0
+    for g in range(safe):  # the merges first, a loop of their own (vectorised)
+        merged[g] = _merge(words[g], bits) << top
     for g in range(safe):
-        _store_be64(packed, at + g * bits, _merge(words[g], bits) << top)
+        _store_be64(packed, at + g * bits, merged[g])
     for g in range(safe, full):
         lo = _merge(words[g], bits) << top
         o = at + g * bits
