@@ -483,8 +483,10 @@ def _unpack_words(packed, at, bits, m, codes):
     top = np.uint64(64 - 8 * bits)
     room = packed.size - at
     safe = min(groups, (room - 8) // bits + 1) if room >= 8 else 0
+    for g in range(safe):  # the loads, then the splits in a loop of their own (vectorised)
+        words[g] = _load_be64(packed, at + g * bits) >> top
     for g in range(safe):
-        words[g] = _split(_load_be64(packed, at + g * bits) >> top, bits)
+        words[g] = _split(words[g], bits)
     for g in range(safe, groups):
         o = at + g * bits
         y = np.uint64(0)
