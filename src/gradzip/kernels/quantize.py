@@ -59,7 +59,7 @@ def _compile_helpers() -> None:
         import numba
         g = globals()
         for name in ("_merge", "_split", "_bswap", "_pack_words", "_unpack", "_unpack_words", "_onebit_run",
-                     "_pack2", "_unpack2", "_fold_lanes", "_pack1",
+                     "_pack2", "_unpack2", "_fold_lanes", "_fold_pairwise", "_pack1",
                      "_onebit_sums", "_add_blocks"):
             if not hasattr(g[name], "py_func"):  # not compiled by a thread before us
                 g[name] = numba.njit(cache=True, nogil=True, inline="always")(g[name])
@@ -273,17 +273,23 @@ def _fold_lanes(lanes_p, lanes_n, wide, cols, psums, nsums, b):
     for t in range(size):
         wp[t] = lanes_p[t]
         wn[t] = lanes_n[t]
-    while size > cols:  # size = cols·2^j: each half holds the same columns
-        h = size // 2
-        for t in range(h):
-            wp[t] = wp[t] + wp[t + h]
-            wn[t] = wn[t] + wn[t + h]
-        size = h
+    _fold_pairwise(wp, size, cols)  # size = cols·2^j: each half holds the same columns
+    _fold_pairwise(wn, size, cols)
     for t in range(cols):
         psums[b * cols + t] = wp[t]
         nsums[b * cols + t] = wn[t]
     lanes_p[:] = 0.0
     lanes_n[:] = 0.0
+
+
+def _fold_pairwise(acc, size, width):
+    """``acc[:size]`` added pairwise down to ``width`` entries (``size = width·2^j``): entry
+    ``t`` += entry ``t + h`` for ``h = size/2``, then ``size/4``, ..., ``width``."""
+    while size > width:
+        h = size // 2
+        for t in range(h):
+            acc[t] = acc[t] + acc[t + h]
+        size = h
 
 
 def _pack1(codes, m, packed, at):
@@ -336,11 +342,7 @@ def _square_sum_blocks(v, lanes, rows, partials):
             for k in range(row.size):
                 a = row[k]
                 acc[k] += np.float64(a * a)
-        h = lanes // 2
-        while h:
-            for k in range(h):
-                acc[k] = acc[k] + acc[k + h]
-            h //= 2
+        _fold_pairwise(acc, lanes, 1)
         partials[b] = acc[0]
 
 
