@@ -106,10 +106,10 @@ def column_sums(flat: torch.Tensor, cols: int) -> torch.Tensor:
     ``clamp(v, max=0)``, in the order docs/algorithms.md §codec: 1bit defines: lines of
     ``w = quantize.lane_width(cols)`` entries (lane ``k`` belongs to column ``k mod cols``),
     blocks of ``quantize.LINES`` lines; in a block, float32 lanes from 0.0 add their clamped
-    entries (rounded to float32) line by line, then are widened and fold pairwise in float64
-    (lane ``k`` + lane ``k + w/2``, ..., down to ``cols`` lanes); the blocks' sums are added by
-    :func:`_add_blocks`. The torch
-    statement of what the fused kernel computes in its one pass (the same bits)."""
+    entries (rounded to float32) line by line, then are widened and folded pairwise in
+    float64 (lane ``k`` + lane ``k + w/2``, ..., down to ``cols`` lanes); the blocks' sums are
+    added by :func:`_add_blocks`. The torch statement of what the fused kernel computes in
+    its one pass (the same bits)."""
     width = quantize.lane_width(cols)
     if not width:
         return torch.zeros(2, cols, dtype=torch.float64, device=flat.device)
