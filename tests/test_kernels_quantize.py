@@ -74,6 +74,21 @@ def test_fused_equals_reference_on_every_shape(spec, dtype):
             assert_same(run(codec, x, 7 + i, "torch"), run(codec, x, 7 + i, "numba"))
 
 
+@pytest.mark.parametrize("spec", ["1bit", "qsgd", "terngrad"])
+def test_fused_equals_reference_for_float64(spec):
+    """float64 inputs, with entries that float32 cannot hold (a tiny negative one rounds to
+    −0.0 there: 1bit compares in float64 on both paths, so its bit is 0)."""
+    codec = build(spec)
+    for i, shape in enumerate([(7,), (37, 41), (4099,), (3, 1, 5)]):
+        for transpose in (False, True):
+            x = sample(shape, seed=i, dtype=torch.float64)
+            x.view(-1)[1] = -1e-300
+            x.view(-1)[2] = 1e-300
+            if transpose and x.dim() >= 2:
+                x = x.transpose(0, 1).contiguous().transpose(0, 1)  # same shape, not contiguous
+            assert_same(run(codec, x, 7 + i, "torch"), run(codec, x, 7 + i, "numba"))
+
+
 @settings(max_examples=30, deadline=None)
 @given(spec=st.sampled_from(SPECS), rows=st.integers(0, 70), cols=st.integers(0, 9),
        seed=st.integers(-2**63, 2**64), dtype=st.sampled_from(DTYPES), scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e30]))
@@ -182,7 +197,8 @@ def test_qsgd_codes_follow_the_counter_uniforms(levels, mode):
     with kernels.use(mode):
         p = codec.compress(x, seed)
     codes = unpack_bits(p.wire["codes"], codec.bits, x.numel()).tolist()
-    norm = np.float32(torch.linalg.vector_norm(x).item())
+    norm = np.float32(math.sqrt(defined_square_sum(x.numpy())))  # docs/algorithms.md §codec: qsgd
+    assert p.wire["norm"].item() == norm
     scale = np.float32(np.float32(levels) / norm)
     for j, a in enumerate(x.tolist()):
         y = np.float32(np.float32(abs(np.float32(a)) * scale) + np.float32(counter_rng.uniform_at(seed, j)))
@@ -202,6 +218,131 @@ def test_terngrad_codes_follow_the_counter_uniforms(mode):
     for j, a in enumerate(x.tolist()):
         keep = np.float32(np.float32(counter_rng.uniform_at(seed, j)) * s) < abs(np.float32(a))
         assert codes[j] == ((3 if a > 0 else 2) if keep else 0), j
+
+
+# -- the defined summation orders (docs/algorithms.md §codec: 1bit, qsgd), in numpy ----------------
+def _fold(acc):
+    """Lanes added pairwise: ``k + (k + h)`` with ``h`` halving (the last axis, a power of two
+    times the result's width ``acc.shape[-1] >> levels``)."""
+    return acc[..., : acc.shape[-1] // 2] + acc[..., acc.shape[-1] // 2:]
+
+
+def defined_square_sum(x):
+    """``Σ x_j²`` in the order §codec: qsgd defines: float32 squares; blocks of 64 lines of
+    1024 float64 lanes, each lane summing its line entries from 0.0, the lanes folded
+    pairwise; the block sums summed the same way until one is left."""
+    vals = (x.reshape(-1) * x.reshape(-1)).astype(np.float64)
+    while True:
+        blocks = max(1, -(-vals.size // 65536))
+        grid = np.zeros(blocks * 65536)
+        grid[: vals.size] = vals
+        acc = np.zeros((blocks, 1024))
+        for r, line in enumerate(np.moveaxis(grid.reshape(blocks, 64, 1024), 1, 0)):
+            acc = acc + line
+        while acc.shape[1] > 1:
+            acc = _fold(acc)
+        vals = acc[:, 0]
+        if blocks == 1:
+            return float(vals[0])
+
+
+def defined_means(x):
+    """1bit's ``(2, cols)`` means of ``x`` (rows × cols float32) in the order §codec: 1bit
+    defines: lines of ``w = cols·2^j ≥ 1024`` entries, blocks of 64 lines; float32 lanes sum
+    the clamped entries line by line from 0.0; widened, folded pairwise to the columns;
+    the block sums added pairwise (row ``b`` + row ``b + ⌈count/2⌉``); float64 sum / count,
+    rounded to float32 once."""
+    rows, cols = x.shape
+    w = cols
+    while w < 1024:
+        w *= 2
+    blocks = max(1, -(-(-(-x.size // w)) // 64))
+    grid = np.zeros(blocks * 64 * w, np.float32)
+    grid[: x.size] = x.reshape(-1)
+    grid = grid.reshape(blocks, 64, w)
+    out = []
+    for part in (np.where(grid > 0, grid, np.float32(0)), np.where(grid < 0, grid, np.float32(0))):
+        acc = np.zeros((blocks, w), np.float32)
+        for r in range(64):
+            acc = acc + part[:, r]  # float32 adds
+        acc = acc.astype(np.float64)
+        while acc.shape[1] > cols:
+            acc = _fold(acc)
+        while acc.shape[0] > 1:
+            half = (acc.shape[0] + 1) // 2
+            top = acc[:half].copy()
+            top[: acc.shape[0] - half] += acc[half:]
+            acc = top
+        out.append(acc[0])
+    nonneg = (x >= 0).sum(0)
+    return np.stack([out[0] / np.maximum(nonneg, 1), out[1] / np.maximum(rows - nonneg, 1)]).astype(np.float32)
+
+
+@pytest.mark.parametrize("mode", ["torch", "numba"])
+@pytest.mark.parametrize("numel", [1, 1000, 65536 + 1, 3 * 65536 + 999])
+def test_qsgd_norm_is_summed_in_its_defined_order(mode, numel):
+    """The wire norm is ``float32(sqrt(Σ v²))`` summed in the defined order (several blocks:
+    the partial block and the sum of the block sums), on both paths; torch's own
+    ``vector_norm`` (the earlier rule) gives other bits for most of these tensors."""
+    x = sample((numel,), seed=numel) * 3
+    with kernels.use(mode):
+        p = build("qsgd").compress(x, 1)
+    assert p.wire["norm"].item() == np.float32(math.sqrt(defined_square_sum(x.numpy())))
+
+
+@pytest.mark.parametrize("mode", ["torch", "numba"])
+@pytest.mark.parametrize("shape", [(3 * 65536 + 77, 1), (1000, 3), (300, 5), (130, 1500), (2, 1025)])
+def test_1bit_means_are_summed_in_their_defined_order(mode, shape):
+    """The wire means follow the defined order: a vector across several blocks and a
+    partial one, columns that share lines (3 columns: lines of 1536), wider rows than a line
+    (1500 columns, more than 64 rows: two blocks)."""
+    x = sample(shape, seed=sum(shape))
+    with kernels.use(mode):
+        p = build("1bit").compress(x)
+    assert np.array_equal(p.wire["means"].numpy().view(np.int32), defined_means(x.numpy()).view(np.int32))
+
+
+def test_fused_reductions_run_no_torch_reduction(monkeypatch):
+    """The fused compress makes the reduction in its own pass: torch's ``aminmax``,
+    ``vector_norm`` and ``Tensor.sum`` are not called (they were: a second pass each)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a torch reduction ran on the fused path")
+
+    x = sample((37, 41), seed=2)
+    monkeypatch.setattr(torch, "aminmax", refuse)
+    monkeypatch.setattr(torch.linalg, "vector_norm", refuse)
+    monkeypatch.setattr(torch.Tensor, "sum", refuse)
+    with kernels.use("numba"):
+        for spec in ("terngrad", "qsgd", "1bit"):
+            build(spec).compress_residual(x, 1, torch.empty_like(x))
+            build(spec).compress(x, 1)
+
+
+@pytest.mark.parametrize("mode", ["torch", "numba"])
+@pytest.mark.parametrize("zeros", [[0.0], [-0.0], [0.0, -0.0], [-0.0] * 50 + [0.0] * 50, []])
+def test_terngrad_scale_of_a_zero_tensor_is_plus_zero(mode, zeros):
+    """``s = max|v|`` is +0.0 for a zero tensor on both paths, so it decodes to +0.0
+    (torch's ``aminmax`` gave −0.0 for some of these, by its order)."""
+    x = torch.tensor(zeros, dtype=torch.float32)
+    with kernels.use(mode):
+        codec = build("terngrad")
+        p = codec.compress(x, 3)
+        out = codec.decompress(p)
+    assert p.wire["scale"].view(torch.int32).item() == 0
+    assert torch.equal(out.view(torch.int32), torch.zeros(len(zeros), dtype=torch.int32))
+
+
+def test_terngrad_scale_is_max_abs_with_nan_and_inf():
+    """The fused max: exact for any finite tensor, +inf with an infinity, NaN with a NaN."""
+    x = sample((1001,), seed=6)
+    x[500] = -7.25
+    for extra, want in ((None, 7.25), (float("-inf"), math.inf), (float("nan"), math.nan)):
+        y = x.clone()
+        if extra is not None:
+            y[17] = extra
+        with kernels.use("numba"):
+            s = build("terngrad").compress(y, 1).wire["scale"].item()
+        assert s == want or (math.isnan(want) and math.isnan(s))
 
 
 # -- the uniforms --------------------------------------------------------------------------------

@@ -6,12 +6,11 @@ the column's non-negative entries and the mean of its negative entries (0 for a 
 column does not have). Wire: the bits packed MSB-first (``ceil(d/8)`` bytes) and the two
 means per column in float32 (``8·columns`` bytes). Does not sum in compressed form.
 
-On the CPU the bits, their packing and the non-negative counts are one numba pass
-(:mod:`gradzip.kernels.quantize`), and decoding (or the residual) one more. The column sums
-depend on the order of a float sum, so both paths compute them with the same torch
-reduction over the same pieces (:func:`_add_sums`); for float32 the fused pass also writes
-the clamped values that reduction adds up (bit for bit torch's clamps) into reused scratch,
-so the sums read them from cache, the price of bit-identical means.
+On the CPU the bits, their packing, the non-negative counts and the column sums are one
+numba pass (:mod:`gradzip.kernels.quantize`), and decoding (or the residual) one more. The
+column sums are added in the order docs/algorithms.md §codec: 1bit defines
+(:func:`column_sums` is its torch statement, the reference path), so both paths give the
+same means bit for bit.
 """
 from __future__ import annotations
 
@@ -38,47 +37,31 @@ class OneBit(_util.DecodeAddMean):
             return self._encode(tensor, reuse)
         rows, cols = matrix_shape(tensor.shape)
         flat = tensor.detach().reshape(-1)
-        sums = torch.zeros(2, cols, dtype=torch.float32, device=flat.device)
         pos_n = torch.zeros(cols, dtype=torch.int64, device=flat.device)
 
         def codes_of(part: torch.Tensor) -> torch.Tensor:
-            m = _add_sums(part, cols, sums)
-            nonneg = (m >= 0).view(torch.uint8)
-            pos_n.add_(nonneg.sum(0, dtype=torch.int32))
+            nonneg = (part >= 0).view(torch.uint8)
+            if cols:  # (d0, 0, ...): nothing to count
+                pos_n.add_(nonneg.view(-1, cols).sum(0, dtype=torch.int32))
             return nonneg
 
         bits = encode_chunks(flat, 1, codes_of, chunk=_piece(cols))
-        return Packet({"bits": bits, "means": _means(sums, pos_n, rows)}, tensor.shape, tensor.dtype)
+        return Packet({"bits": bits, "means": _means(column_sums(flat, cols), pos_n, rows)}, tensor.shape,
+                      tensor.dtype)
 
     def _encode(self, tensor: torch.Tensor, reuse: Packet | None) -> Packet:
-        """The fused compress: the column sums by the reference's own torch reduction (over
-        the same pieces, so the same bits: float sums depend on their order), the bits and
-        the non-negative counts (exact integers) in one kernel pass."""
-        rows, cols = matrix_shape(tensor.shape)
+        """The fused compress: the bits, the non-negative counts, the column sums (in
+        :func:`column_sums`' order) and the means in one kernel pass
+        (:func:`gradzip.kernels.quantize.onebit_encode`)."""
+        _, cols = matrix_shape(tensor.shape)
         flat = tensor.detach().reshape(-1)
-        sums = torch.zeros(2, cols, dtype=torch.float32)
-        chunk = _piece(cols)
-        if flat.numel() <= chunk or not _util.piecewise(flat):  # encode_chunks' pieces
-            chunk = max(flat.numel(), 1)
+        if flat.dtype not in (torch.float32, torch.float64):
+            flat = flat.to(torch.float32)  # exact: the same comparisons and sums
         wire = reuse.wire if reuse is not None else {}
         bits = kernels.reused(wire.get("bits"), packed_nbytes(flat.numel(), 1))
-        pos_n = torch.zeros(cols, dtype=torch.int64)
-        size = min(chunk, flat.numel())
-        if flat.dtype == torch.float32:  # the kernel writes the clamps the sums add up
-            pos, neg = torch.empty(2, size).unbind()
-        else:  # (torch's clamps in the input's dtype: what the reference sums)
-            scratch = torch.empty(size, dtype=flat.dtype)
-        for start in range(0, flat.numel(), chunk):  # each piece read from memory once
-            part = flat[start : start + chunk]
-            if flat.dtype == torch.float32:
-                quantize.onebit_encode(part.contiguous(), max(cols, 1), bits[start // 8 :], pos_n,
-                                       pos[: part.numel()], neg[: part.numel()])
-                _add_column_sums(pos[: part.numel()], neg[: part.numel()], cols, sums)
-            else:
-                _add_sums(part, cols, sums, scratch)
-                quantize.onebit_encode(part.to(torch.float32).contiguous(), max(cols, 1), bits[start // 8 :], pos_n)
         means = kernels.reused(wire.get("means"), 2 * cols, torch.float32).view(2, cols)
-        return Packet({"bits": bits, "means": means.copy_(_means(sums, pos_n, rows))}, tensor.shape, tensor.dtype)
+        quantize.onebit_encode(flat.contiguous(), cols, bits, means)
+        return Packet({"bits": bits, "means": means}, tensor.shape, tensor.dtype)
 
     def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
                           reuse: Packet | None = None) -> Packet:
@@ -117,31 +100,51 @@ def _piece(cols: int) -> int:
     return max(8, _util.CHUNK // max(cols, 1) // 8 * 8) * cols  # cols = 0: an empty tensor
 
 
-def _add_sums(part: torch.Tensor, cols: int, sums: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """Add a piece's column sums of its non-negative entries to ``sums[0]`` and of its
-    negative entries to ``sums[1]`` (float32; the one reduction both paths use); returns
-    the piece as a ``rows × cols`` matrix. ``scratch`` (the piece's dtype, at least its
-    size): where the clamped copies go instead of two fresh tensors (the same values)."""
-    m = part.view(-1, cols) if cols else part.view(0, 0)  # (d0, 0, ...): nothing to code
-    pos = neg = None
-    if scratch is not None:
-        pos = neg = scratch[: m.numel()].view(m.shape)
-    sums[0] += torch.clamp(m, min=0, out=pos).sum(0, dtype=torch.float32)  # zeros add nothing
-    sums[1] += torch.clamp(m, max=0, out=neg).sum(0, dtype=torch.float32)
-    return m
+def column_sums(flat: torch.Tensor, cols: int) -> torch.Tensor:
+    """``(2, cols)`` float64: per column of the row-major matrix ``flat`` (``cols`` columns),
+    the sum of its non-negative parts ``clamp(v, min=0)`` and of its negative parts
+    ``clamp(v, max=0)``, in the order docs/algorithms.md §codec: 1bit defines: lines of
+    ``w = quantize.lane_width(cols)`` entries (lane ``k`` belongs to column ``k mod cols``),
+    blocks of ``quantize.LINES`` lines; in a block, float32 lanes from 0.0 add their clamped
+    entries (rounded to float32) line by line, then are widened and folded pairwise in
+    float64 (lane ``k`` + lane ``k + w/2``, ..., down to ``cols`` lanes); the blocks' sums are
+    added by :func:`_add_blocks`. The torch statement of what the fused kernel computes in
+    its one pass (the same bits)."""
+    width = quantize.lane_width(cols)
+    if not width:
+        return torch.zeros(2, cols, dtype=torch.float64, device=flat.device)
+    lines = -(-flat.numel() // width)
+    blocks = max(1, -(-lines // quantize.LINES))
+    padded = torch.zeros(blocks * quantize.LINES * width, dtype=flat.dtype, device=flat.device)
+    padded[: flat.numel()] = flat  # a missing entry adds +0.0: nothing (the lanes start at +0.0)
+    grid = padded.view(blocks, quantize.LINES, width)
+    lanes = torch.zeros(2, blocks, width, dtype=torch.float32, device=flat.device)
+    for r in range(quantize.LINES):
+        lanes[0] += torch.clamp(grid[:, r], min=0).to(torch.float32)
+        lanes[1] += torch.clamp(grid[:, r], max=0).to(torch.float32)
+    lanes = lanes.double()
+    while lanes.shape[2] > cols:
+        half = lanes.shape[2] // 2
+        lanes = lanes[:, :, :half] + lanes[:, :, half:]
+    return torch.stack([_add_blocks(lanes[0]), _add_blocks(lanes[1])])
 
 
-def _add_column_sums(pos: torch.Tensor, neg: torch.Tensor, cols: int, sums: torch.Tensor) -> None:
-    """:func:`_add_sums` of a float32 piece whose clamps (``pos``, ``neg``, flat) the fused
-    kernel wrote: the same reduction of the same values."""
-    shape = (-1, cols) if cols else (0, 0)
-    sums[0] += pos.view(shape).sum(0, dtype=torch.float32)
-    sums[1] += neg.view(shape).sum(0, dtype=torch.float32)
+def _add_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """The ``(blocks, cols)`` block sums added pairwise into ``(cols,)``: while more than one
+    row is left, row ``b`` += row ``b + ⌈count/2⌉`` (a middle row without a partner stays;
+    ``gradzip.kernels.quantize._add_blocks`` in the fused pass)."""
+    while blocks.shape[0] > 1:
+        count, half = blocks.shape[0], (blocks.shape[0] + 1) // 2
+        top = blocks[:half].clone()
+        top[: count - half] += blocks[half:]
+        blocks = top
+    return blocks[0]
 
 
 def _means(sums: torch.Tensor, pos_n: torch.Tensor, rows: int) -> torch.Tensor:
-    """(2, cols): the means of the non-negative and of the negative entries per column."""
-    return torch.stack([sums[0] / pos_n.clamp(min=1), sums[1] / (rows - pos_n).clamp(min=1)])
+    """(2, cols) float32: the means of the non-negative and of the negative entries per
+    column (float64 sums / counts, rounded once)."""
+    return torch.stack([sums[0] / pos_n.clamp(min=1), sums[1] / (rows - pos_n).clamp(min=1)]).to(torch.float32)
 
 
 def bit_table(device: torch.device) -> torch.Tensor:

@@ -9,19 +9,23 @@ the codes ``sign·ξ + s`` in [0, 2s], packed with ``b = ceil(log2(2s + 1))`` bi
 The uniforms are counter-based, ``u_j = hash(seed, j)`` (:mod:`gradzip.kernels.counter_rng`;
 they replaced ``torch.rand(generator=...)``, which alone ran at a tenth of memory speed):
 the same draws on every device, and computed inside the fused kernel. On the CPU the codes,
-their packing and the residual are one numba pass (:mod:`gradzip.kernels.quantize`); the
-norm is the same torch reduction on both paths, and ``_encode_reference`` (CUDA,
-``GRADZIP_KERNELS=torch``) gives the same bits.
+their packing and the residual are one numba pass (:mod:`gradzip.kernels.quantize`), after
+one read pass for the norm, summed in a defined order (:func:`l2_norm`, the torch statement
+of the kernel's sum); ``_encode_reference`` (CUDA, ``GRADZIP_KERNELS=torch``) gives the
+same bits.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import kernels
 from ..kernels import counter_rng, quantize
 from ..validation import is_int, require
+from .sign import l1_norm
 from ._util import as_float32, decode_chunks, encode_chunks, OnePassResidual
 from .base import Packet, deliver
 from .bitpack import packed_nbytes
@@ -50,16 +54,19 @@ class QSGD(OnePassResidual):
                 residual: torch.Tensor | None) -> Packet:
         s = self.levels
         v = as_float32(tensor.detach())
-        norm = torch.linalg.vector_norm(v)  # order-dependent: the same torch call on both paths
-        scale = torch.where(norm > 0, s / norm, torch.zeros_like(norm))  # no host sync
         if not kernels.enabled(v):
+            norm = l2_norm(v)
+            scale = torch.where(norm > 0, s / norm, torch.zeros_like(norm))  # no host sync
             return self._encode_reference(tensor, v, norm, scale, seed)
+        v = v.contiguous()
+        # the reference's float32 scalars in numpy float32 (IEEE: the same bits, no torch op)
+        norm = np.float32(math.sqrt(quantize.square_sum(v)))  # l2_norm's bits
+        scale = np.float32(s) / norm if norm > 0 else np.float32(0.0)
         wire = reuse.wire if reuse is not None else {}
         codes = kernels.reused(wire.get("codes"), packed_nbytes(v.numel(), self.bits))
-        norm_ = kernels.reused(wire.get("norm"), 1, torch.float32)
-        step = (norm / s).item()  # what decompress multiplies by: the residual's C(v)
-        quantize.qsgd_encode(v.contiguous(), scale.item(), s, self.bits, seed, codes, residual, step)
-        return Packet({"norm": norm_.copy_(norm.reshape(1)), "codes": codes}, tensor.shape, tensor.dtype)
+        norm_ = kernels.reused(wire.get("norm"), 1, torch.float32).fill_(float(norm))
+        quantize.qsgd_encode(v, scale, s, self.bits, seed, codes, residual, _step(norm, s))
+        return Packet({"norm": norm_, "codes": codes}, tensor.shape, tensor.dtype)
 
     def _encode_reference(self, tensor, v, norm, scale, seed) -> Packet:
         """The torch reference (CUDA, and ``GRADZIP_KERNELS=torch``)."""
@@ -77,11 +84,11 @@ class QSGD(OnePassResidual):
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         s = self.levels
-        step = packet.wire["norm"] / s
         if kernels.enabled(packet.wire["codes"]):
             dense = quantize.decode_target(out, packet.shape, packet.dtype)
-            quantize.qsgd_decode(packet.wire["codes"], s, self.bits, step.item(), dense)
+            quantize.qsgd_decode(packet.wire["codes"], s, self.bits, _step(packet.wire["norm"].item(), s), dense)
             return dense if dense is out else deliver(dense.to(packet.dtype), out)
+        step = packet.wire["norm"] / s
 
         def fill(codes: torch.Tensor, out: torch.Tensor) -> None:
             out.copy_(codes).sub_(s).mul_(step)  # (code - s)·‖v‖/s
@@ -90,5 +97,22 @@ class QSGD(OnePassResidual):
         return deliver(dense.to(packet.dtype).view(packet.shape), out)
 
     def _decode_add(self, packet: Packet, total: torch.Tensor) -> None:
-        step = (packet.wire["norm"] / self.levels).item()
+        step = _step(packet.wire["norm"].item(), self.levels)
         quantize.qsgd_decode(packet.wire["codes"], self.levels, self.bits, step, total, add=True)
+
+
+def _step(norm: float, levels: int) -> np.float32:
+    """``‖v‖/s`` rounded to float32, as the reference's ``norm / s`` (a float32 tensor by an
+    int) rounds it: what a code step is worth."""
+    return np.float32(norm) / np.float32(levels)
+
+
+def l2_norm(v: torch.Tensor) -> torch.Tensor:
+    """``‖v‖₂`` of the flat float32 ``v`` as a float32 0-d tensor, in the order docs/algorithms.md
+    §codec: qsgd defines: the float32 squares ``v * v`` summed in float64 in scaled_sign's ℓ1
+    order (:func:`.sign.l1_norm` of the squares), the square root taken in float64 and
+    rounded once to float32. On the CPU the torch reference of
+    :func:`gradzip.kernels.quantize.square_sum`, bit for bit; elsewhere ``l1_norm``'s device
+    order (equal to rounding). A square above float32's range is +inf, as torch's own
+    float32 norm makes it (QSGD overflows at 1e20, which the optimizers then catch)."""
+    return torch.sqrt(l1_norm(v * v)).to(torch.float32)

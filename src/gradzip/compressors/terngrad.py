@@ -7,7 +7,9 @@ Bernoulli(|v_j|/s) draw from the counter-based uniforms ``u_j = hash(seed, j)``
 ``00`` = 0; ``ceil(d/4)`` bytes) and ``s`` in float32 (4 bytes). Does not sum in compressed
 form (each worker has its own ``s``). On the CPU the codes, their packing and the residual
 are one numba pass (:mod:`gradzip.kernels.quantize`), bit-identical to
-``_encode_reference`` (CUDA, ``GRADZIP_KERNELS=torch``); ``s`` is torch's ``aminmax`` on both.
+``_encode_reference`` (CUDA, ``GRADZIP_KERNELS=torch``). ``s`` is exact in any order: a
+numba integer max of the bit patterns in the fused path (:func:`.quantize.abs_max`), torch's
+``aminmax`` in the reference (:func:`abs_max`), +0.0 for a zero tensor on both.
 """
 from __future__ import annotations
 
@@ -34,14 +36,14 @@ class TernGrad(OnePassResidual):
     def _encode(self, tensor: torch.Tensor, seed: int, reuse: Packet | None,
                 residual: torch.Tensor | None) -> Packet:
         v = as_float32(tensor.detach())
-        low, high = torch.aminmax(v) if v.numel() else (v.new_zeros(()), v.new_zeros(()))
-        s = torch.maximum(-low, high)  # max |v|
         if not kernels.enabled(v):
-            return self._encode_reference(tensor, v, s, seed)
+            return self._encode_reference(tensor, v, abs_max(v), seed)
+        v = v.contiguous()
+        s = quantize.abs_max(v)  # one integer-max pass: exact, no order to define
         wire = reuse.wire if reuse is not None else {}
         codes = kernels.reused(wire.get("codes"), packed_nbytes(v.numel(), 2))
-        scale = kernels.reused(wire.get("scale"), 1, torch.float32).copy_(s.reshape(1))
-        quantize.terngrad_encode(v.contiguous(), s.item(), seed, codes, residual)
+        scale = kernels.reused(wire.get("scale"), 1, torch.float32).fill_(s)
+        quantize.terngrad_encode(v, s, seed, codes, residual)
         return Packet({"codes": codes, "scale": scale}, tensor.shape, tensor.dtype)
 
     def _encode_reference(self, tensor, v, s, seed) -> Packet:
@@ -69,3 +71,11 @@ class TernGrad(OnePassResidual):
 
     def _decode_add(self, packet: Packet, total: torch.Tensor) -> None:
         quantize.terngrad_decode(packet.wire["codes"], packet.wire["scale"].item(), total, add=True)
+
+
+def abs_max(v: torch.Tensor) -> torch.Tensor:
+    """``s = max_j |v_j|`` of the flat float32 ``v`` as a 0-d tensor, by torch (the reference
+    of :func:`gradzip.kernels.quantize.abs_max`): +0.0 for a zero or empty tensor (``aminmax``
+    alone gives −0.0 or +0.0 there, by its order), NaN if ``v`` holds one."""
+    low, high = torch.aminmax(v) if v.numel() else (v.new_zeros(()), v.new_zeros(()))
+    return torch.maximum(-low, high).abs_()  # ≥ 0 always: abs_ only turns −0.0 into +0.0

@@ -8,9 +8,9 @@ docs/benchmarks.md, "Codecs", "Kernel technology"). numba is imported only when 
 ``import gradzip`` stays light.
 
 Every fused kernel has a pure-torch reference (the codec's own ``*_reference`` path) and
-is tested bit-identical to it: the same wire bytes and the same decoded values. Reductions
-whose result depends on the order of a floating-point sum (norms, means) stay torch calls
-shared by both paths, so they agree by construction.
+is tested bit-identical to it: the same wire bytes and the same decoded values. A
+floating-point sum (a norm, a mean) is either a torch call shared by both paths or summed
+in an order the codec defines (docs/algorithms.md), which its torch path follows too.
 
 Which path runs: :func:`enabled` (a CPU tensor, numba importable, and the mode is not
 ``torch``). The mode comes from the environment variable ``GRADZIP_KERNELS``

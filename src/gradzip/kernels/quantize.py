@@ -5,9 +5,9 @@ is one pass (codes, bit packing and, when asked, the error-feedback residual
 Every kernel is bit-identical to its codec's torch reference for finite tensors: the same
 float32 operations in the same order (no fastmath, so no fused multiply-add), the uniforms of
 :mod:`.counter_rng` computed inline (in 32-bit vector lanes), the codes
-packed MSB-first in the layout of :mod:`gradzip.compressors.bitpack`. Scalars that come
-from order-dependent reductions (the norm, the column sums) are computed by torch and
-passed in. (A NaN or Inf, which the optimizers stop before compressing unless
+packed MSB-first in the layout of :mod:`gradzip.compressors.bitpack`. The reductions run
+in the kernels too: terngrad's ``max|v|`` (exact in any order), qsgd's norm and 1bit's
+column sums in the orders docs/algorithms.md defines, which the codecs' torch paths follow. (A NaN or Inf, which the optimizers stop before compressing unless
 ``nonfinite="off"``: the reference casts NaN to uint8, which is unspecified; the kernels
 write in-range codes.)
 
@@ -26,11 +26,25 @@ import torch
 
 from . import array
 from . import decode_target as _decode_target
+from . import elementwise as ek
 from . import njit as _njit
 from . import counter_rng
 
 #: Entries per piece (a multiple of 8: pieces pack to whole bytes).
 PIECE = 4096
+#: 1bit's column sums (docs/algorithms.md §codec: 1bit, "Summation order"): at least this
+#: many float64 lanes a line, and lines a block.
+LANES = 1024
+LINES = 64
+
+
+def lane_width(cols: int) -> int:
+    """Entries of a line of 1bit's column sums: ``cols·m``, ``m`` the least power of two with
+    ``cols·m ≥`` :data:`LANES` (0 for no columns)."""
+    m = 1
+    while 0 < cols * m < LANES:
+        m *= 2
+    return cols * m
 _helpers_ready: list[bool] = []
 _helpers_lock = threading.Lock()
 
@@ -44,8 +58,9 @@ def _compile_helpers() -> None:
     with _helpers_lock:
         import numba
         g = globals()
-        for name in ("_merge", "_split", "_bswap", "_pack", "_pack_words", "_unpack", "_unpack_words", "_onebit_run",
-                     "_pack2", "_unpack2"):
+        for name in ("_merge", "_split", "_bswap", "_pack_words", "_unpack", "_unpack_words", "_onebit_run",
+                     "_pack2", "_unpack2", "_fold_lanes", "_fold_pairwise", "_pack1",
+                     "_onebit_sums", "_add_blocks"):
             if not hasattr(g[name], "py_func"):  # not compiled by a thread before us
                 g[name] = numba.njit(cache=True, nogil=True, inline="always")(g[name])
         g["_uniform"] = counter_rng.numba_uniform()  # (cached: the same object every time)
@@ -76,20 +91,22 @@ def _qsgd_encode(v, scale, levels, bits, k0, k1, packed, residual, step):
     want = residual.size == n
     codes = np.empty(PIECE, np.uint8)
     us = np.empty(PIECE, np.float32)
+    idx = np.arange(PIECE).astype(np.uint32)
+    merged = np.empty(PIECE // 8, np.uint64)
     sf = np.float32(levels)
-    s32 = np.int32(levels)
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
+        b32 = np.uint32(base)  # (< 2^32: the kernel runs on one counter block)
         for i in range(m):  # the counter-based uniforms (counter_rng), a loop of their own
-            us[i] = _uniform(base + i, k0, k1)
+            us[i] = _uniform(idx[i] + b32, k0, k1)  # 32-bit indices: ~30% faster than intp
         for i in range(m):
             u = us[i]
             a = vb[i]
             y = np.float32(abs(a) * scale) + u
-            xi = np.int32(y if y < sf else sf)
-            codes[i] = np.uint8(s32 + xi if a >= 0 else s32 - xi)
-        _pack_words(codes, m, bits, packed, base // 8 * bits)
+            xi = np.float32(np.int32(y if y < sf else sf))  # ⌊·⌋ as an integer-valued float32
+            codes[i] = np.uint8(np.int32(sf + xi if a >= 0 else sf - xi))  # exact: ≤ 254, float lanes
+        _pack_words(codes, m, bits, packed, base // 8 * bits, merged)
         if want:
             rb = residual[base:base + m]
             for i in range(m):
@@ -121,11 +138,13 @@ def _terngrad_encode(v, s, k0, k1, packed, residual):
     want = residual.size == n
     codes = np.empty(PIECE, np.uint8)
     us = np.empty(PIECE, np.float32)
+    idx = np.arange(PIECE).astype(np.uint32)
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
+        b32 = np.uint32(base)  # (< 2^32: the kernel runs on one counter block)
         for i in range(m):  # the counter-based uniforms (counter_rng), a loop of their own
-            us[i] = _uniform(base + i, k0, k1)
+            us[i] = _uniform(idx[i] + b32, k0, k1)  # 32-bit indices: ~30% faster than intp
         for i in range(m):
             u = us[i]
             a = vb[i]
@@ -161,44 +180,174 @@ def _terngrad_decode(packed, count, s, out, add):
 
 
 @njit
-def _onebit_encode(v, cols, packed, nonneg, pos, neg):
-    """1-bit codes ``v ≥ 0`` packed MSB-first into ``packed``; ``nonneg[c]`` += the column's
-    count of them (``v`` is the row-major ``rows × cols`` matrix, flat). If ``pos`` and
-    ``neg`` have ``v``'s size, torch's ``clamp(v, min=0)`` and ``clamp(v, max=0)`` into them,
-    bit for bit (a zero keeps its sign, a NaN stays NaN): what the column sums add up."""
+def _onebit_encode(v, cols, width, packed, means):
+    """:func:`_onebit_sums` of ``v``, then ``means`` (float32, ``2 × cols``, flat) = each
+    column's mean of its non-negative and of its negative entries (float64 sum / count,
+    rounded once; 0 for a kind the column lacks): 1bit's whole compress."""
     n = v.size
-    split = pos.size == n
+    rows = n // cols if cols else 0
+    lines = -(-n // width) if width else 0
+    blocks = max(1, -(-lines // LINES))
+    psums = np.zeros(blocks * cols, np.float64)
+    nsums = np.zeros(blocks * cols, np.float64)
+    nonneg = np.zeros(cols, np.int64)
+    _onebit_sums(v, cols, width, packed, nonneg, psums, nsums)
+    _add_blocks(psums, blocks, cols)
+    _add_blocks(nsums, blocks, cols)
+    for c in range(cols):
+        pos = nonneg[c]
+        means[c] = np.float32(psums[c] / np.float64(max(pos, 1)))
+        means[cols + c] = np.float32(nsums[c] / np.float64(max(rows - pos, 1)))
+
+
+def _add_blocks(sums, blocks, cols):
+    """The ``blocks × cols`` block sums (flat) added pairwise into ``sums[:cols]``: while
+    more than one row is left, row ``b`` += row ``b + ⌈count/2⌉`` (a middle row without a
+    partner stays): ``gradzip.compressors.onebit._add_blocks``."""
+    count = blocks
+    while count > 1:
+        half = (count + 1) // 2
+        for t in range((count - half) * cols):
+            sums[t] = sums[t] + sums[half * cols + t]
+        count = half
+
+
+def _onebit_sums(v, cols, width, packed, nonneg, psums, nsums):
+    """1-bit codes ``v ≥ 0`` packed MSB-first into ``packed`` (``v``: the row-major ``rows ×
+    cols`` matrix, flat, float32 or float64; compared in its own dtype); ``nonneg[c]`` += the
+    column's count of them; ``psums``, ``nsums`` (``blocks × cols`` float64, flat): each
+    block's column sums of the non-negative and of the negative parts, in the order
+    docs/algorithms.md §codec: 1bit defines: lines of ``width`` entries (lane ``k`` is column
+    ``k mod cols``), blocks of :data:`LINES` lines, float32 lanes adding the clamped entries
+    (rounded to float32) line by line from 0.0, then widened and folded pairwise in float64
+    to the columns (:func:`_fold_lanes`). Codes, counts and sums in one loop over a run of
+    consecutive lanes (vectorised), then the piece is packed."""
+    n = v.size
     codes = np.empty(PIECE, np.uint8)
+    lanes_p = np.zeros(width, np.float32)
+    lanes_n = np.zeros(width, np.float32)
+    wide = np.empty(2 * width, np.float64)
+    counts = np.zeros(width, np.int32)  # at most a count of lines: < 2^31 up to 2^41 entries
     zero = np.float32(0.0)
-    c = 0  # the column of the piece's first entry
+    k = 0  # the lane of the next entry
+    line = 0  # lines done in the current block
+    b = 0  # the current block
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
-        for i in range(m):
-            codes[i] = np.uint8(vb[i] >= 0)
-        if split:
-            pb = pos[base:base + m]
-            nb = neg[base:base + m]
-            for i in range(m):
-                a = vb[i]
-                pb[i] = zero if a < zero else a
-                nb[i] = zero if a > zero else a
-        _pack(codes, m, 1, packed, base // 8)
         i = 0
-        if cols == 1:
-            total = 0
-            for t in range(m):
-                total += codes[t]
-            nonneg[0] += total
-            continue
-        while i < m:  # the counts, one run of a row's columns at a time (vectorised)
-            run = min(m - i, cols - c)
-            nt = nonneg[c:c + run]
-            ct = codes[i:i + run]
+        while i < m:
+            run = min(m - i, width - k)
+            xt = vb[i:i + run]
+            pt = lanes_p[k:k + run]
+            nt = lanes_n[k:k + run]
+            ct = counts[k:k + run]
+            dt = codes[i:i + run]
             for t in range(run):
-                nt[t] += ct[t]
+                a = xt[t]
+                ge = a >= 0
+                f = np.float32(a)
+                pt[t] += zero if f < zero else f  # torch's clamp(min=0)
+                nt[t] += zero if f > zero else f  # clamp(max=0)
+                dt[t] = ge
+                ct[t] += ge
             i += run
-            c = (c + run) % cols
+            k += run
+            if k == width:
+                k = 0
+                line += 1
+                if line == LINES:
+                    _fold_lanes(lanes_p, lanes_n, wide, cols, psums, nsums, b)
+                    line = 0
+                    b += 1
+        _pack1(codes, m, packed, base // 8)
+    if line or k:  # the partial last block (its missing entries add nothing)
+        _fold_lanes(lanes_p, lanes_n, wide, cols, psums, nsums, b)
+    for t in range(width):
+        nonneg[t % cols] += counts[t]
+
+
+def _fold_lanes(lanes_p, lanes_n, wide, cols, psums, nsums, b):
+    """Block ``b``'s float32 lanes widened and folded pairwise in float64 (lane ``t`` + lane
+    ``t + h``, ``h`` halving down to ``cols``: the same column) into ``psums``/``nsums[b·cols:]``;
+    the lanes reset to 0.0. ``wide``: float64 scratch of twice the lanes."""
+    size = lanes_p.size
+    wp = wide[:size]
+    wn = wide[size:]
+    for t in range(size):
+        wp[t] = lanes_p[t]
+        wn[t] = lanes_n[t]
+    _fold_pairwise(wp, size, cols)  # size = cols·2^j: each half holds the same columns
+    _fold_pairwise(wn, size, cols)
+    for t in range(cols):
+        psums[b * cols + t] = wp[t]
+        nsums[b * cols + t] = wn[t]
+    lanes_p[:] = 0.0
+    lanes_n[:] = 0.0
+
+
+def _fold_pairwise(acc, size, width):
+    """``acc[:size]`` added pairwise down to ``width`` entries (``size = width·2^j``): entry
+    ``t`` += entry ``t + h`` for ``h = size/2``, then ``size/4``, ..., ``width``."""
+    while size > width:
+        h = size // 2
+        for t in range(h):
+            acc[t] = acc[t] + acc[t + h]
+        size = h
+
+
+def _pack1(codes, m, packed, at):
+    """Pack the 1-bit ``codes[:m]`` (``codes`` a PIECE scratch) MSB-first into ``packed[at:]``
+    (:mod:`gradzip.compressors.bitpack`'s layout): each byte from one little-endian 64-bit
+    word of eight 0/1 codes (vectorised, as the sign encoder packs)."""
+    words = codes.view(np.uint64)
+    full = m // 8
+    out = packed[at:at + full]
+    for g in range(full):
+        u = words[g]
+        y = u & np.uint64(1)
+        for j in range(1, 8):
+            y = (y << np.uint64(1)) | ((u >> np.uint64(8 * j)) & np.uint64(1))
+        out[g] = np.uint8(y)
+    rest = m - 8 * full
+    if rest:  # the last, partial byte: codes past m are 0
+        y = 0
+        for t in range(rest):
+            y |= int(codes[8 * full + t]) << (7 - t)
+        packed[at + full] = np.uint8(y)
+
+
+@njit
+def _abs_max_bits(bits):
+    """The largest ``bits_j & 0x7FFFFFFF`` of float32 bit patterns (int32): the bits of
+    ``max_j |v_j|``, since non-negative floats order as their bits; a NaN lies above +inf,
+    so any NaN gives a NaN; +0.0 for a zero or empty tensor. Exact in any order (an integer
+    max, which LLVM vectorises without fastmath)."""
+    top = np.int32(0)
+    for i in range(bits.size):
+        top = max(top, np.int32(bits[i] & np.int32(0x7FFFFFFF)))
+    return top
+
+
+@njit
+def _square_sum_blocks(v, lanes, rows, partials):
+    """``partials[b]`` = Σ v_j² over block ``b`` of ``rows`` lines of ``lanes`` entries: each
+    square rounded to float32 (as torch's ``v * v``), widened, added into float64 lane
+    ``j mod lanes`` from 0.0 line by line, the lanes then added pairwise: scaled_sign's ℓ1
+    order (:func:`.elementwise.abs_sum_blocks`) applied to the squares."""
+    n = v.size
+    acc = np.zeros(lanes, np.float64)
+    size = rows * lanes
+    for b in range(max(1, -(-n // size))):
+        acc[:] = 0.0
+        first = b * size
+        for s in range(first, min(n, first + size), lanes):
+            row = v[s:min(n, s + lanes)]  # a partial last line: its missing entries add nothing
+            for k in range(row.size):
+                a = row[k]
+                acc[k] += np.float64(a * a)
+        _fold_pairwise(acc, lanes, 1)
+        partials[b] = acc[0]
 
 
 @njit
@@ -265,33 +414,8 @@ _M16 = np.uint64(0x0000FFFF0000FFFF)  # low half of every 32-bit lane
 _M32 = np.uint64(0xFFFFFFFF)
 
 
-def _pack(codes, m, bits, packed, at):
-    """Pack ``codes[:m]`` (``bits``-bit codes, ``codes`` a PIECE scratch) MSB-first into
-    ``packed[at:]``: eight codes read as one little-endian word and merged pairwise in
-    three shift/or rounds into one ``8·bits``-bit group, written as ``bits`` bytes
-    (:mod:`gradzip.compressors.bitpack`'s algorithm, one word at a time). Inlined into the
-    kernels; with a literal ``bits`` (1bit, terngrad) the byte loop folds to ``bits`` stores,
-    qsgd's runtime width costs a predictable branch per byte (one compiled copy, not eight:
-    compiling eight took ~30 s)."""
-    words = codes.view(np.uint64)
-    full = m // 8
-    top = np.uint64(64 - 8 * bits)
-    for g in range(full):
-        lo = _merge(words[g], bits) << top  # the group's first byte in the word's top byte
-        o = at + g * bits
-        for t in range(8):
-            if t < bits:
-                packed[o + t] = np.uint8(lo >> np.uint64(56 - 8 * t))
-    rest = m - 8 * full
-    if rest:  # the last, partial group: codes past m are 0
-        lo = _merge(words[full] & ((np.uint64(1) << np.uint64(8 * rest)) - np.uint64(1)), bits)
-        o = at + full * bits
-        for t in range((rest * bits + 7) // 8):
-            packed[o + t] = np.uint8((lo >> np.uint64(8 * (bits - 1 - t))) & np.uint64(0xFF))
-
-
 def _pack2(codes, m, packed, at):
-    """:func:`_pack` for 2-bit codes (terngrad's): each byte from one little-endian 32-bit
+    """:func:`_pack1` for 2-bit codes (terngrad's): each byte from one little-endian 32-bit
     word of four codes, a loop LLVM vectorises (the general 64-bit merge is serial; this ran
     ~6x faster)."""
     words = codes.view(np.uint32)
@@ -324,21 +448,25 @@ def _unpack2(packed, at, m, codes):
         words[k] = np.uint32(0)
 
 
-def _pack_words(codes, m, bits, packed, at):
-    """:func:`_pack` for a width known only at run time (qsgd's): each group of eight codes
-    merged into the top of a 64-bit word and stored as 8 big-endian bytes at its own offset
-    (:func:`_store_be64`, unaligned): its ``bits`` bytes, then zeros that the next group's
-    store overwrites (one store per group instead of a branch and a store per byte; ~2x
-    faster). Groups whose 8 bytes would pass the end of ``packed`` are written byte by byte.
-    The same bytes as :func:`_pack`; pieces are written in order, so a store's zeros past
-    the piece are overwritten by the next piece."""
+def _pack_words(codes, m, bits, packed, at, merged):
+    """Pack ``bits``-bit codes, a width known only at run time (qsgd's), MSB-first
+    (:mod:`gradzip.compressors.bitpack`'s layout): each group of eight codes merged
+    (:func:`_merge`) into the top of a 64-bit word and stored as 8 big-endian bytes at its
+    own offset (:func:`_store_be64`, unaligned): its ``bits`` bytes, then zeros that the
+    next group's store overwrites (one store per group instead of a branch and a store per
+    byte; ~2x faster), the groups merged first into the scratch ``merged`` (``m/8`` words),
+    a loop LLVM vectorises. Groups whose 8 bytes would pass the end of ``packed`` are written
+    byte by byte. Pieces are written in order, so a store's zeros past the piece are
+    overwritten by the next piece."""
     words = codes.view(np.uint64)
     full = m // 8
     top = np.uint64(64 - 8 * bits)
     room = packed.size - at
     safe = min(full, (room - 8) // bits + 1) if room >= 8 else 0
+    for g in range(safe):  # the merges first, a loop of their own (vectorised)
+        merged[g] = _merge(words[g], bits) << top
     for g in range(safe):
-        _store_be64(packed, at + g * bits, _merge(words[g], bits) << top)
+        _store_be64(packed, at + g * bits, merged[g])
     for g in range(safe, full):
         lo = _merge(words[g], bits) << top
         o = at + g * bits
@@ -361,8 +489,10 @@ def _unpack_words(packed, at, bits, m, codes):
     top = np.uint64(64 - 8 * bits)
     room = packed.size - at
     safe = min(groups, (room - 8) // bits + 1) if room >= 8 else 0
+    for g in range(safe):  # the loads, then the splits in a loop of their own (vectorised)
+        words[g] = _load_be64(packed, at + g * bits) >> top
     for g in range(safe):
-        words[g] = _split(_load_be64(packed, at + g * bits) >> top, bits)
+        words[g] = _split(words[g], bits)
     for g in range(safe, groups):
         o = at + g * bits
         y = np.uint64(0)
@@ -456,7 +586,7 @@ def _split(y, bits):
 
 def _unpack(packed, at, bits, m, codes):
     """``codes[:m]`` = the ``bits``-bit codes packed MSB-first from ``packed[at:]``
-    (:func:`_pack` backwards; bytes past the end of ``packed`` read as 0)."""
+    (bitpack's layout backwards; bytes past the end of ``packed`` read as 0)."""
     words = codes.view(np.uint64)
     groups = (m + 7) // 8
     whole = min(groups, (packed.size - at) // bits)  # groups whose bytes all exist
@@ -529,14 +659,27 @@ def terngrad_decode(packed: torch.Tensor, s: float, out: torch.Tensor, add: bool
     _terngrad_decode(array(packed), out.numel(), np.float32(s), array(out.view(-1)), add)
 
 
-def onebit_encode(v: torch.Tensor, cols: int, packed: torch.Tensor, nonneg: torch.Tensor,
-                  pos: torch.Tensor | None = None, neg: torch.Tensor | None = None) -> None:
-    """1-bit codes of the flat contiguous float32 ``v`` into ``packed``; ``nonneg`` (int64,
-    ``cols``) += each column's count of non-negative entries; ``pos``, ``neg`` (contiguous
-    float32 of ``v``'s size, or None): ``v.clamp(min=0)``, ``v.clamp(max=0)`` into them."""
-    none = np.empty(0, np.float32)
-    _onebit_encode(array(v), cols, array(packed), array(nonneg),
-                   none if pos is None else array(pos), none if neg is None else array(neg))
+def onebit_encode(v: torch.Tensor, cols: int, packed: torch.Tensor, means: torch.Tensor) -> None:
+    """1-bit codes of the flat contiguous float32 / float64 ``v`` (``cols`` columns) into
+    ``packed``, the column means (``2 × cols`` float32, contiguous) into ``means``:
+    :func:`_onebit_encode`, one pass over ``v``."""
+    _onebit_encode(array(v), cols, lane_width(cols), array(packed), array(means.view(-1)))
+
+
+def abs_max(v: torch.Tensor) -> float:
+    """``max_j |v_j|`` of the flat contiguous float32 ``v`` (:func:`_abs_max_bits`): a float32
+    value as a Python float; +0.0 for a zero or empty tensor, NaN if ``v`` holds one."""
+    return float(np.int32(_abs_max_bits(array(v).view(np.int32))).view(np.float32))
+
+
+def square_sum(v: torch.Tensor) -> float:
+    """``Σ v_j²`` of the flat contiguous float32 ``v`` in the order docs/algorithms.md §codec:
+    qsgd defines (:func:`_square_sum_blocks`, the block sums then added as scaled_sign adds
+    its ℓ1 block sums: :func:`.elementwise.l1_of`)."""
+    x = array(v)
+    partials = np.empty(max(1, -(-x.size // ek.L1_BLOCK)), np.float64)
+    _square_sum_blocks(x, ek.BLOCK, ek.ROWS, partials)
+    return ek.l1_of(partials)
 
 
 def onebit_decode(packed: torch.Tensor, cols: int, pos: torch.Tensor, neg: torch.Tensor,
