@@ -61,11 +61,13 @@ METHODS = {
 
 def make_optimizer(key: str, params, comm, s: dict, steps: int):
     """The method ``key`` with the settings ``s`` (a run's of ``steps`` steps): ``eps`` for
-    every row where given (else each optimizer's own: 1e-8, LAMB 1e-6), ``momentum_mask`` for the three 1-bit methods (older result files: defaults)."""
+    every row where given (else each optimizer's own: 1e-8, LAMB 1e-6), ``momentum_mask`` and
+    ``momentum_bound`` for the three 1-bit methods (older result files: defaults)."""
     o, lr, wd = gradzip.optim, s["lr"], s["weight_decay"]
     freeze = max(1, int(s["freeze_fraction"] * steps))
     adam = dict(betas=BETAS, weight_decay=wd, **({"eps": s["eps"]} if s.get("eps") is not None else {}))
-    onebit = dict(adam, comm=comm, momentum_mask=s.get("momentum_mask", "off"))
+    onebit = dict(adam, comm=comm, momentum_mask=s.get("momentum_mask", "off"),
+                  momentum_bound=s.get("momentum_bound", False))
     if key == "adamw":
         return o.Compressed(torch.optim.AdamW(params, lr, **adam), compressor="none", comm=comm)
     if key == "adamw-topk":
@@ -142,7 +144,8 @@ def accuracy_table(res: dict) -> str:
     return (f"Command: `{res.get('command', '')}` ({s['dataset']}, {s['model']}, {s['workers']} workers on threads "
             f"per run, {s['epochs']} epochs = {steps} steps of batch {s['batch_size']} per worker, lr {s['lr']} "
             f"(LAMB {s['lamb_lr']}), weight decay {s['weight_decay']}, betas {BETAS}, eps {s.get('eps') or 'the default (1e-8, LAMB 1e-6)'}, "
-            f"momentum mask of the 1-bit methods {s.get('momentum_mask', 'off')}, warm-ups (T_w, 0/1 Adam's "
+            f"the 1-bit methods' momentum mask {s.get('momentum_mask', 'off')} and bound "
+            f"{'on' if s.get('momentum_bound') else 'off'}, warm-ups (T_w, 0/1 Adam's "
             f"T_v) {s['freeze_fraction']:.0%} of the steps, seeds {', '.join(map(str, seeds))}; "
             f"{res['wall_s'] / 60:.1f} min wall). Test loss and accuracy of the workers' average model after the "
             "last step (mean over seeds, and the worst seed); MB = bytes one worker put on the wire.\n\n"
@@ -219,6 +222,8 @@ def main() -> None:
     ap.add_argument("--eps", type=float, default=None, help="every row's epsilon (default: each optimizer's own)")
     ap.add_argument("--momentum-mask", choices=["off", "auto"], default="off",
                     help="the 1-bit methods' momentum mask (gradzip.optim.onebit)")
+    ap.add_argument("--momentum-bound", action="store_true",
+                    help="the 1-bit methods' momentum bound (gradzip.optim.onebit)")
     ap.add_argument("--section", default=None, help="the docs/adaptive.md section --write replaces "
                                                     "(default: the part's own)")
     ap.add_argument("--freeze-fraction", type=float, default=0.2, help="warm-up steps / all steps")

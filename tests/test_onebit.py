@@ -130,12 +130,22 @@ def masked(t, v, c2):
     return t * (v > EPS ** 2 * c2)
 
 
+#: exact Adam's largest |m| / sqrt(v) for (B1, B2): (1−β1)/√((1−β2)(1−β1²/β2))
+KAPPA = (1 - B1) / math.sqrt((1 - B2) * (1 - B1 * B1 / B2))
+
+
+def bounded(t, v, multiple):
+    """The momentum bound: ``t`` clamped to ``±multiple·√v``."""
+    limit = v.sqrt() * multiple
+    return torch.maximum(torch.minimum(t, limit), -limit)
+
+
 def corr(bc, t, n_v):
     """``(1−β1^t, 1−β2^n_v)`` with bias correction (``bc``), else (1, 1); n_v = 0: v = 0."""
     return (1 - B1 ** t, 1 - B2 ** n_v if n_v else 1.0) if bc else (1.0, 1.0)
 
 
-def ref_onebit_adam(n, steps, T_w, wd, codec, transport="twophase", bc=False, mask=False):
+def ref_onebit_adam(n, steps, T_w, wd, codec, transport="twophase", bc=False, mask=False, bound=False):
     server = {} if transport == "twophase" else None
     L = len(SHAPES)
     x = [inits() for _ in range(n)]
@@ -156,13 +166,16 @@ def ref_onebit_adam(n, steps, T_w, wd, codec, transport="twophase", bc=False, ma
             m, e = car(local, e, codec, server)
             if mask:
                 m = [[masked(m[j][l], v[l], corr(bc, t, T_w)[1]) for l in range(L)] for j in range(n)]
+            if bound:
+                m = [[bounded(m[j][l], v[l], KAPPA) for l in range(L)] for j in range(n)]
         for j in range(n):
             for l in range(L):
                 x[j][l] = x[j][l] - LR * adam_dir(m[j][l], v[l], x[j][l], wd, corr(bc, t, min(t, T_w)))
     return x
 
 
-def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twophase", bc=False, mask=False):
+def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twophase", bc=False, mask=False,
+                     bound=False):
     server = {} if transport == "twophase" else None
     L = len(SHAPES)
     x = [inits() for _ in range(n)]
@@ -189,6 +202,8 @@ def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twoph
                 ghat, e = car(g, e, codec, server)
                 if mask:
                     ghat = [[masked(ghat[j][l], v[l], corr(bc, t, n_v)[1]) for l in range(L)] for j in range(n)]
+                if bound:
+                    ghat = [[bounded(ghat[j][l], v[l], 1 / math.sqrt(1 - B2)) for l in range(L)] for j in range(n)]
             for j in range(n):
                 for l in range(L):
                     m[j][l] = B1 * m[j][l] + (1 - B1) * ghat[j][l]
@@ -214,6 +229,8 @@ def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twoph
             wbar, e = car(w, e, codec, server)
             if mask:
                 wbar = [[masked(wbar[j][l], v[l], c2) for l in range(L)] for j in range(n)]
+            if bound:
+                wbar = [[bounded(wbar[j][l], v[l], KAPPA * lr_sum / c1) for l in range(L)] for j in range(n)]
             for j in range(n):
                 for l in range(L):
                     m[j][l] = -wbar[j][l] / lr_sum * c1
@@ -228,7 +245,7 @@ def ref_zeroone_adam(n, steps, T_v, kappa, S, H_max, wd, codec, transport="twoph
 
 
 def ref_onebit_lamb(n, steps, T_w, wd, codec, min_c=0.01, max_c=10.0, beta_c=0.9, f_min=0.5, f_max=4.0, theta=0.1,
-                    transport="twophase", bc=False, mask=False):
+                    transport="twophase", bc=False, mask=False, bound=False):
     server = {} if transport == "twophase" else None
     L = len(SHAPES)
     x = [inits() for _ in range(n)]
@@ -268,6 +285,8 @@ def ref_onebit_lamb(n, steps, T_w, wd, codec, min_c=0.01, max_c=10.0, beta_c=0.9
         m = [[piece.view(SHAPES[l]) / s[l] for l, piece in enumerate(torch.split(M[j][0], sizes))] for j in range(n)]
         if mask:
             m = [[masked(m[j][l], v[l], corr(bc, t, T_w)[1]) for l in range(L)] for j in range(n)]
+        if bound:
+            m = [[bounded(m[j][l], v[l], KAPPA) for l in range(L)] for j in range(n)]
         for j in range(n):
             for l in range(L):
                 ghat = (m[j][l] - B1 * m_prev[j][l]) / (1 - B1)
@@ -509,12 +528,12 @@ def zero_coordinate_grad(t: int, rank: int, layer: int) -> torch.Tensor:
 
 GRAD = grad
 MASK_CASES = {
-    "onebitadam": (OneBitAdam, dict(freeze_step=3), lambda n, wd, bc, mask: ref_onebit_adam(
-        n, 8, 3, wd, "scaled_sign:scale=rms", bc=bc, mask=mask)),
-    "zerooneadam": (ZeroOneAdam, dict(var_freeze_step=5, var_update_scaler=2), lambda n, wd, bc, mask: ref_zeroone_adam(
-        n, 8, 5, 2, 32678, 16, wd, "scaled_sign:scale=rms", bc=bc, mask=mask)),
-    "onebitlamb": (OneBitLAMB, dict(freeze_step=3), lambda n, wd, bc, mask: ref_onebit_lamb(
-        n, 8, 3, wd, "scaled_sign:scale=rms", bc=bc, mask=mask)),
+    "onebitadam": (OneBitAdam, dict(freeze_step=3), lambda n, wd, bc, mask, bound=False: ref_onebit_adam(
+        n, 8, 3, wd, "scaled_sign:scale=rms", bc=bc, mask=mask, bound=bound)),
+    "zerooneadam": (ZeroOneAdam, dict(var_freeze_step=5, var_update_scaler=2), lambda n, wd, bc, mask, bound=False: ref_zeroone_adam(
+        n, 8, 5, 2, 32678, 16, wd, "scaled_sign:scale=rms", bc=bc, mask=mask, bound=bound)),
+    "onebitlamb": (OneBitLAMB, dict(freeze_step=3), lambda n, wd, bc, mask, bound=False: ref_onebit_lamb(
+        n, 8, 3, wd, "scaled_sign:scale=rms", bc=bc, mask=mask, bound=bound)),
 }
 
 
@@ -573,3 +592,46 @@ def test_momentum_mask_given_per_parameter_and_its_errors(monkeypatch):
         OneBitAdam([p], lr=LR, momentum_mask={torch.zeros(3): torch.ones(3)})
     with pytest.raises(GradzipError, match="--momentum-mask auto"):
         ZeroOneAdam([p], lr=LR, momentum_mask="everywhere")
+
+
+def small_coordinate_grad(t: int, rank: int, layer: int) -> torch.Tensor:
+    """:func:`grad` with tensor 1's first coordinate 1e-6 of the others' scale: v there is
+    far above ε² (the mask keeps it) but far below its slice's, so the sign codec's ``±s``
+    over ``√v`` moves it by ~η·10⁶ a step."""
+    g = GRAD(t, rank, layer)
+    if layer == 1:
+        g[0] = 1e-6 * (1 + 0.1 * rank)
+    return g
+
+
+@pytest.mark.parametrize("name", sorted(MASK_CASES))
+@pytest.mark.parametrize("bc", [False, True])
+def test_momentum_bound_is_its_box_and_keeps_m_where_exact_adam_can_hold_it(name, bc, monkeypatch):
+    """``momentum_bound=True`` clamps CAR's output to exact Adam's range (1-bit Adam / LAMB:
+    m to ``±κ√v``; 0/1 Adam: ĝ to ``±√(v/(1−β2))``, w̄ to ``±κ√v·λ_Σ/c1``), after the
+    mask: each method equals its box with it (3 workers), and a coordinate whose gradient
+    is tiny but not 0 (which the mask leaves alone) no longer runs away."""
+    monkeypatch.setitem(globals(), "grad", small_coordinate_grad)
+    cls, options, reference = MASK_CASES[name]
+    wd = 0.1
+    both = run(cls, 3, 8, dict(options, weight_decay=wd, bias_correction=bc, momentum_mask="auto",
+                               momentum_bound=True))
+    assert_matches(both, reference(3, wd, bc, True, True))
+    masked_only = run(cls, 3, 8, dict(options, weight_decay=wd, bias_correction=bc, momentum_mask="auto"))
+    start = inits()[1][0]
+    for rank in range(3):
+        assert abs(float(both[rank][0][1][0] - start)) < 1.0
+        assert abs(float(masked_only[rank][0][1][0] - start)) > 1e2
+
+
+def test_momentum_bound_checks_betas_and_its_value():
+    assert math.isclose(OneBitAdam.adam_kappa((0.9, 0.98)), 0.1 / math.sqrt(0.02 * (1 - 0.81 / 0.98)))
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(GradzipError, match="momentum_bound needs beta1² < beta2"):
+        OneBitAdam([p], lr=LR, betas=(0.99, 0.9), momentum_bound=True)
+    opt = OneBitAdam([p], lr=LR, momentum_bound=True)
+    with pytest.raises(GradzipError, match="momentum_bound needs beta1² < beta2"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "betas": (0.99, 0.5)})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(GradzipError, match="momentum_bound must be True or False"):
+        ZeroOneAdam([p], lr=LR, momentum_bound="yes")

@@ -27,6 +27,15 @@ What the three share (:class:`_CompressedAdaptive`):
   acts: 1-bit Adam's ``m ← CAR(m)``, 0/1 Adam's ``ĝ = CAR(g_i)`` and ``w̄ = CAR(w)``
   (a masked coordinate returns to x_sync at each sync), 1-bit LAMB's ``m_ℓ ← M_ℓ / s_ℓ``.
   It is derived from v (in the state) or given again on construction: resumes stay exact.
+- **The momentum bound** (``momentum_bound=True``, beyond the boxes, off by default): exact
+  Adam keeps ``|m| ≤ κ·√v`` per coordinate, ``κ = (1−β1)/√((1−β2)(1−β1²/β2))`` (Cauchy–
+  Schwarz on the two moving averages, m and v uncorrected; needs β1² < β2), so its update
+  ``m/(√v+ε)`` stays below κ. A sign codec breaks that where a coordinate's scale is far
+  below its slice's (``±s`` against a small √v), the mask above only where v ≈ 0. The bound
+  clamps CAR's output to what exact Adam could hold: 1-bit Adam's and 1-bit LAMB's m to
+  ``±κ√v``; 0/1 Adam's ĝ to ``±√(v/(1−β2))`` (a gradient exact v has seen), its w̄ to
+  ``±κ√v·λ_Σ/c1`` (the m it implies, ``−w̄·c1/λ_Σ``, to ``±κ√v``; c1 = 1 without bias
+  correction). Applied after the mask; derived from the state, so resumes stay exact.
 - **CAR(y)**, the compressed allreduce, in one place (:meth:`_CompressedAdaptive._car`):
   ``PSync(y + e_w)`` returns ``mean_j C(y_j + e_w,j)``, the same on every worker, and the
   worker error ``e_w ← (y + e_w) − C(y + e_w)`` that the method keeps in its state
@@ -74,7 +83,7 @@ class _CompressedAdaptive(DistributedOptimizer):
 
     def __init__(self, params, lr, *, betas: "tuple[float, float] | str | None" = None, beta1: float | None = None,
                  beta2: float | None = None, eps: float = 1e-8, compressor: str = DEFAULT_CODEC,
-                 bias_correction: bool = False, momentum_mask: "str | dict | None" = None, **kwargs):
+                 bias_correction: bool = False, momentum_mask: "str | dict | None" = None, momentum_bound: bool = False, **kwargs):
         name = type(self).__name__
         betas = parse_betas(name, betas, beta1=beta1, beta2=beta2)
         require(isinstance(bias_correction, bool), name, f"bias_correction must be True or False, got {bias_correction!r}")
@@ -83,6 +92,10 @@ class _CompressedAdaptive(DistributedOptimizer):
         no_momentum(name, kwargs.get("momentum", 0.0), kwargs.get("nesterov", False))
         super().__init__(params, lr, betas=betas, eps=float(eps), **kwargs)
         self.momentum_mask = self._checked_mask(momentum_mask)
+        require(isinstance(momentum_bound, bool), name, f"momentum_bound must be True or False, got {momentum_bound!r}")
+        self.momentum_bound = momentum_bound
+        if momentum_bound:
+            self._check_bound_betas(self.param_groups)
         self.dense = self.make_psync("none", salt=0)          # ḡ = mean_j g_j
         # CAR: the two-phase compressed allreduce (worker error here, server error in the
         # exchange); transport="auto" means that, another transport pins the exchange
@@ -130,15 +143,36 @@ class _CompressedAdaptive(DistributedOptimizer):
             out[id(p)] = m.detach().to(dtype=p.dtype, device=p.device)
         return out
 
-    def _masked(self, p: torch.Tensor, t: torch.Tensor, group: dict, c2: float) -> torch.Tensor:
-        """``t`` (a CAR output for ``p``) times the momentum mask, in place (module
-        docstring); ``c2`` is v's bias correction (``v̂ = v / c2``)."""
-        if self.momentum_mask is None:
-            return t
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "momentum_bound", False):   # checked first: a refused group is not added
+            self._check_bound_betas([{"betas": param_group.get("betas", self.defaults["betas"])}])
+        super().add_param_group(param_group)
+
+    def _check_bound_betas(self, groups) -> None:
+        for i, group in enumerate(groups):
+            b1, b2 = group["betas"]
+            require(b1 * b1 < b2, type(self).__name__,
+                    f"momentum_bound needs beta1² < beta2 (exact Adam's |m| <= kappa·sqrt(v) is unbounded otherwise), "
+                    f"got betas {group['betas']} in param_groups[{i}]; raise beta2 or turn momentum_bound off")
+
+    @staticmethod
+    def adam_kappa(betas: tuple[float, float]) -> float:
+        """``κ = (1−β1)/√((1−β2)(1−β1²/β2))``: exact Adam's largest ``|m|/√v`` (module docstring)."""
+        b1, b2 = betas
+        return (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
+
+    def _guarded(self, p: torch.Tensor, t: torch.Tensor, group: dict, c2: float, bound: float) -> torch.Tensor:
+        """``t`` (a CAR output for ``p``), in place: times the momentum mask (``c2``: v's
+        bias correction, ``v̂ = v / c2``), then, with ``momentum_bound``, clamped to
+        ``±bound·√v`` (module docstring; ``bound`` is the caller's multiple of √v)."""
         if self.momentum_mask == "auto":
-            return t.mul_(self.state[p]["exp_avg_sq"] > group["eps"] ** 2 * c2)
-        mask = self.momentum_mask.get(id(p))
-        return t if mask is None else t.mul_(mask)
+            t.mul_(self.state[p]["exp_avg_sq"] > group["eps"] ** 2 * c2)
+        elif self.momentum_mask is not None and id(p) in self.momentum_mask:
+            t.mul_(self.momentum_mask[id(p)])
+        if self.momentum_bound:
+            limit = self.state[p]["exp_avg_sq"].sqrt().mul_(bound)
+            t.clamp_(min=limit.neg(), max=limit)
+        return t
 
     def describe(self) -> dict:
         fields = super().describe()
@@ -242,11 +276,12 @@ class OneBitAdam(_CompressedAdaptive):
     def __init__(self, params, lr, *, freeze_step: int = 100000, betas: "tuple[float, float] | str | None" = None,
                  beta1: float | None = None, beta2: float | None = None, eps: float = 1e-8,
                  compressor: str = DEFAULT_CODEC, bias_correction: bool = False,
-                 momentum_mask: "str | dict | None" = None, **kwargs):
+                 momentum_mask: "str | dict | None" = None, momentum_bound: bool = False, **kwargs):
         require(is_int(freeze_step) and freeze_step >= 0, type(self).__name__,
                 f"freeze_step must be an integer >= 0, got {freeze_step!r}")
         super().__init__(params, lr, betas=betas, beta1=beta1, beta2=beta2, eps=eps, compressor=compressor,
-                         bias_correction=bias_correction, momentum_mask=momentum_mask, **kwargs)
+                         bias_correction=bias_correction, momentum_mask=momentum_mask,
+                         momentum_bound=momentum_bound, **kwargs)
         self.freeze_step = freeze_step
 
     def _step(self, pairs, params):
@@ -268,7 +303,7 @@ class OneBitAdam(_CompressedAdaptive):
         for (group, p), m, e in zip(pairs, synced, errors):   # nothing changed before the exchange
             state = self.state[p]
             c = self._corrections(group, self.freeze_step)
-            state["exp_avg"] = m = self._masked(p, m, group, c[1])
+            state["exp_avg"] = m = self._guarded(p, m, group, c[1], self.adam_kappa(group["betas"]))
             if e is not None:
                 state["worker_error"] = e
             p.sub_(self._adam_direction(m, state["exp_avg_sq"], p, group, c), alpha=group["lr"])
@@ -314,7 +349,7 @@ class ZeroOneAdam(_CompressedAdaptive):
                  local_step_scaler: int = 32678, local_step_clipper: int = 16, betas: "tuple[float, float] | str | None" = None,
                  beta1: float | None = None, beta2: float | None = None, eps: float = 1e-8,
                  compressor: str = DEFAULT_CODEC, bias_correction: bool = False,
-                 momentum_mask: "str | dict | None" = None, **kwargs):
+                 momentum_mask: "str | dict | None" = None, momentum_bound: bool = False, **kwargs):
         name = type(self).__name__
         require(is_int(var_freeze_step) and var_freeze_step >= 0, name,
                 f"var_freeze_step must be an integer >= 0, got {var_freeze_step!r}")
@@ -322,7 +357,8 @@ class ZeroOneAdam(_CompressedAdaptive):
                            ("local_step_clipper", local_step_clipper)):
             require(is_int(value) and value >= 1, name, f"{key} must be an integer >= 1, got {value!r}")
         super().__init__(params, lr, betas=betas, beta1=beta1, beta2=beta2, eps=eps, compressor=compressor,
-                         bias_correction=bias_correction, momentum_mask=momentum_mask, **kwargs)
+                         bias_correction=bias_correction, momentum_mask=momentum_mask,
+                         momentum_bound=momentum_bound, **kwargs)
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
@@ -368,7 +404,7 @@ class ZeroOneAdam(_CompressedAdaptive):
             if variance_step:
                 state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
             else:
-                g = self._masked(p, g, group, corr[1])
+                g = self._guarded(p, g, group, corr[1], 1 / math.sqrt(1 - b2))
             state["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
             p.sub_(self._adam_direction(state["exp_avg"], state["exp_avg_sq"], p, group, corr), alpha=group["lr"])
         if variance_step:
@@ -401,7 +437,7 @@ class ZeroOneAdam(_CompressedAdaptive):
             synced, errors = self._car(w, [self.state[p].get("worker_error") for p in params], keys)
             for (group, p), den, wbar, e, (c1, c2) in zip(pairs, denoms, synced, errors, corrs):
                 state = self.state[p]
-                wbar = self._masked(p, wbar, group, c2)
+                wbar = self._guarded(p, wbar, group, c2, self.adam_kappa(group["betas"]) * state["lr_sum"] / c1)
                 if state["lr_sum"] > 0:   # λ_Σ = 0 only with lr 0, where nothing moved
                     state["exp_avg"] = wbar.div(-state["lr_sum"])
                     if c1 != 1.0:         # m̂ = −w̄/λ_Σ, stored uncorrected
@@ -452,7 +488,7 @@ class OneBitLAMB(_CompressedAdaptive):
                  factor_threshold: float = 0.1, betas: "tuple[float, float] | str | None" = None,
                  beta1: float | None = None, beta2: float | None = None, eps: float = 1e-8,
                  compressor: str = DEFAULT_CODEC, bias_correction: bool = False,
-                 momentum_mask: "str | dict | None" = None, **kwargs):
+                 momentum_mask: "str | dict | None" = None, momentum_bound: bool = False, **kwargs):
         name = type(self).__name__
         require(is_int(freeze_step) and freeze_step >= 0, name,
                 f"freeze_step must be an integer >= 0, got {freeze_step!r}")
@@ -465,7 +501,8 @@ class OneBitLAMB(_CompressedAdaptive):
         require(is_real(factor_threshold) and 0 <= factor_threshold < 1, name,
                 f"factor_threshold must be in [0, 1), got {factor_threshold!r}")
         super().__init__(params, lr, betas=betas, beta1=beta1, beta2=beta2, eps=eps, compressor=compressor,
-                         bias_correction=bias_correction, momentum_mask=momentum_mask, **kwargs)
+                         bias_correction=bias_correction, momentum_mask=momentum_mask,
+                         momentum_bound=momentum_bound, **kwargs)
         self.freeze_step = freeze_step
         self.max_coeff, self.min_coeff, self.coeff_beta = float(max_coeff), float(min_coeff), float(coeff_beta)
         self.factor_max, self.factor_min = float(factor_max), float(factor_min)
@@ -527,7 +564,8 @@ class OneBitLAMB(_CompressedAdaptive):
             state, (b1, b2) = self.state[p], group["betas"]
             n = p.numel()
             c1, c2 = self._corrections(group, self.freeze_step)
-            m = self._masked(p, synced[0][offset:offset + n].view_as(p).div(state["scaling_coeff"]), group, c2)
+            m = self._guarded(p, synced[0][offset:offset + n].view_as(p).div(state["scaling_coeff"]), group, c2,
+                              self.adam_kappa(group["betas"]))
             if new_error[0] is not None:
                 state["worker_error"] = new_error[0][offset:offset + n].view_as(p).clone()
             offset += n
