@@ -395,3 +395,15 @@ def test_an_overflowing_exchange_leaves_the_server_errors_as_they_were():
         return before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
     assert all(simulate(2, run))
+
+
+@pytest.mark.parametrize("codec", ["randomk:ratio=0.1", "randblock:ratio=0.1", "powersgd"])
+def test_twophase_refuses_codecs_whose_choices_come_from_the_seed(codec):
+    """randomk's indices (randblock's block, PowerSGD's start) come from the shared seed; the
+    second compression of two-phase uses another seed, so its packets would be decoded at
+    the first one's positions. They sum in compressed form anyway: pinning two-phase is a
+    one-line error naming the fix; auto keeps the allreduce."""
+    comm = make_group(2)[0]
+    with pytest.raises(GradzipError, match="use transport='auto' or 'allreduce'"):
+        PSync(comm, codec, transport="twophase")
+    assert PSync(make_group(64)[0], codec).plan([torch.zeros(1 << 20)]) == ["allreduce"]

@@ -176,6 +176,13 @@ class PSync:
         elif transport == "allreduce" and self.compressor.sum_dtype(comm.world_size, torch.float32) is None:
             raise GradzipError(f"transport='allreduce': {self.compressor.spec} packets do not sum in compressed form "
                                f"on {comm.world_size} workers; use transport='auto', 'allgather' or 'twophase'")
+        elif transport == "twophase" and self.compressor.shared_randomness:
+            # their hidden choices (indices, blocks) come from the seed, which the second
+            # compression changes, and their allreduce is already flat (the spec: nothing to gain)
+            raise GradzipError(f"transport='twophase' with {self.compressor.spec}: its packets sum in compressed form "
+                               "(the allreduce is already flat in the number of workers) and its choices come from "
+                               "the shared seed, which two-phase's second compression changes; use transport='auto' "
+                               "or 'allreduce'")
         self.server_errors = tp.ServerErrors()   # the two-phase E_j (gradzip.twophase)
         self._sizer = None if isinstance(self.compressor, PerTensor) else tp.Sizer(self.compressor)
         self._plans: dict = {}
