@@ -635,3 +635,21 @@ def test_momentum_bound_checks_betas_and_its_value():
     assert len(opt.param_groups) == 1
     with pytest.raises(GradzipError, match="momentum_bound must be True or False"):
         ZeroOneAdam([p], lr=LR, momentum_bound="yes")
+
+
+@pytest.mark.parametrize("name", sorted(MASK_CASES))
+def test_betas_outside_the_bounds_range_run_with_the_bound_off(name):
+    """β1² ≥ β2 (or β2 = 0) only matters to ``momentum_bound``: with it off (the default) the
+    compressed stages run (κ is +inf there: exact Adam's ratio is unbounded)."""
+    cls, options, _ = MASK_CASES[name]
+
+    def worker(comm):
+        params = [torch.nn.Parameter(t) for t in inits()]
+        opt = cls(params, lr=LR, betas=(0.95, 0.0), eps=EPS, comm=comm, **options)
+        for t in range(1, 9):
+            for layer, p in enumerate(params):
+                p.grad = grad(t, comm.rank, layer)
+            opt.step()
+        return opt.steps
+    assert gradzip.simulate(2, worker) == [8, 8]
+    assert OneBitAdam.adam_kappa((0.95, 0.9)) == math.inf and OneBitAdam.adam_kappa((0.5, 0.0)) == math.inf

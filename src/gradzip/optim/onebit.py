@@ -131,7 +131,7 @@ class _CompressedAdaptive(DistributedOptimizer):
             return "auto"
         require(isinstance(mask, dict), name, f"momentum_mask must be 'auto', 'off', None or a dict "
                 f"{{parameter: mask tensor}}, got {mask!r}; CLI: --momentum-mask auto")
-        mine = {id(p): p for group in self.param_groups for p in group["params"]}
+        mine = {id(p) for group in self.param_groups for p in group["params"]}
         out = {}
         for p, m in mask.items():
             require(isinstance(p, torch.Tensor) and id(p) in mine, name,
@@ -157,8 +157,12 @@ class _CompressedAdaptive(DistributedOptimizer):
 
     @staticmethod
     def adam_kappa(betas: tuple[float, float]) -> float:
-        """``κ = (1−β1)/√((1−β2)(1−β1²/β2))``: exact Adam's largest ``|m|/√v`` (module docstring)."""
+        """``κ = (1−β1)/√((1−β2)(1−β1²/β2))``: exact Adam's largest ``|m|/√v`` (module docstring);
+        +inf where β1² ≥ β2 (β2 = 0 included): the ratio is unbounded there, which
+        ``momentum_bound`` refuses, and with the bound off nothing is clamped."""
         b1, b2 = betas
+        if b1 * b1 >= b2:
+            return math.inf
         return (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
 
     def _guarded(self, p: torch.Tensor, t: torch.Tensor, group: dict, c2: float, bound: float) -> torch.Tensor:
