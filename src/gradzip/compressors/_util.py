@@ -5,10 +5,11 @@ import functools
 import math
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .. import kernels
-from .base import Compressor, Packet
+from .base import Compressor, Packet, Slices
 from .bitpack import _LITTLE, pack_bits, packed_nbytes, unpack_bits
 
 #: Elements per piece when a CPU codec encodes a large tensor piece by piece (a multiple
@@ -125,6 +126,12 @@ def fused_slices(values: Sequence[torch.Tensor | None], wires: Sequence[torch.Te
     values = [t for t in values if t is not None]
     return (fused(*values, *wires) and all(t.is_contiguous() for t in (*values, *wires))
             and all(t.dtype == torch.float32 for t in values))
+
+
+def laid_out(wire: torch.Tensor, offsets: np.ndarray) -> Slices:
+    """A fused override's :class:`Slices`: packet m's bytes start at ``offsets[m]`` of
+    ``wire`` and run to the next packet's start (the last to the end)."""
+    return Slices(wire, np.diff(offsets, append=wire.numel()).tolist())
 
 
 def rows(wires: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -31,8 +31,8 @@ import torch
 from .. import kernels
 from ..kernels import elementwise as ek
 from ..kernels.sparse import INF_BITS
-from ._util import (FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused, fused_counts, fused_slices, rows,
-                    value_table, wire_buffer)
+from ._util import (FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused, fused_counts, fused_slices,
+                    laid_out, rows, value_table, wire_buffer)
 from .base import Compressor, Packet, Slices, deliver
 from .bitpack import packed_nbytes
 from .registry import register
@@ -128,7 +128,7 @@ class Sign(Compressor):
         starts, stops, offsets, total = ek.slice_layout(bounds, 1)
         wire = torch.empty(total, dtype=torch.uint8)
         _encode_slices(x, starts, stops, wire, offsets, residual, _pm1_tables(1, len(bounds)))
-        return Slices(wire, _sizes(offsets, total))
+        return laid_out(wire, offsets)
 
     def aggregate_slices(self, wires, bounds, out: torch.Tensor, templates) -> None:
         if not (bounds and fused_slices([out], wires)):
@@ -311,7 +311,7 @@ class ScaledSign(Compressor):
         wire = torch.empty(total, dtype=torch.uint8)
         _encode_slices(x, starts, stops, wire, offsets, residual, scales[None, :, None] * _PM1_F32)
         ek.place_bytes(scales.view(np.uint8).reshape(-1, 4), kernels.array(wire), _scale_offsets(starts, stops, offsets))
-        return Slices(wire, _sizes(offsets, total))
+        return laid_out(wire, offsets)
 
     def aggregate_slices(self, wires, bounds, out: torch.Tensor, templates) -> None:
         if not (bounds and fused_slices([out], wires)):
@@ -354,10 +354,6 @@ _PM1_F32 = np.array(_PM1, np.float32)
 def _pm1_tables(workers: int, slices: int) -> np.ndarray:
     """``sign``'s decoded −1, +1 (float32) for every worker and slice."""
     return np.ascontiguousarray(np.broadcast_to(_PM1_F32, (workers, slices, 2)))
-
-
-def _sizes(offsets: np.ndarray, total: int) -> list[int]:
-    return np.diff(offsets, append=total).tolist()
 
 
 def _scale_offsets(starts: np.ndarray, stops: np.ndarray, offsets: np.ndarray) -> np.ndarray:

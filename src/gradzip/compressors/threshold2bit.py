@@ -30,14 +30,13 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from .. import kernels
 from ..kernels import elementwise as ek
 from ..validation import is_real, require
-from ._util import (FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused, fused_counts, fused_slices, rows,
-                    value_table, wire_buffer)
+from ._util import (FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused, fused_counts, fused_slices,
+                    laid_out, rows, value_table, wire_buffer)
 from .base import Compressor, Packet, Slices, deliver
 from .bitpack import packed_nbytes
 from .registry import register
@@ -105,7 +104,7 @@ class TwoBit(Compressor):
         ek.twobit_encode_many(xs, starts, stops, self._threshold(x.dtype),
                               kernels.array(value_table(self._values, torch.float32)), kernels.array(wire), offsets,
                               xs[:0] if residual is None else kernels.array(residual), residual is not None)
-        return Slices(wire, np.diff(offsets, append=total).tolist())
+        return laid_out(wire, offsets)
 
     def aggregate_slices(self, wires, bounds, out: torch.Tensor, templates) -> None:
         if not (bounds and fused_slices([out], wires)):
