@@ -577,13 +577,10 @@ def _two_phase_finish(psync: PSync, bucket: _TwoPhaseBucket, out: list, errors: 
     s = torch.empty(packed[-1][1] if packed else 0, dtype=bucket.dtype, device=bucket.device)
     codec.aggregate_slices(received, packed, s, bucket.templates(rank))
     keys = [bucket.keys[k] for k in mine]
-    old = [psync.server_errors.errors.get((key, rank)) for key in keys]
-    if old and all(e is not None for e in old):
-        s.add_(torch.cat(old) if len(old) > 1 else old[0])
-    else:   # before the first exchange (or after a reset) of some: only where one is held
-        for (a, b), e in zip(packed, old):
-            if e is not None:
-                s[a:b].add_(e)
+    for key, (a, b) in zip(keys, packed):   # none held before a slice's first exchange (or after a reset)
+        old = psync.server_errors.errors.get((key, rank))
+        if old is not None:
+            s[a:b].add_(old)
     e = torch.empty_like(s)
     back = codec.compress_slices(s, packed, [tp.phase2_seed(psync.seed, bucket.step, key, rank) for key in keys], e)
     for key, (a, b) in zip(keys, packed):
