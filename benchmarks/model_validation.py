@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -87,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             result = json.loads(path.read_text())
         else:
             result = run_grid(name, out, args.bandwidth)
-        loads.append(f"{name}: {result['host']['loadavg'][0]:.1f}")
+        host = result["host"]
+        loads.append(f"{name}: {host['loadavg'][0]:.1f} on {host.get('cpus', '?')} CPUs")
         rows += timeline.validate(result, args.alpha_us * 1e-6)
     print("### Model vs emulated network (under load)\n")
     print(tables.validation_table(rows) + "\n")
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print("### Two-phase BIT-SGD against the allgather route, same run\n")
         print("| workers | link | measured allgather / twophase | predicted |\n|---:|---|---:|---:|")
         print("\n".join(lines) + "\n")
-    print(f"load average (1 min) at the end of each grid: {'; '.join(loads)}; {os.cpu_count()} CPUs")
+    print(f"load average (1 min) at the end of each grid (the host that ran it): {'; '.join(loads)}")
     Path(out).mkdir(parents=True, exist_ok=True)
     Path(out, "validation.json").write_text(json.dumps(rows, indent=1))
     return 0 if rows else 1
