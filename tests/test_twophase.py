@@ -407,3 +407,22 @@ def test_twophase_refuses_codecs_whose_choices_come_from_the_seed(codec):
     with pytest.raises(GradzipError, match="use transport='auto' or 'allreduce'"):
         PSync(comm, codec, transport="twophase")
     assert PSync(make_group(64)[0], codec).plan([torch.zeros(1 << 20)]) == ["allreduce"]
+
+
+@pytest.mark.parametrize("codec", ["none", "2bit", "1bit", "topk:ratio=0.1"])
+def test_sizer_sizes_half_precision_as_sent(codec):
+    """The auto rule's sizes follow the tensor's dtype: a bfloat16 exchange's measured
+    bytes equal ``wire_bytes`` with that dtype (``none``: 2 bytes an element, not float32's 4)."""
+    n, c = 4, build(codec)
+    sizer = tp.Sizer(c)
+    assert sizer(10, torch.bfloat16) == c.compress(torch.zeros(10, dtype=torch.bfloat16)).nbytes
+    if codec == "none":
+        assert (sizer(10, torch.bfloat16), sizer(10)) == (20, 40)
+
+    def run(comm):
+        psync = PSync(comm, c, transport="twophase")
+        ts = [t.to(torch.bfloat16) for t in _inputs(comm.rank, 1)]
+        return psync(ts, 1).bytes_sent
+
+    for rank, sent in enumerate(simulate(n, run)):
+        assert sent == sum(tp.wire_bytes(sizer, d, n, rank, torch.bfloat16) for d in SIZES)

@@ -116,24 +116,32 @@ def phase2_seed(seed: int, step: int, key: int, j: int) -> int:
 
 
 class Sizer:
-    """Wire bytes of a codec's packets by numel (float32 sizing, cached)."""
+    """Wire bytes of a codec's packets by (numel, dtype), cached: the codec's own
+    ``wire_nbytes`` for float32, a compressed zero tensor of that dtype otherwise (``none``
+    sends bfloat16 gradients in 2 bytes an element, not 4)."""
 
     def __init__(self, codec: Compressor):
         self.codec = codec
-        self._cache: dict[int, int] = {}
+        self._cache: dict[tuple[int, torch.dtype], int] = {}
 
-    def __call__(self, numel: int) -> int:
-        if numel not in self._cache:
-            self._cache[numel] = 0 if numel == 0 else int(self.codec.wire_nbytes((numel,)))
-        return self._cache[numel]
+    def __call__(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        key = (numel, dtype)
+        if key not in self._cache:
+            if numel == 0:
+                self._cache[key] = 0
+            elif dtype == torch.float32:
+                self._cache[key] = int(self.codec.wire_nbytes((numel,)))
+            else:
+                self._cache[key] = int(self.codec.compress(torch.zeros(numel, dtype=dtype)).nbytes)
+        return self._cache[key]
 
 
-def wire_bytes(sizer: Sizer, d: int, n: int, rank: int) -> int:
+def wire_bytes(sizer: Sizer, d: int, n: int, rank: int, dtype: torch.dtype = torch.float32) -> int:
     """What worker ``rank`` sends for one tensor of ``d`` elements: its slices for the other
     workers, then its compressed slice to each of them."""
     if n == 1:
         return 0
-    sizes = [sizer(b - a) for a, b in slice_bounds(d, n)]
+    sizes = [sizer(b - a, dtype) for a, b in slice_bounds(d, n)]
     return sum(s for j, s in enumerate(sizes) if j != rank) + (n - 1) * sizes[rank]
 
 
@@ -155,7 +163,7 @@ def _packs_summand(codec: Compressor) -> bool:
 def _costs(codec: Compressor, sizer: Sizer, d: int, dtype: torch.dtype, n: int) -> tuple[str, dict, float]:
     """For one tensor of ``d`` elements: PSync's exact collective (fewer wire bytes, ties to
     allreduce), the wire bytes of each exact collective, and two-phase's mean wire bytes."""
-    packet = sizer(d)
+    packet = sizer(d, dtype)
     sum_dtype = codec.sum_dtype(n, dtype)
     by_bytes = {"allgather": allgather_wire_bytes(packet, n)}
     if sum_dtype is not None:
@@ -163,7 +171,7 @@ def _costs(codec: Compressor, sizer: Sizer, d: int, dtype: torch.dtype, n: int) 
         numel = d if _packs_summand(codec) else packet // width
         by_bytes["allreduce"] = allreduce_wire_bytes(numel * width, n)
     best = min(by_bytes, key=lambda k: (by_bytes[k], k != "allreduce"))
-    two = 2 * (n - 1) * sum(sizer(b - a) for a, b in slice_bounds(d, n)) / n
+    two = 2 * (n - 1) * sum(sizer(b - a, dtype) for a, b in slice_bounds(d, n)) / n
     return best, by_bytes, two
 
 
@@ -179,8 +187,8 @@ def choose(codec: Compressor, sizer: Sizer, specs: Sequence[tuple[Sequence[int],
         return plan
     messages = {"allreduce": 2 * (n - 1), "allgather": n - 1}
     buckets, current, filled = [], [], 0
-    for i, (shape, _) in enumerate(specs):
-        packet = sizer(math.prod(shape))
+    for i, (shape, dtype) in enumerate(specs):
+        packet = sizer(math.prod(shape), dtype)
         if current and filled + packet > bucket_bytes:
             buckets.append(current)
             current, filled = [], 0
