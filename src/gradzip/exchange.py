@@ -365,12 +365,12 @@ class PSync:
         return layout
 
     def _twophase_bytes(self, numel: int, dtype: torch.dtype) -> int:
-        """The packets' bytes of one tensor's slices (cached; for bucketing before compressing)."""
+        """The packets' bytes of one tensor's slices (cached; for bucketing before compressing),
+        sized as the auto rule sizes them (``twophase.Sizer``)."""
         nbytes = self._slice_bytes.get((numel, dtype))
         if nbytes is None:
-            probe = [self.compressor.compress(torch.zeros(b - a, dtype=dtype)).nbytes
-                     for a, b in tp.slice_bounds(numel, self.comm.world_size) if b > a]
-            nbytes = self._slice_bytes[(numel, dtype)] = sum(probe)
+            nbytes = self._slice_bytes[(numel, dtype)] = sum(
+                self._sizer(b - a, dtype) for a, b in tp.slice_bounds(numel, self.comm.world_size))
         return nbytes
 
     def _seed(self, step: int, key: int, codec: Compressor | None = None) -> int:
