@@ -97,9 +97,11 @@ def test_staleness_bound_holds_and_matters():
 
 def test_round_robin_order_is_deterministic_and_stale_by_n_minus_one():
     def worker(comm):
-        torch.manual_seed(comm.rank)
-        model = torch.nn.Linear(4, 2)
-        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)   # worker threads share torch's global generator: set x_0 from our own
+        init = torch.Generator().manual_seed(comm.rank)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=init))
         gradzip.broadcast_parameters(model, comm)
         opt = ASGD(model.parameters(), lr=0.1, comm=comm, compressor="qsgd", order="round_robin", momentum=0.5)
         data = torch.Generator().manual_seed(comm.rank)
