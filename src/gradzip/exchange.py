@@ -187,7 +187,6 @@ class PSync:
         self._sizer = None if isinstance(self.compressor, PerTensor) else tp.Sizer(self.compressor)
         self._plans: dict = {}
         self._layouts: dict = {}      # two-phase: numels of a bucket -> tp.Layout
-        self._slice_bytes: dict = {}  # two-phase: (numel, dtype) -> its slices' packet bytes
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.timings = Timings()
@@ -364,15 +363,6 @@ class PSync:
             layout = self._layouts[numels] = tp.Layout(numels, self.comm.world_size)
         return layout
 
-    def _twophase_bytes(self, numel: int, dtype: torch.dtype) -> int:
-        """The packets' bytes of one tensor's slices (cached; for bucketing before compressing),
-        sized as the auto rule sizes them (``twophase.Sizer``)."""
-        nbytes = self._slice_bytes.get((numel, dtype))
-        if nbytes is None:
-            nbytes = self._slice_bytes[(numel, dtype)] = sum(
-                self._sizer(b - a, dtype) for a, b in tp.slice_bounds(numel, self.comm.world_size))
-        return nbytes
-
     def _seed(self, step: int, key: int, codec: Compressor | None = None) -> int:
         if (codec or self.compressor).shared_randomness:
             return mix_seed(self.seed, step, key)
@@ -532,7 +522,7 @@ def _two_phase_start(psync: PSync, tensors, positions, keys, step, residuals) ->
     members: list[list[torch.Tensor]] = []
     current = None
     for t, pos, key in zip(tensors, positions, keys):
-        nbytes = psync._twophase_bytes(t.numel(), t.dtype)
+        nbytes = psync._sizer.slices(t.numel(), n, t.dtype)   # sized before compressing
         if (current is None or current.dtype != t.dtype or current.device != t.device
                 or (current.payload + nbytes > psync.bucket_bytes and current.positions)):
             current = _TwoPhaseBucket([], [], [], t.dtype, t.device, step, 0)

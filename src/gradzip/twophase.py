@@ -123,6 +123,7 @@ class Sizer:
     def __init__(self, codec: Compressor):
         self.codec = codec
         self._cache: dict[tuple[int, torch.dtype], int] = {}
+        self._slices: dict[tuple[int, int, torch.dtype], int] = {}
 
     def __call__(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         key = (numel, dtype)
@@ -134,6 +135,14 @@ class Sizer:
             else:
                 self._cache[key] = int(self.codec.compress(torch.zeros(numel, dtype=dtype)).nbytes)
         return self._cache[key]
+
+    def slices(self, d: int, n: int, dtype: torch.dtype = torch.float32) -> int:
+        """The bytes of the packets of one tensor's ``n`` slices (:func:`slice_bounds`), cached:
+        what PSync buckets two-phase tensors by, and what the auto rule prices."""
+        key = (d, n, dtype)
+        if key not in self._slices:
+            self._slices[key] = sum(self(b - a, dtype) for a, b in slice_bounds(d, n))
+        return self._slices[key]
 
 
 def wire_bytes(sizer: Sizer, d: int, n: int, rank: int, dtype: torch.dtype = torch.float32) -> int:
@@ -171,7 +180,7 @@ def _costs(codec: Compressor, sizer: Sizer, d: int, dtype: torch.dtype, n: int) 
         numel = d if _packs_summand(codec) else packet // width
         by_bytes["allreduce"] = allreduce_wire_bytes(numel * width, n)
     best = min(by_bytes, key=lambda k: (by_bytes[k], k != "allreduce"))
-    two = 2 * (n - 1) * sum(sizer(b - a, dtype) for a, b in slice_bounds(d, n)) / n
+    two = 2 * (n - 1) * sizer.slices(d, n, dtype) / n
     return best, by_bytes, two
 
 
