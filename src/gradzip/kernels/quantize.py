@@ -58,7 +58,7 @@ def _compile_helpers() -> None:
     with _helpers_lock:
         import numba
         g = globals()
-        for name in ("_merge", "_split", "_bswap", "_pack_words", "_unpack", "_unpack_words", "_onebit_run",
+        for name in ("_merge", "_split", "_bswap", "_pack_words", "_unpack1", "_unpack_words", "_onebit_run",
                      "_pack2", "_unpack2", "_fold_lanes", "_fold_pairwise", "_pack1",
                      "_onebit_sums", "_add_blocks"):
             if not hasattr(g[name], "py_func"):  # not compiled by a thread before us
@@ -361,7 +361,7 @@ def _onebit_decode(packed, cols, pos, neg, v, mode, out):
     c = 0  # the column of the piece's first entry
     for base in range(0, n, PIECE):
         m = min(PIECE, n - base)
-        _unpack(packed, base // 8, 1, m, codes)
+        _unpack1(packed, base // 8, m, codes)
         i = 0
         while i < m:  # one run of a row's columns at a time (the whole piece for one column)
             run = m - i if cols == 1 else min(m - i, cols - c)
@@ -584,25 +584,23 @@ def _split(y, bits):
     return x | y
 
 
-def _unpack(packed, at, bits, m, codes):
-    """``codes[:m]`` = the ``bits``-bit codes packed MSB-first from ``packed[at:]``
-    (bitpack's layout backwards; bytes past the end of ``packed`` read as 0)."""
-    words = codes.view(np.uint64)
+def _unpack1(packed, at, m, codes):
+    """``codes[:m]`` = the 1-bit codes packed MSB-first from ``packed[at:]`` (:func:`_pack1`
+    backwards; bytes past the end of ``packed`` read as 0): each byte spread into two
+    little-endian 32-bit words of four codes, a loop LLVM vectorises (as :func:`_unpack2`)."""
+    words = codes.view(np.uint32)
     groups = (m + 7) // 8
-    whole = min(groups, (packed.size - at) // bits)  # groups whose bytes all exist
+    whole = min(groups, packed.size - at)
+    src = packed[at:at + whole]
+    one = np.uint32(1)
     for g in range(whole):
-        o = at + g * bits
-        y = np.uint64(0)
-        for t in range(8):
-            if t < bits:
-                y = (y << np.uint64(8)) | np.uint64(packed[o + t])
-        words[g] = _split(y, bits)
-    for g in range(whole, groups):
-        o = at + g * bits
-        y = np.uint64(0)
-        for t in range(bits):
-            y = (y << np.uint64(8)) | (np.uint64(packed[o + t]) if o + t < packed.size else np.uint64(0))
-        words[g] = _split(y, bits)
+        b = np.uint32(src[g])
+        words[2 * g] = (((b >> np.uint32(7)) & one) | (((b >> np.uint32(6)) & one) << np.uint32(8))
+                        | (((b >> np.uint32(5)) & one) << np.uint32(16)) | (((b >> np.uint32(4)) & one) << np.uint32(24)))
+        words[2 * g + 1] = (((b >> np.uint32(3)) & one) | (((b >> np.uint32(2)) & one) << np.uint32(8))
+                            | (((b >> np.uint32(1)) & one) << np.uint32(16)) | ((b & one) << np.uint32(24)))
+    for g in range(2 * whole, 2 * groups):
+        words[g] = np.uint32(0)
 
 
 # -- the calls the codecs make (torch tensors in, Python numbers) ----------------------------
@@ -688,4 +686,7 @@ def onebit_decode(packed: torch.Tensor, cols: int, pos: torch.Tensor, neg: torch
     ``v − decoded`` (the residual); with ``add``, ``out += decoded``."""
     flat = array(out.view(-1))
     mode = 1 if v is not None else (2 if add else 0)
+    if cols == 1 and mode == 0 and pos.numel() == 1:  # one column: the sign codec's decode through the table (neg, pos)
+        ek.decode1(array(packed), np.concatenate([array(neg), array(pos)]), flat)
+        return
     _onebit_decode(array(packed), cols, array(pos), array(neg), flat if v is None else array(v), mode, flat)
