@@ -160,23 +160,17 @@ def _terngrad_encode(v, s, k0, k1, packed, residual):
 
 
 @njit
-def _terngrad_decode(packed, count, s, out, add):
-    """``out[j] = sign(code_j)·s`` with the table (0, 0, −1, 1); with ``add``, ``out[j] += that``."""
+def _terngrad_add(packed, count, s, out):
+    """``out[j] += sign(code_j)·s`` with the table (0, 0, −1, 1)."""
     codes = np.empty(PIECE, np.uint8)
     for base in range(0, count, PIECE):
         m = min(PIECE, count - base)
         _unpack2(packed, base // 4, m, codes)
         ob = out[base:base + m]
-        if add:
-            for i in range(m):
-                c = codes[i]
-                sign = np.float32(1.0) if c == 3 else (np.float32(-1.0) if c == 2 else np.float32(0.0))
-                ob[i] = ob[i] + sign * s
-        else:
-            for i in range(m):
-                c = codes[i]
-                sign = np.float32(1.0) if c == 3 else (np.float32(-1.0) if c == 2 else np.float32(0.0))
-                ob[i] = sign * s
+        for i in range(m):
+            c = codes[i]
+            sign = np.float32(1.0) if c == 3 else (np.float32(-1.0) if c == 2 else np.float32(0.0))
+            ob[i] = ob[i] + sign * s
 
 
 @njit
@@ -653,8 +647,13 @@ def terngrad_encode(v: torch.Tensor, s: float, seed: int, packed: torch.Tensor,
 
 
 def terngrad_decode(packed: torch.Tensor, s: float, out: torch.Tensor, add: bool = False) -> None:
-    """``out`` (contiguous float32) = the values of TernGrad codes ``packed`` (``add``: ``+=``)."""
-    _terngrad_decode(array(packed), out.numel(), np.float32(s), array(out.view(-1)), add)
+    """``out`` (contiguous float32) = the values of TernGrad codes ``packed`` (``add``: ``+=``);
+    without ``add`` through 2bit's table decode, the table ``(0, 0, −1, 1)·s`` (the products
+    the kernel makes)."""
+    if not add:
+        ek.decode2(array(packed), np.float32([0.0, 0.0, -1.0, 1.0]) * np.float32(s), array(out.view(-1)))
+        return
+    _terngrad_add(array(packed), out.numel(), np.float32(s), array(out.view(-1)))
 
 
 def onebit_encode(v: torch.Tensor, cols: int, packed: torch.Tensor, means: torch.Tensor) -> None:
