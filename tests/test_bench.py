@@ -460,3 +460,17 @@ def test_profile_above_the_timing_cap_sizes_the_collectives_by_a_dry_run(algo):
     shapes = [(16, 8), (8,)]
     capped = profiling.profile_method(algo, {}, shapes, 16, steps=2, time_at_most=4)
     assert capped.workers == 16 and capped.wire_bytes_per_step > 0
+
+
+@needs_root
+def test_uplink_phases_times_every_pattern_on_two_nodes(capsys):
+    """benchmarks.uplink_phases end to end on a small shard: every pattern (the allreduce, the
+    two whole phases, the phases in rounds) timed on 4 workers in 2 nodes, one table row each."""
+    from benchmarks import uplink_phases
+
+    assert uplink_phases.main(["--bandwidth", "none", "--rounds", "3", "--repeat", "1",
+                               "--shard-bytes", "60000"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| unshaped |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["allreduce", "2 phases", "2 phases / 3"]
+    assert all(float(row.split("|")[3]) >= 0 for row in rows)
+    assert uplink_phases.model_ms(3_159_060, 100e6) == pytest.approx(505.4, abs=0.1)
