@@ -44,9 +44,10 @@ GRIDS = {
 }
 
 
-def run_grid(name: str, out: Path, bandwidth: str) -> dict:
+def run_grid(name: str, out: Path, bandwidth: str, round_bytes: int | None = None) -> dict:
     """One ``gradzip bench net`` grid into ``out/name``; its results."""
-    flags = [*GRIDS[name], *MODEL, "--bandwidth", bandwidth, "--out", str(out / name)]
+    flags = [*GRIDS[name], *MODEL, "--bandwidth", bandwidth, "--out", str(out / name),
+             *(["--round-bytes", str(round_bytes)] if round_bytes is not None else [])]
     args = cli.add_parser(argparse.ArgumentParser().add_subparsers()).parse_args(["net", *flags])
     return cli.run_net(args, "gradzip bench net " + " ".join(flags))
 
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth", default="100mbit,50mbit", help="link rates (default: %(default)s)")
     parser.add_argument("--grids", default=",".join(GRIDS), help="which grids (default: %(default)s)")
     parser.add_argument("--alpha-us", type=float, default=100.0, help="per-message latency (default: %(default)s)")
+    parser.add_argument("--round-bytes", type=int, default=None,
+                        help="two-phase all-to-alls in rounds of at most this many bytes (bench net --round-bytes)")
     parser.add_argument("--out", default="runs/model-validation", help="results (default: %(default)s)")
     parser.add_argument("--from", dest="from_dir", help="validate the grids in this directory, run nothing")
     args = parser.parse_args(argv)
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             result = json.loads(path.read_text())
         else:
-            result = run_grid(name, out, args.bandwidth)
+            result = run_grid(name, out, args.bandwidth, args.round_bytes)
         host = result["host"]
         loads.append(f"{name}: {host['loadavg'][0]:.1f} on {host.get('cpus', '?')} CPUs")
         rows += timeline.validate(result, args.alpha_us * 1e-6)

@@ -303,6 +303,70 @@ def test_all_to_all_variable_sizes_and_bytes():
         assert sent == 2 * mine + 8 * (n - 1)
 
 
+def rounds_exchange(comm):
+    """One all-to-all of variable sizes (some 0) whole, then in 2, 5 and 40 rounds."""
+    r = comm.rank
+    send = [torch.arange(7 * r + 3 * j, dtype=torch.int64) for j in range(comm.world_size)]
+    sizes = [7 * i + 3 * r for i in range(comm.world_size)]
+    start = comm.bytes_sent
+    whole = comm.all_to_all(send, sizes)
+    once = comm.bytes_sent - start
+    parts = {R: comm.all_to_all(send, sizes, rounds=R) for R in (2, 5, 40)}
+    return whole, parts, once, comm.bytes_sent - start - once
+
+
+def test_all_to_all_in_rounds_is_the_same_exchange():
+    """rounds > 1: the same messages (variable and zero sizes, more rounds than entries), the
+    same bytes counted, on threads and on gloo; a bad rounds value is a one-line error."""
+    for whole, parts, once, sent in simulate(3, rounds_exchange) + run_processes(2, rounds_exchange):
+        for got in parts.values():
+            assert all(torch.equal(a, b) for a, b in zip(got, whole))
+        assert once > 0 and sent == 3 * once      # each call counted the bytes of the whole exchange
+    with pytest.raises(GradzipError, match="rounds must be an integer >= 1"):
+        make_group(2)[0].all_to_all([torch.zeros(1)] * 2, [1, 1], rounds=0)
+
+
+@pytest.mark.parametrize("hierarchy", [None, 2])
+def test_round_bytes_changes_no_number_and_no_byte(hierarchy):
+    """PSync's round_bytes (each two-phase all-to-all in rounds): bit for bit the same
+    aggregates, residuals, server errors and bytes as whole messages, flat and hierarchical."""
+    from gradzip.hierarchy import HierarchicalPSync
+
+    def run(comm, round_bytes):
+        kind = PSync if hierarchy is None else HierarchicalPSync
+        extra = {} if hierarchy is None else {"workers_per_node": hierarchy}
+        psync = kind(comm, "1bit", transport="twophase", round_bytes=round_bytes, **extra)
+        outs = [psync([t * 100 for t in _inputs(comm.rank, step)] + [torch.randn(3000, generator=torch.Generator().manual_seed(step))], step)
+                for step in (1, 2)]
+        return ([[a.clone() for a in o.aggregate] + [x.clone() for x in o.residual] for o in outs],
+                psync.server_errors.state_dict(), psync.bytes_sent)
+
+    whole = simulate(4, lambda comm: run(comm, None))
+    rounds = simulate(4, lambda comm: run(comm, 16))
+    for (a, ea, ba), (b, eb, bb) in zip(whole, rounds):
+        assert all(torch.equal(x, y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+        assert ea.keys() == eb.keys() and ba == bb
+    with pytest.raises(GradzipError, match="round_bytes must be None"):
+        PSync(make_group(2)[0], "1bit", round_bytes=0)
+
+
+def test_round_bytes_is_a_common_option_compared_and_a_cli_flag():
+    from gradzip.cli import _configs, build_parser
+    args = build_parser().parse_args(["train", "--algo", "efsgd", "--compressor", "1bit", "--round-bytes", "65536"])
+    assert _configs(args)[0].round_bytes == 65536
+    opt = gradzip.optim.EFSGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, compressor="1bit", round_bytes=65536)
+    assert opt.describe()["round_bytes"] == 65536 and opt.psync.round_bytes == 65536
+
+    def run(comm):
+        p = torch.nn.Parameter(torch.zeros(3))
+        p.grad = torch.ones(3)
+        opt = gradzip.optim.EFSGD([p], lr=0.1, comm=comm, compressor="1bit", transport="twophase",
+                                  round_bytes=4096 if comm.rank else None)
+        opt.step()
+    with pytest.raises(gradzip.consistency.InconsistentWorkers, match="round_bytes"):
+        simulate(2, run)
+
+
 # -- 2bit: int16 summand beyond 127 workers -------------------------------------------------
 def test_2bit_sums_as_int16_from_128_workers_and_stays_on_allreduce():
     codec = build("2bit:threshold=0.5")

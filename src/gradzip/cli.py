@@ -109,6 +109,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="how PSync moves packets: auto (exact collectives; the two-phase compressed allreduce "
                         "only where it costs <= 1/2), or pin one; twophase changes the numbers "
                         "(docs/algorithms.md §Transports; default: %(default)s)")
+    g.add_argument("--round-bytes", type=positive_int, default=None,
+                   help="two-phase: send each all-to-all in rounds of at most this many bytes per message "
+                        "(default: whole messages); on slow links that several workers share, e.g. 131072 "
+                        "(docs/benchmarks.md, \"Two-phase across nodes\")")
     w = p.add_argument_group("workers")
     w.add_argument("--workers", type=positive_int, default=None,
                    help="worker count (default: 1 for train, 4 for compare; under torchrun: its world)")
@@ -226,7 +230,7 @@ def _configs(args) -> list:
                   nonfinite=args.nonfinite, device=args.device, amp=args.amp, trace=bool(args.trace),
                   progress=not args.quiet,
                   lr_scaling=args.lr_scaling, base_batch=args.base_batch or 0, warmup_epochs=args.warmup_epochs,
-                  sam_rho=args.sam_rho, transport=args.transport,
+                  sam_rho=args.sam_rho, transport=args.transport, round_bytes=args.round_bytes,
                   workers_per_node=args.workers_per_node,
                   straggler=stragglers.canonical(args.straggler), **_checkpointing(args))
     given = _given_options(args)

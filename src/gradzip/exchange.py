@@ -154,9 +154,12 @@ class PSync:
 
     def __init__(self, comm: Group, compressor: "str | Compressor | None" = "none", *,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_finite: bool = False,
-                 transport: str = "auto", allow_twophase: bool = True):
+                 transport: str = "auto", allow_twophase: bool = True, round_bytes: int | None = None):
         self.comm = comm
         self.transport = tp.check_transport(transport)
+        #: two-phase: each phase's all-to-all in rounds of at most this many bytes per message
+        #: (None: whole messages); see :func:`gradzip.twophase.rounds`
+        self.round_bytes = tp.check_round_bytes(round_bytes)
         # False: "auto" stays exact (a method that reads the packets, e.g. DGC's selection)
         self.allow_twophase = bool(allow_twophase)
         if transport == "twophase" and not allow_twophase:
@@ -547,7 +550,8 @@ def _two_phase_start(psync: PSync, tensors, positions, keys, step, residuals) ->
         bucket.sizes = [sum(nbytes[layout.first[j]:layout.first[j + 1]]) for j in range(n)]
         bucket.payload = sum(bucket.sizes)
         messages = list(torch.split(bucket.sent.wire, bucket.sizes))
-        bucket.work = comm.all_to_all(messages, [bucket.sizes[rank]] * n, async_op=True)
+        bucket.work = comm.all_to_all(messages, [bucket.sizes[rank]] * n, async_op=True,
+                                      rounds=tp.rounds(bucket.sizes, bucket.sent.wire, psync.round_bytes))
         psync.bytes_sent += bucket.work.nbytes
     return buckets
 
@@ -577,7 +581,8 @@ def _two_phase_finish(psync: PSync, bucket: _TwoPhaseBucket, out: list, errors: 
         errors[(key, rank)] = e[a:b]
     compressed = time.perf_counter()
     psync._add_compress(compressed - decoding)
-    work = comm.all_to_all([back.wire] * n, bucket.sizes, async_op=True)
+    work = comm.all_to_all([back.wire] * n, bucket.sizes, async_op=True,
+                           rounds=tp.rounds(bucket.sizes, back.wire, psync.round_bytes))
     psync.bytes_sent += work.nbytes
     sent += work.nbytes
     gathered = work.wait()

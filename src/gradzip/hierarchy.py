@@ -95,8 +95,9 @@ class HierarchicalPSync(PSync):
 
     def __init__(self, comm: Group, compressor="none", *, workers_per_node, seed: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_finite: bool = False, intra: str = "fp32",
-                 transport: str = "auto", allow_twophase: bool = True):
-        super().__init__(comm, compressor, seed=seed, bucket_bytes=bucket_bytes, check_finite=check_finite)
+                 transport: str = "auto", allow_twophase: bool = True, round_bytes: int | None = None):
+        super().__init__(comm, compressor, seed=seed, bucket_bytes=bucket_bytes, check_finite=check_finite,
+                         round_bytes=round_bytes)
         n = comm.world_size
         k = check_workers_per_node(workers_per_node, n)
         if intra not in INTRA_DTYPES:
@@ -108,7 +109,8 @@ class HierarchicalPSync(PSync):
         self.cross_comm = comm.split([[m * k + j for m in range(nodes)] for j in range(k)])
         # the exchange across nodes: any transport (its two-phase server errors are this one's state)
         self.inner = PSync(self.cross_comm, self.compressor, seed=seed, bucket_bytes=bucket_bytes,
-                           check_finite=check_finite, transport=transport, allow_twophase=allow_twophase)
+                           check_finite=check_finite, transport=transport, allow_twophase=allow_twophase,
+                           round_bytes=round_bytes)
         self.server_errors = self.inner.server_errors
 
     def plan(self, tensors):

@@ -20,7 +20,11 @@ no sizes travel. Local work: each stage (compress, aggregate + recompress, decod
 codec call per bucket over all its slices (:class:`Layout`,
 :meth:`~gradzip.compressors.Compressor.compress_slices`), the same bits as a call per slice.
 Bytes per worker: ``Σ_{j≠i} |c_ij| + (n−1)·|ĉ_i|`` ≈ 2(n−1)/n × packet
-(:func:`wire_bytes`).
+(:func:`wire_bytes`). With PSync's ``round_bytes`` each of the two all-to-alls is sent in
+rounds of at most that many bytes per message (:func:`rounds`): the same bytes and numbers,
+more calls; on links that several exchanges share (the exchanges of a node's workers
+behind its uplink) whole messages left the link idle a third of the time
+(docs/benchmarks.md, "Two-phase across nodes: what the uplink runs say").
 
 Seeds: phase 1 slice ``j`` uses ``mix(seed of (step, key) as for the exact transports, j)``
 (so shared randomness stays shared per slice), the second compression of slice ``j`` (done
@@ -53,6 +57,7 @@ from . import seeds
 from .comm import allgather_wire_bytes, allreduce_wire_bytes
 from .compressors import Compressor, Packet
 from .errors import GradzipError
+from .validation import is_int
 
 TRANSPORTS = ("auto", "allreduce", "allgather", "twophase")
 
@@ -65,6 +70,24 @@ def check_transport(transport, where: str = "PSync") -> str:
     if transport not in TRANSPORTS:
         raise GradzipError(f"{where}: transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
     return transport
+
+
+def check_round_bytes(round_bytes, where: str = "PSync") -> int | None:
+    """``round_bytes`` checked: None, or an integer >= 1."""
+    if round_bytes is not None and (not is_int(round_bytes) or round_bytes < 1):
+        raise GradzipError(f"{where}: round_bytes must be None (whole messages) or an integer >= 1, "
+                           f"got {round_bytes!r}; e.g. 131072 for rounds of 128 KiB")
+    return None if round_bytes is None else int(round_bytes)
+
+
+def rounds(sizes: Sequence[int], wire: torch.Tensor, round_bytes: int | None) -> int:
+    """How many rounds a phase's all-to-all takes (:meth:`gradzip.comm.Group.all_to_all`):
+    enough that no message exceeds ``round_bytes`` (``sizes``: the entries of ``wire``'s
+    dtype each slice's packets take; the same on every worker, so every worker takes the same
+    number); 1 for ``round_bytes`` None."""
+    if round_bytes is None or not sizes:
+        return 1
+    return max(1, -(-max(sizes) * wire.element_size() // round_bytes))
 
 
 def slice_bounds(d: int, n: int) -> list[tuple[int, int]]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .. import stragglers
-from ..twophase import TRANSPORTS as PSYNC_TRANSPORTS
+from ..twophase import TRANSPORTS as PSYNC_TRANSPORTS, check_round_bytes
 from ..errors import GradzipError
 from ..train.config import parse_algos
 from . import emulated, peers, tables, timeline
@@ -94,6 +94,9 @@ def add_net_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transports", default="auto",
                    help="run every gradzip method once per PSync transport, comma-separated: auto, allreduce, "
                         "allgather, twophase; rows other than auto are labelled METHOD[TRANSPORT] (default: %(default)s)")
+    p.add_argument("--round-bytes", type=int, default=None,
+                   help="two-phase: each all-to-all in rounds of at most this many bytes per message "
+                        "(default: whole messages)")
     p.add_argument("--out", default="runs/bench-net", help="results.json and logs (default: %(default)s)")
     p.add_argument("--from", dest="from_results", metavar="RESULTS",
                    help="run nothing: print the tables of an earlier results.json")
@@ -112,6 +115,7 @@ def net_bench(args) -> emulated.NetBench:
         if args.workers_per_node < 1 or n % args.workers_per_node:
             raise GradzipError(f"--workers-per-node {args.workers_per_node} must be >= 1 and divide every "
                                f"--workers count, got {n}")
+    check_round_bytes(args.round_bytes, "--round-bytes")
     algos = parse_algos(args.algos, also=(peers.PEER,))
     transports = [t.strip().lower() for t in args.transports.split(",") if t.strip()]
     for t in transports or [""]:
@@ -124,7 +128,7 @@ def net_bench(args) -> emulated.NetBench:
                              latencies=latencies, algos=algos, model=args.model, shape=args.shape,
                              batch_size=args.batch_size, steps=args.steps, warmup=args.warmup, threads=args.threads,
                              check_mb=args.check_mb, out=args.out, workers_per_node=args.workers_per_node,
-                             transports=list(dict.fromkeys(transports)),
+                             transports=list(dict.fromkeys(transports)), round_bytes=args.round_bytes,
                              straggler=stragglers.canonical(args.straggler))
 
 

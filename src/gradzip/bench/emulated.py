@@ -254,6 +254,7 @@ class NetBench:
     straggler: str | None = None   # gradzip.stragglers spec: delays injected in every run
     workers_per_node: int = 1   # > 1: k workers per node behind one shaped uplink; methods exchange hierarchically
     transports: list[str] = dataclasses.field(default_factory=lambda: ["auto"])   # every method once per transport
+    round_bytes: int | None = None   # two-phase all-to-alls in rounds of at most this many bytes per message
 
     def configs(self, n: int) -> list[dict[str, Any]]:
         total = self.warmup + self.steps
@@ -271,7 +272,7 @@ class NetBench:
                 cfg = RunConfig(algo=algo, options=options, label=transport_label(method_label(algo, codec), transport),
                                 dataset=dataset, model=self.model, epochs=1, batch_size=self.batch_size,
                                 lr=0.01, seed=self.seed, trace=True, eval_on="local", progress=False,
-                                straggler=self.straggler, transport=transport,
+                                straggler=self.straggler, transport=transport, round_bytes=self.round_bytes,
                                 workers_per_node=self.workers_per_node if self.workers_per_node > 1 else None)
                 cfgs.append(dataclasses.asdict(cfg))
         return cfgs

@@ -180,12 +180,21 @@ class Group(abc.ABC):
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
 
     # -- all-to-all (the two-phase transport's exchange) --------------------------------
-    def all_to_all(self, tensors, recv_sizes=None, async_op: bool = False):
+    def all_to_all(self, tensors, recv_sizes=None, async_op: bool = False, rounds: int = 1):
         """Send ``tensors[j]`` (1-D, one dtype, any length) to worker ``j``; the result is the
         list of the ``n`` tensors received, ``[i]`` from worker ``i`` (``[rank]``: this worker's
         own, a copy). ``recv_sizes[i]``: how many elements worker ``i`` sends here; None: the
         workers first exchange their sizes (one int64 per peer, counted). Bytes counted: the
-        messages to the other workers (:func:`all_to_all_wire_bytes`)."""
+        messages to the other workers (:func:`all_to_all_wire_bytes`).
+
+        ``rounds`` > 1: the same exchange as that many all-to-alls, round ``r`` carrying
+        entries ``[L·r/R, L·(r+1)/R)`` of every message of ``L`` entries, issued at once and
+        put back together (the same result and bytes). Every worker must pass the same
+        ``rounds``. On links that several exchanges share, rounds keep the directions of an
+        exchange within a round of each other (docs/benchmarks.md, "Two-phase across nodes:
+        what the uplink runs say"); each round costs a call."""
+        if not is_int(rounds) or rounds < 1:
+            raise GradzipError(f"all_to_all: rounds must be an integer >= 1, got {rounds!r}")
         n = self.world_size
         tensors = [t.reshape(-1) for t in tensors]
         if len(tensors) != n or len({t.dtype for t in tensors}) > 1:
@@ -202,8 +211,27 @@ class Group(abc.ABC):
             work = Work.completed([tensors[0].clone()], 0)
         else:
             self.bytes_sent += nbytes
-            work = self._all_to_all(tensors, recv_sizes, nbytes)
+            work = (self._all_to_all(tensors, recv_sizes, nbytes) if rounds == 1
+                    else self._all_to_all_rounds(tensors, recv_sizes, nbytes, int(rounds)))
         return work if async_op else work.wait()
+
+    def _all_to_all_rounds(self, tensors: list[torch.Tensor], recv_sizes: list[int], nbytes: int,
+                           rounds: int) -> Work:
+        """:meth:`all_to_all` in ``rounds`` calls of :meth:`_all_to_all`, launched in order."""
+        def piece(length: int, r: int) -> tuple[int, int]:
+            return length * r // rounds, length * (r + 1) // rounds
+
+        works = []
+        for r in range(rounds):
+            sent = [t[slice(*piece(t.numel(), r))] for t in tensors]
+            sizes = [b - a for a, b in (piece(size, r) for size in recv_sizes)]
+            works.append(self._all_to_all(sent, sizes, 0))
+
+        def wait():
+            parts = [work.wait() for work in works]
+            return [torch.cat([part[i] for part in parts]) for i in range(len(recv_sizes))]
+
+        return Work(wait, nbytes)
 
     def _all_to_all(self, tensors: list[torch.Tensor], recv_sizes: list[int], nbytes: int) -> Work:
         raise NotImplementedError(f"{type(self).__name__} has no all_to_all")

@@ -51,7 +51,7 @@ from .. import consistency
 from ..double_sync import refuse_ddp_double_sync
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync
-from ..twophase import check_transport
+from ..twophase import check_round_bytes, check_transport
 from ..hierarchy import check_workers_per_node
 from ..nonfinite import NONFINITE_POLICIES
 from ..replicas import parameter_digest
@@ -90,7 +90,8 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
     def __init__(self, params: Iterable, lr: float, *, comm: "comm_lib.Group | None" = None,
                  momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
-                 transport: str = "auto", hierarchy: "int | str | None" = None, **options: Any):
+                 transport: str = "auto", hierarchy: "int | str | None" = None, round_bytes: int | None = None,
+                 **options: Any):
         name = type(self).__name__
         require(nonfinite in NONFINITE_POLICIES, name,
                 f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
@@ -99,6 +100,7 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
                 f"bucket_bytes must be an integer >= 1, got {bucket_bytes!r}")
         require(is_int(seed), name, f"seed must be an integer, got {seed!r}")
         check_transport(transport, name)
+        check_round_bytes(round_bytes, name)
         require(transport != "twophase" or not self.reads_packets, name,
                 "transport='twophase' is not available: this method reads the whole-tensor packets of its "
                 "exchange; use transport='auto', 'allreduce' or 'allgather'")
@@ -110,6 +112,9 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
         self.bucket_bytes = int(bucket_bytes)
         self.nonfinite = nonfinite
         self.transport = transport
+        #: two-phase: each all-to-all in rounds of at most this many bytes per message (None:
+        #: whole messages; PSync's round_bytes); an int joins the settings compared across workers
+        self.round_bytes = round_bytes
         try:   # k workers per node: every exchange hierarchical (gradzip.hierarchy); 1 = flat PSync
             self._hierarchy = check_workers_per_node(hierarchy, self.comm.world_size)
         except GradzipError as exc:

@@ -47,7 +47,7 @@ class Compressed(GradientExchange):
     def __init__(self, inner: torch.optim.Optimizer, *, compressor: "str | Compressor" = "none",
                  error_feedback: bool | None = None, comm=None, seed: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise", overlap_backward: bool = True,
-                 transport: str = "auto", hierarchy: "int | str | None" = None):
+                 transport: str = "auto", hierarchy: "int | str | None" = None, round_bytes: int | None = None):
         name = type(self).__name__
         if not isinstance(inner, torch.optim.Optimizer) or isinstance(inner, DistributedOptimizer):
             raise GradzipError(
@@ -65,7 +65,8 @@ class Compressed(GradientExchange):
         params = [p for g in inner.param_groups for p in g["params"]]
         require(len(params) > 0, name, "the inner optimizer has no parameters")
         super().__init__(params, 0.0, comm=comm, seed=seed, bucket_bytes=bucket_bytes, nonfinite=nonfinite,
-                         overlap_backward=overlap_backward, transport=transport, hierarchy=hierarchy)
+                         overlap_backward=overlap_backward, transport=transport, hierarchy=hierarchy,
+                         round_bytes=round_bytes)
         self.param_groups = inner.param_groups   # one list: schedulers act on the inner's groups
         self.defaults = inner.defaults
         self.inner = inner

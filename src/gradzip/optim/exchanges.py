@@ -37,7 +37,7 @@ class ExchangeOwner:
         applies to its exchange across nodes)."""
         common = dict(seed=seeds.exchange_seed(self.seed, salt), bucket_bytes=self.bucket_bytes,
                       check_finite=self.nonfinite != "off", transport=transport or self.transport,
-                      allow_twophase=not self.reads_packets)
+                      allow_twophase=not self.reads_packets, round_bytes=self.round_bytes)
         if self._hierarchy > 1:
             psync = HierarchicalPSync(comm or self.comm, compressor, workers_per_node=self._hierarchy, **common)
         else:

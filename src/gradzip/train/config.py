@@ -86,6 +86,7 @@ class RunConfig:
     amp: str = "none"             # autocast precision: "none", "bf16", or "fp16" (with GradScaler)
     transport: str = "auto"       # PSync transport: auto, allreduce, allgather, twophase
     workers_per_node: int | None = None  # hierarchical exchange with k workers per node (None: flat)
+    round_bytes: int | None = None  # two-phase: each all-to-all in rounds of at most this many bytes per message
     checkpoint_dir: str | None = None   # write checkpoints here (per rank, atomically)
     checkpoint_every: int = 0     # steps between checkpoints; 0: at the end of every epoch
     resume: bool = False          # continue from the newest checkpoint in checkpoint_dir, if any
@@ -113,7 +114,8 @@ def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOpti
     return cls(params, lr=cfg.lr, comm=comm, momentum=cfg.momentum, nesterov=cfg.nesterov,
                weight_decay=cfg.weight_decay, seed=cfg.seed, nonfinite=cfg.nonfinite,
                **({"hierarchy": cfg.workers_per_node} if cfg.workers_per_node is not None else {}),
-               **({"transport": cfg.transport} if cfg.transport != "auto" else {}), **options)
+               **({"transport": cfg.transport} if cfg.transport != "auto" else {}),
+               **({"round_bytes": cfg.round_bytes} if cfg.round_bytes is not None else {}), **options)
 
 
 def check_large_batch(cfg: RunConfig) -> None:
