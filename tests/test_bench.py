@@ -474,3 +474,34 @@ def test_uplink_phases_times_every_pattern_on_two_nodes(capsys):
     assert [row.split("|")[2].strip() for row in rows] == ["allreduce", "2 phases", "2 phases / 3"]
     assert all(float(row.split("|")[3]) >= 0 for row in rows)
     assert uplink_phases.model_ms(3_159_060, 100e6) == pytest.approx(505.4, abs=0.1)
+
+
+_WIRE_WORKER = """
+import json, os, torch
+from pathlib import Path
+from gradzip.comm import init_from_env
+comm = init_from_env(timeout_s=60)
+tx = lambda: int(Path('/sys/class/net/gz0/statistics/tx_bytes').read_text())
+x = torch.randn(comm.world_size, 250_000)
+comm.reduce_scatter(x); comm.barrier()
+before, counted = tx(), comm.bytes_sent
+comm.reduce_scatter(x)
+comm.barrier()
+Path('{out}', 'rank{rank}.json').write_text(
+    json.dumps({'interface': tx() - before, 'counted': comm.bytes_sent - counted}))
+os._exit(0)
+"""
+
+
+@needs_root
+def test_reduce_scatter_puts_the_counted_bytes_on_the_wire(tmp_path):
+    """Group.reduce_scatter on gloo: the bytes that leave each worker's interface are the
+    ring's (n-1)/n of the tensor it counts, plus headers and the barrier (gloo's own
+    reduce_scatter_tensor sent an allreduce's 2(n-1)/n)."""
+    n = 4
+    with netns.Topology(n, None) as topo:
+        emulated.run_ranks(topo, _WIRE_WORKER.replace("{out}", str(tmp_path)), tmp_path, timeout_s=120, threads=1)
+    for r in range(n):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["counted"] >= (n - 1) * 250_000 * 4   # (n-1)/n of the 4 MB tensor, + the barrier's few bytes
+        assert got["counted"] <= got["interface"] <= 1.05 * got["counted"] + 20_000

@@ -43,6 +43,24 @@ def test_split_and_reduce_scatter_on_threads():
     assert out[0][6] == 2 * (1 * 24 // 2)   # two reduce-scatters of 24 bytes among 2: 12 each
 
 
+def reduce_scatter_worker(comm):
+    """reduce_scatter of a (3, 1001) float32 tensor (sum and mean) and the bytes counted."""
+    x = torch.randn(comm.world_size, 1001, generator=torch.Generator().manual_seed(comm.rank)) * 10 ** comm.rank
+    before = comm.bytes_sent
+    return comm.reduce_scatter(x), comm.reduce_scatter(x, mean=True), comm.bytes_sent - before
+
+
+def test_gloo_reduce_scatter_sums_in_rank_order_and_sends_ring_bytes():
+    """On gloo (3 processes) the rows a worker receives are summed in rank order, as the
+    in-process group sums them: the same bits where three terms of different magnitude make
+    the order matter; each worker sends (n-1)/n of the tensor (its other rows, once)."""
+    real = run_processes(3, reduce_scatter_worker)
+    threads = gradzip.simulate(3, reduce_scatter_worker)
+    for (s1, m1, b1), (s2, m2, b2) in zip(real, threads):
+        assert torch.equal(s1, s2) and torch.equal(m1, m2)
+        assert b1 == b2 == 2 * (2 * 1001 * 4)
+
+
 def test_bad_splits_and_shapes_are_refused():
     def work(comm):
         with pytest.raises(GradzipError, match="covering the group"):

@@ -110,6 +110,21 @@ class TorchGroup(Group):
             group=self.group, async_op=True), lambda: list(out.split(list(recv_sizes))), nbytes)
 
     def _reduce_scatter(self, tensor, nbytes):
+        if _gloo_carries(self.group, tensor.device):
+            # gloo's reduce-scatter is an allreduce: it sent 2(n-1)/n of the tensor (interface
+            # counters), twice a ring's. Row j goes to worker j instead, (n-1)/n, and each
+            # worker sums its rows in rank order, as the in-process group sums them.
+            rows = tensor.reshape(self.world_size, -1)
+            got = torch.empty_like(rows)
+
+            def total():
+                out = got[0].clone()
+                for row in got[1:]:
+                    out.add_(row)
+                return out.view(tensor.shape[1:])
+
+            return self._issue("reduce_scatter", lambda: dist.all_to_all_single(got, rows, group=self.group,
+                                                                                async_op=True), total, nbytes)
         out = tensor.new_empty(tensor.shape[1:])
         return self._issue("reduce_scatter",
                            lambda: _reduce_scatter_flat(out.view(-1), tensor.view(-1), group=self.group, async_op=True),
@@ -180,6 +195,15 @@ class TorchGroup(Group):
         if hb is not None:
             hb.announce("failed", message, verdict.lost)
         return PeerFailure(message, rank=me, lost=verdict.lost, collective=what)
+
+
+def _gloo_carries(group, device: torch.device) -> bool:
+    """Whether gloo moves ``device``'s tensors in ``group`` (backend ``gloo``, or
+    ``cpu:gloo,cuda:nccl`` for a CPU tensor)."""
+    backend = str(dist.get_backend(group))
+    if ":" not in backend:
+        return backend == "gloo"
+    return dict(part.split(":", 1) for part in backend.split(",")).get(device.type) == "gloo"
 
 
 def _global_rank(group, rank: int) -> int:
