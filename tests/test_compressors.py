@@ -228,7 +228,34 @@ def test_topk_exact(shape, ratio):
     keep = torch.zeros(d, dtype=torch.bool)
     keep[v.reshape(-1).abs().argsort(descending=True)[:k]] = True
     assert torch.equal(out.reshape(-1), torch.where(keep, v.reshape(-1), 0.0))
-    assert p.wire["indices"].dtype == torch.int32 and p.wire["values"].numel() == k
+    narrowest = torch.uint8 if d <= 256 else torch.uint16 if d <= 65536 else torch.int32
+    assert p.wire["indices"].dtype == narrowest and p.wire["values"].numel() == k
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "dgc:ratio=0.01"])
+@pytest.mark.parametrize("numel", [1, 256, 257, 65536, 65537])
+@pytest.mark.parametrize("mode", ["torch", "numba"])
+def test_sparse_index_width_boundaries(spec, numel, mode):
+    """Indices travel in the narrowest integer holding numel - 1 (uint8 up to 256 entries,
+    uint16 up to 65536, int32 above): the largest index of each width survives the wire
+    (raw bytes back to a packet), decoding and the aggregate, on both kernel paths."""
+    from gradzip import kernels
+    if mode == "numba" and not kernels.numba_available():
+        pytest.skip("numba not installed")
+    v = torch.zeros(numel)
+    v[0] = -3.0
+    v[-1] = 5.0          # the last entry, index numel - 1; k >= 2 keeps both wherever numel > 1
+    c = build(spec)
+    with kernels.use(mode):
+        p = c.compress(v)
+        width = 1 if numel <= 256 else 2 if numel <= 65536 else 4
+        assert p.wire["indices"].element_size() == width and p.nbytes == c.wire_nbytes((numel,))
+        back = p.from_raw(torch.cat(p.raw()))
+        out = torch.full((numel,), 7.0)
+        dense = c.decompress(back, out=out)
+        mean = c.aggregate([back, p])
+    assert dense is out and torch.equal(dense, v)
+    assert torch.equal(mean, v)
 
 
 @pytest.mark.parametrize("chunk", [None, 4096])
@@ -347,12 +374,13 @@ def expected_nbytes(spec: str, shape) -> int:
         return math.ceil(d * math.ceil(math.log2(2 * c.levels + 1)) / 8) + 4
     if name == "terngrad":
         return math.ceil(d / 4) + 4
+    index_bytes = 1 if d <= 256 else 2 if d <= 65536 else 4   # the narrowest that holds d - 1
     if name == "topk":
-        return 8 * keep_count(c.ratio, d)
+        return (4 + index_bytes) * keep_count(c.ratio, d)
     if name in ("randomk",) or (name == "randblock" and c.ratio is not None):
         return 4 * keep_count(c.ratio, d)
     if name == "dgc":
-        return 8 * min(keep_count(c.ratio, d), d)
+        return (4 + index_bytes) * min(keep_count(c.ratio, d), d)
     if name == "powersgd":  # P = M Q (rows x r'), or dense when not worth compressing
         rows = shape[0] if shape else 1
         r = min(c.rank, rows, d // max(rows, 1))

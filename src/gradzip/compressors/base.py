@@ -8,7 +8,7 @@ block) set ``shared_randomness = True``; :mod:`gradzip.exchange` then passes the
 on every worker for the same step and tensor, and a rank-specific seed otherwise.
 
 A :class:`Packet` holds the real wire representation (``wire``: the tensors that would
-cross the network, e.g. bit-packed ``uint8`` codes, int32 indices) and ``meta``: what every
+cross the network, e.g. bit-packed ``uint8`` codes, sparse indices) and ``meta``: what every
 receiver knows or re-derives without it being sent (shape, dtype, shared indices).
 ``packet.nbytes`` counts only ``wire``.
 
@@ -120,6 +120,20 @@ def keep_count(ratio: float, numel: int) -> int:
     """``k = max(1, ceil(ratio * d))`` in float64 (float32 rounds differently; docs/algorithms.md
     §Layer-wise compression and k)."""
     return max(1, math.ceil(float(ratio) * numel))
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """The wire dtype of indices into a flat tensor of ``numel`` entries: the narrowest that
+    holds ``numel − 1``: ``uint8`` up to 256 entries, ``uint16`` up to 65536, ``int32`` above
+    (the sparse codecs' wire, docs/algorithms.md §codec: topk). Decided by the shape alone,
+    so a receiver lays out another worker's packet from its own."""
+    return torch.uint8 if numel <= 1 << 8 else torch.uint16 if numel <= 1 << 16 else torch.int32
+
+
+def wire_indices(packet: "Packet") -> torch.Tensor:
+    """A sparse packet's ``indices`` as int32 (what index ops and the kernels take): the wire
+    tensor itself where it is int32, a widened copy of a narrow one."""
+    return packet.wire["indices"].to(torch.int32)
 
 
 @dataclass(frozen=True)

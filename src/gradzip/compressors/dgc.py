@@ -19,8 +19,9 @@ small to sample (fewer than :data:`MIN_SAMPLE` sampled entries, or ``k > d/4``),
 top-k is used instead. So the selection always holds between ``0.8k`` and ``1.3k`` entries
 before the codec trims it to ``k``.
 
-Wire: exactly ``k`` float values + ``k`` int32 indices (``8k`` bytes, as ``topk``,
-the same on every worker so packets go through allgather without a size exchange). When
+Wire: exactly ``k`` float values + ``k`` indices in ``topk``'s index dtype (the narrowest
+integer that holds ``d − 1``: ``5k``, ``6k`` or ``8k`` bytes for float32, as ``topk``; the
+same on every worker so packets go through allgather without a size exchange). When
 more than ``k`` entries pass, the ``k`` largest of those candidates are kept (an exact
 top-k over at most ``1.3k`` values, as the reference does); when fewer pass, the slots
 left over are padding: index of the first selected entry, value 0, which adds nothing
@@ -45,7 +46,7 @@ from ..kernels import sparse as sparse_kernels
 from ..validation import is_real, require
 from . import _util
 from ._util import generator, scatter_mean
-from .base import Compressor, Packet, keep_count
+from .base import Compressor, Packet, index_dtype, keep_count, wire_indices
 from .sparsify import fits_out, fused_path, fused_scatter_mean, scatter_decode
 from .registry import register
 
@@ -162,7 +163,7 @@ class DGCCompressor(Compressor):
             pad = k - selected
             idx = torch.cat([idx, idx[:1].expand(pad) if selected else idx.new_zeros(pad)])
             values = torch.cat([values, values.new_zeros(pad)])
-        wire = {"values": values, "indices": idx.to(torch.int32)}
+        wire = {"values": values, "indices": idx.to(index_dtype(numel))}
         return Packet(wire, tensor.shape, tensor.dtype, meta={"selected": selected})
 
     def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
@@ -192,7 +193,7 @@ class DGCCompressor(Compressor):
             values = None if values is None else values.index_select(0, best)
         selected = idx.numel()
         wire_values = _util.wire_buffer(reuse, "values", k, flat.dtype)
-        wire_idx = _util.wire_buffer(reuse, "indices", k, torch.int32)
+        wire_idx = _util.wire_buffer(reuse, "indices", k, index_dtype(numel))
         if values is None:
             torch.index_select(flat, 0, idx, out=wire_values[:selected])
         else:
@@ -204,7 +205,7 @@ class DGCCompressor(Compressor):
         if residual is not None:
             if not copied:
                 residual.copy_(flat)
-            sparse_kernels.fix_residual(residual, flat, wire_idx[:selected], added=True)
+            sparse_kernels.fix_residual(residual, flat, idx.to(torch.int32), added=True)
         return Packet({"values": wire_values, "indices": wire_idx}, tensor.shape, tensor.dtype,
                       meta={"selected": selected})
 
@@ -213,14 +214,14 @@ class DGCCompressor(Compressor):
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """One dense buffer, every packet's values index-added, divided by n."""
-        fused = fused_scatter_mean(packets, lambda p: (p.wire["indices"], p.wire["values"]))
+        fused = fused_scatter_mean(packets, lambda p: (wire_indices(p), p.wire["values"]))
         if fused is not None:
             return fused
-        return scatter_mean(packets, lambda p: (p.wire["indices"].long(), p.wire["values"]), packets[0].numel)
+        return scatter_mean(packets, lambda p: (wire_indices(p), p.wire["values"]), packets[0].numel)
 
     def wire_nbytes(self, shape) -> int:
         numel = math.prod(shape)
-        return 8 * min(keep_count(self.ratio, numel), numel)
+        return (4 + index_dtype(numel).itemsize) * min(keep_count(self.ratio, numel), numel)
 
 
 def selected_indices(packet: Packet) -> torch.Tensor:

@@ -2,8 +2,10 @@
 §codec: randomk, §codec: randblock).
 
 * ``topk:ratio=ρ``: the ``k = max(1, ceil(ρd))`` entries of largest magnitude; wire = values
-  (the tensor's dtype) + int32 indices, ``8k`` bytes for float32. Does not sum (every
-  worker keeps other indices); its aggregate scatter-adds all packets into one buffer.
+  (the tensor's dtype) + indices in the narrowest integer that holds ``d − 1``
+  (:func:`~gradzip.compressors.base.index_dtype`: ``uint8`` for d ≤ 256, ``uint16`` for
+  d ≤ 65536, ``int32`` above), so ``5k``, ``6k`` or ``8k`` bytes for float32. Does not sum
+  (every worker keeps other indices); its aggregate scatter-adds all packets into one buffer.
 * ``randomk:ratio=ρ[,unbiased=true]``: k coordinates drawn from a generator seeded with the
   shared ``seed`` (same step and tensor -> same indices on every worker); values scaled by
   ``d/k`` only when ``unbiased``. Wire = the values only (``4k`` bytes): every worker
@@ -23,7 +25,7 @@
   means ``ratio=0.01``.
 
 Shared random choices come from a CPU generator (the same numbers on every device).
-Indices are int32 on the wire, so a tensor has fewer than 2**31 entries.
+Indices are at most int32 on the wire, so a tensor has fewer than 2**31 entries.
 
 Fused path (CPU, float32 / float16 / bfloat16, unless ``GRADZIP_KERNELS=torch``;
 gradzip/kernels/sparse.py): ``topk``'s candidate scan is one numba pass that also copies
@@ -47,7 +49,7 @@ from ..kernels import sparse as sparse_kernels
 from ..validation import is_int, is_real, require
 from . import _util
 from ._util import sample_indices, scatter_mean, shared_generator
-from .base import Compressor, Packet, keep_count, deliver
+from .base import Compressor, Packet, deliver, index_dtype, keep_count, wire_indices
 from .registry import register
 
 
@@ -105,9 +107,9 @@ def scatter_decode(packet: Packet, out: torch.Tensor | None, added: bool) -> tor
     """The dense tensor of a (values, indices) packet: zeros with the values placed at their
     indices, each written once (``added=False``: top-k) or summed where indices repeat
     (``added=True``: DGC's padding); straight into ``out`` by the fused kernel where it can."""
-    values, indices = packet.wire["values"], packet.wire["indices"]
+    values, indices = packet.wire["values"], wire_indices(packet)
     if (out is not None and fused_path(out) and out.dtype == packet.dtype == values.dtype
-            and out.shape == packet.shape and out.is_contiguous() and indices.dtype == torch.int32
+            and out.shape == packet.shape and out.is_contiguous()
             and indices.is_contiguous() and values.is_contiguous()
             and sparse_kernels.place(out.view(-1), indices, values, added=added)):
         return out
@@ -141,7 +143,7 @@ class TopK(Compressor):
         flat = tensor.detach().reshape(-1)
         k = min(keep_count(self.ratio, flat.numel()), flat.numel())
         idx = topk_indices(flat, k)
-        wire = {"values": flat.index_select(0, idx), "indices": idx.to(torch.int32)}
+        wire = {"values": flat.index_select(0, idx), "indices": idx.to(index_dtype(flat.numel()))}
         return Packet(wire, tensor.shape, tensor.dtype)
 
     def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
@@ -163,7 +165,7 @@ class TopK(Compressor):
 
         idx, values = _topk_select(flat, k, scan)
         wire_values = _util.wire_buffer(reuse, "values", k, flat.dtype)
-        wire_idx = _util.wire_buffer(reuse, "indices", k, torch.int32)
+        wire_idx = _util.wire_buffer(reuse, "indices", k, index_dtype(flat.numel()))
         if values is None:
             torch.index_select(flat, 0, idx, out=wire_values)
         else:
@@ -172,7 +174,7 @@ class TopK(Compressor):
         if residual is not None:
             if not copied:
                 residual.copy_(flat)
-            sparse_kernels.fix_residual(residual, flat, wire_idx, added=False)
+            sparse_kernels.fix_residual(residual, flat, idx.to(torch.int32), added=False)
         return Packet({"values": wire_values, "indices": wire_idx}, tensor.shape, tensor.dtype)
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,10 +182,10 @@ class TopK(Compressor):
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """One dense buffer, every packet's values index-added, divided by n."""
-        fused = fused_scatter_mean(packets, lambda p: (p.wire["indices"], p.wire["values"]))
+        fused = fused_scatter_mean(packets, lambda p: (wire_indices(p), p.wire["values"]))
         if fused is not None:
             return fused
-        return scatter_mean(packets, lambda p: (p.wire["indices"], p.wire["values"]), packets[0].numel)
+        return scatter_mean(packets, lambda p: (wire_indices(p), p.wire["values"]), packets[0].numel)
 
 
 def fused_scatter_mean(packets: Sequence[Packet], items) -> torch.Tensor | None:

@@ -21,7 +21,7 @@ class DGC(GradientExchange):
         [g_i ← clip(g_i, clip_norm · n^-1/2)]          # local gradient clipping (option)
         u_i ← m·u_i + g_i;   v_i ← v_i + u_i           # momentum correction
         select = dgc_topk(v_i, density ρ_t)           # sampled threshold, [0.8k, k] entries
-        send (values, int32 indices) of v_i at select # allgather
+        send (values, indices) of v_i at select       # allgather
         u_i[select] = 0;  v_i[select] = 0             # momentum factor masking
         G = (Σ_j scatter(values_j, indices_j)) / n
         x ← x − η_t (G + wd·x)
