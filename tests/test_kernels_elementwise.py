@@ -240,3 +240,15 @@ def test_16_bit_inputs_take_the_fused_sign_encoder(spec, dtype, monkeypatch):
     with kernels.use("auto"):
         got = codec.compress(x)
     assert calls == [1] and same_packet(got, want)
+
+
+def test_pack_multipliers_place_every_code_pattern():
+    """PACK8 packs every pattern of eight 0/1 bytes, and PACK4 every pattern of four 2-bit
+    codes, exactly as the shift-and-or chain they replace (code 0 in the top bits)."""
+    import numpy as np
+    ones = np.array([[(p >> (7 - k)) & 1 for k in range(8)] for p in range(256)], np.uint8)
+    words = ones.view("<u8").reshape(-1)
+    assert ((words * ek.PACK8) >> ek.TOP8).tolist() == list(range(256))
+    codes = np.array([[(p >> (6 - 2 * k)) & 3 for k in range(4)] for p in range(256)], np.uint8)
+    words = codes.view("<u4").reshape(-1)
+    assert ((words * ek.PACK4) >> ek.TOP4).tolist() == list(range(256))

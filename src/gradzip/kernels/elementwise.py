@@ -33,6 +33,18 @@ from . import njit
 _BLOCK = 1024  # a multiple of 8
 BLOCK = _BLOCK
 
+#: One multiply packs a little-endian word of eight 0/1 bytes (byte k = code k, at bit 8k)
+#: into its top byte, code 0 in the top bit: ``PACK8`` = Σ 2^(63 − 9k) moves code k to bit
+#: 63 − k; every other product is a distinct power of two outside bits 56–63 (below them,
+#: or past bit 63 and dropped), so nothing carries in. :data:`PACK4` = Σ 2^(30 − 10k) does
+#: the same for four 2-bit codes (0..3) of a 32-bit word: code k to bits 30 − 2k and 31 − 2k,
+#: the other products on disjoint bit pairs below bit 22 or dropped. ~25% faster than the
+#: shift-and-or chains they replace, in AVX2 and in AVX-512 code (tests/test_kernels_elementwise.py).
+PACK8 = np.uint64(0x8040201008040201)
+PACK4 = np.uint32(0x40100401)
+TOP8 = np.uint64(56)
+TOP4 = np.uint32(24)
+
 
 def sign_encode(x, out):
     """``out`` (uint8, ceil(n/8)) = packed bits of ``x >= 0`` (:func:`sign_encode_l1` without
@@ -56,11 +68,7 @@ def sign_encode_bits(x, inf, out):
             v = blk[k]
             tmp[k] = (v <= inf) | (v == 0x8000)
         for i in range(_BLOCK // 8):  # eight 0/1 bytes of a little-endian word -> one byte
-            u = words[i]
-            b = u & 1
-            for j in range(1, 8):
-                b = (b << 1) | ((u >> (8 * j)) & 1)
-            out[s // 8 + i] = b
+            out[s // 8 + i] = (words[i] * PACK8) >> TOP8
     for k in range(blocked, n):   # the entries after the last whole block, code by code
         v = x[k]
         bit = np.uint8((v <= inf) | (v == 0x8000))
@@ -128,8 +136,7 @@ def twobit_encode_many(x, starts, stops, t, table, packed, offsets, residual, wi
                     res[s + k] = v - (plus if ge else (minus if le else zero))
                     tmp[k] = 3 * ge + 2 * le
                 for i in range(_BLOCK // 4):  # four codes, the bytes of a little-endian word -> one byte
-                    u = words[i]
-                    out[s // 4 + i] = ((u & 3) << 6) | (((u >> 8) & 3) << 4) | (((u >> 16) & 3) << 2) | ((u >> 24) & 3)
+                    out[s // 4 + i] = (words[i] * PACK4) >> TOP4
             for k in range(blocked, n):
                 v = x_[k]
                 res[k] = v - (plus if v >= t else (minus if v <= mt else zero))
@@ -139,8 +146,7 @@ def twobit_encode_many(x, starts, stops, t, table, packed, offsets, residual, wi
                     v = x_[s + k]
                     tmp[k] = 3 * (v >= t) + 2 * (v <= mt)
                 for i in range(_BLOCK // 4):  # four codes, the bytes of a little-endian word -> one byte
-                    u = words[i]
-                    out[s // 4 + i] = ((u & 3) << 6) | (((u >> 8) & 3) << 4) | (((u >> 16) & 3) << 2) | ((u >> 24) & 3)
+                    out[s // 4 + i] = (words[i] * PACK4) >> TOP4
         full = n // 4  # the entries after the last whole block, code by code
         for i in range(blocked // 4, full):
             b = 0
@@ -233,27 +239,24 @@ def sign_encode_many(x, starts, stops, packed, offsets, partials, sums, tables, 
         neg, pos = tables[m if with_residual else 0, 0], tables[m if with_residual else 0, 1]
         n = x_.size
         blocked = n // _BLOCK * _BLOCK
-        for s in range(0, blocked, _BLOCK):
+        # one block loop per mode (sums and residual never come together): a loop that tests
+        # the mode inside ran ~30% (bits) to ~45% (bits + sums) slower
+        mode = 2 if with_residual else (1 if sums else 0)
+        for s in range(0, blocked if mode == 0 else 0, _BLOCK):   # the bits
             blk = x_[s:s + _BLOCK]
-            if with_residual:
-                for k in range(_BLOCK):
-                    v = blk[k]
-                    ge = v >= 0
-                    res[s + k] = v - (pos if ge else neg)
-                    tmp[k] = ge
-            else:
-                for k in range(_BLOCK):
-                    tmp[k] = blk[k] >= 0
-            if sums:
-                for k in range(_BLOCK):
-                    acc[k] += abs(np.float64(blk[k]))
+            for k in range(_BLOCK):
+                tmp[k] = blk[k] >= 0
             for i in range(_BLOCK // 8):  # eight 0/1 bytes of a little-endian word -> one byte
-                u = words[i]
-                b = u & 1
-                for j in range(1, 8):
-                    b = (b << 1) | ((u >> (8 * j)) & 1)
-                out[s // 8 + i] = b
-            if sums and (s // _BLOCK) % ROWS == ROWS - 1:   # the last row of an ℓ1 block
+                out[s // 8 + i] = (words[i] * PACK8) >> TOP8
+        for s in range(0, blocked if mode == 1 else 0, _BLOCK):   # the bits and the ℓ1 lanes
+            blk = x_[s:s + _BLOCK]
+            for k in range(_BLOCK):
+                v = blk[k]
+                tmp[k] = v >= 0
+                acc[k] += abs(np.float64(v))
+            for i in range(_BLOCK // 8):
+                out[s // 8 + i] = (words[i] * PACK8) >> TOP8
+            if (s // _BLOCK) % ROWS == ROWS - 1:   # the last row of an ℓ1 block
                 h = _BLOCK // 2
                 while h:
                     for k in range(h):
@@ -261,6 +264,15 @@ def sign_encode_many(x, starts, stops, packed, offsets, partials, sums, tables, 
                     h //= 2
                 partials[s // L1_BLOCK] = acc[0]
                 acc[:] = 0.0
+        for s in range(0, blocked if mode == 2 else 0, _BLOCK):   # the bits and the residual
+            blk = x_[s:s + _BLOCK]
+            for k in range(_BLOCK):
+                v = blk[k]
+                ge = v >= 0
+                res[s + k] = v - (pos if ge else neg)
+                tmp[k] = ge
+            for i in range(_BLOCK // 8):
+                out[s // 8 + i] = (words[i] * PACK8) >> TOP8
         if with_residual:
             for k in range(blocked, n):
                 v = x_[k]

@@ -27,6 +27,7 @@ import torch
 from . import array
 from . import decode_target as _decode_target
 from . import elementwise as ek
+from .elementwise import PACK4, PACK8, TOP4, TOP8
 from . import njit as _njit
 from . import counter_rng
 
@@ -298,11 +299,7 @@ def _pack1(codes, m, packed, at):
     full = m // 8
     out = packed[at:at + full]
     for g in range(full):
-        u = words[g]
-        y = u & np.uint64(1)
-        for j in range(1, 8):
-            y = (y << np.uint64(1)) | ((u >> np.uint64(8 * j)) & np.uint64(1))
-        out[g] = np.uint8(y)
+        out[g] = np.uint8((words[g] * PACK8) >> TOP8)
     rest = m - 8 * full
     if rest:  # the last, partial byte: codes past m are 0
         y = 0
@@ -416,9 +413,7 @@ def _pack2(codes, m, packed, at):
     full = m // 4
     out = packed[at:at + full]
     for k in range(full):
-        x = words[k]
-        out[k] = np.uint8(((x & np.uint32(3)) << np.uint32(6)) | ((x >> np.uint32(4)) & np.uint32(0x30))
-                          | ((x >> np.uint32(14)) & np.uint32(0xC)) | (x >> np.uint32(24)))
+        out[k] = np.uint8((words[k] * PACK4) >> TOP4)
     rest = m - 4 * full
     if rest:  # the last, partial byte: codes past m are 0
         y = 0
