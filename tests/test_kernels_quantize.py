@@ -456,7 +456,8 @@ def test_kernel_packing_is_bitpack_layout(bits):
     else:
         codec = build(f"qsgd:levels={levels}")
         assert codec.bits == bits
-    for n in (1, 7, 8, 9, 63, 64, 65, quantize.PIECE - 1, quantize.PIECE, quantize.PIECE + 9, 2 * quantize.PIECE + 71):
+    piece = quantize.PIECE if levels else quantize.ONEBIT_PIECE
+    for n in (1, 7, 8, 9, 63, 64, 65, piece - 1, piece, piece + 9, 2 * piece + 71):
         x = sample((n,), seed=n)
         with kernels.use("numba"):
             packet = codec.compress(x, 2)

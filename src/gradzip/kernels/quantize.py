@@ -31,8 +31,14 @@ from .elementwise import PACK4, PACK8, TOP4, TOP8
 from . import njit as _njit
 from . import counter_rng
 
-#: Entries per piece (a multiple of 8: pieces pack to whole bytes).
-PIECE = 4096
+#: Entries per piece of the stochastic codecs (a multiple of 8: pieces pack to whole bytes).
+#: Their encode keeps four scratch arrays of a piece; at 4096 entries it ran 1.5–1.9× slower
+#: than at 1024 (16M entries, 1 thread, AVX2 and AVX-512 code alike: the uniforms and the
+#: codes then no longer overlap), which also serves their decoders.
+PIECE = 1024
+#: The same for 1bit's passes (two scratch arrays), which prefer longer pieces: at 1024 its
+#: encode ran ~1.4× slower at 1M entries than at 4096.
+ONEBIT_PIECE = 4096
 #: 1bit's column sums (docs/algorithms.md §codec: 1bit, "Summation order"): at least this
 #: many float64 lanes a line, and lines a block.
 LANES = 1024
@@ -87,31 +93,41 @@ def _qsgd_encode(v, scale, levels, bits, k0, k1, packed, residual, step):
     """QSGD codes ``s ± ξ`` (the sign of ``v``), ``ξ = min(⌊|v|·scale + u⌋, s)``, packed with
     ``bits`` bits into ``packed``; if ``residual`` has ``v``'s size, ``v − (code − s)·step``
     into it. ``|v|·scale + u`` is never negative, so ``⌊·⌋`` is a truncation to int32 (taken
-    after the ``min``, which keeps it in range)."""
+    after the ``min``, which keeps it in range). Two piece loops, as :func:`_terngrad_encode`."""
     n = v.size
-    want = residual.size == n
     codes = np.empty(PIECE, np.uint8)
     us = np.empty(PIECE, np.float32)
     idx = np.arange(PIECE).astype(np.uint32)
     merged = np.empty(PIECE // 8, np.uint64)
     sf = np.float32(levels)
-    for base in range(0, n, PIECE):
+    want = residual.size == n
+    for base in range(0, 0 if want else n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
         b32 = np.uint32(base)  # (< 2^32: the kernel runs on one counter block)
         for i in range(m):  # the counter-based uniforms (counter_rng), a loop of their own
             us[i] = _uniform(idx[i] + b32, k0, k1)  # 32-bit indices: ~30% faster than intp
         for i in range(m):
-            u = us[i]
             a = vb[i]
-            y = np.float32(abs(a) * scale) + u
+            y = np.float32(abs(a) * scale) + us[i]
             xi = np.float32(np.int32(y if y < sf else sf))  # ⌊·⌋ as an integer-valued float32
             codes[i] = np.uint8(np.int32(sf + xi if a >= 0 else sf - xi))  # exact: ≤ 254, float lanes
         _pack_words(codes, m, bits, packed, base // 8 * bits, merged)
-        if want:
-            rb = residual[base:base + m]
-            for i in range(m):
-                rb[i] = vb[i] - (np.float32(codes[i]) - sf) * step
+    for base in range(0, n if want else 0, PIECE):
+        m = min(PIECE, n - base)
+        vb = v[base:base + m]
+        b32 = np.uint32(base)
+        for i in range(m):
+            us[i] = _uniform(idx[i] + b32, k0, k1)
+        for i in range(m):
+            a = vb[i]
+            y = np.float32(abs(a) * scale) + us[i]
+            xi = np.float32(np.int32(y if y < sf else sf))
+            codes[i] = np.uint8(np.int32(sf + xi if a >= 0 else sf - xi))
+        _pack_words(codes, m, bits, packed, base // 8 * bits, merged)
+        rb = residual[base:base + m]
+        for i in range(m):
+            rb[i] = vb[i] - (np.float32(codes[i]) - sf) * step
 
 
 @njit
@@ -134,30 +150,41 @@ def _qsgd_decode(packed, count, levels, bits, step, out, add):
 @njit
 def _terngrad_encode(v, s, k0, k1, packed, residual):
     """TernGrad codes ``11`` (+s), ``10`` (−s) where ``u·s < |v|``, else ``00``, four a byte;
-    if ``residual`` has ``v``'s size, ``v − sign·s`` into it (sign of the code)."""
+    if ``residual`` has ``v``'s size, ``v − sign·s`` into it (sign of the code). Two piece
+    loops written out, without and with the residual: one loop with a residual branch ran
+    ~20% slower, and so did a shared inline helper for the codes."""
     n = v.size
-    want = residual.size == n
     codes = np.empty(PIECE, np.uint8)
     us = np.empty(PIECE, np.float32)
     idx = np.arange(PIECE).astype(np.uint32)
-    for base in range(0, n, PIECE):
+    want = residual.size == n
+    for base in range(0, 0 if want else n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
         b32 = np.uint32(base)  # (< 2^32: the kernel runs on one counter block)
         for i in range(m):  # the counter-based uniforms (counter_rng), a loop of their own
             us[i] = _uniform(idx[i] + b32, k0, k1)  # 32-bit indices: ~30% faster than intp
         for i in range(m):
-            u = us[i]
             a = vb[i]
-            keep = np.uint8(np.float32(u * s) < abs(a))
+            keep = np.uint8(np.float32(us[i] * s) < abs(a))
             codes[i] = (keep << np.uint8(1)) | (keep & np.uint8(a > 0))
         _pack2(codes, m, packed, base // 4)
-        if want:
-            rb = residual[base:base + m]
-            for i in range(m):
-                c = codes[i]
-                sign = np.float32(1.0) if c == 3 else (np.float32(-1.0) if c == 2 else np.float32(0.0))
-                rb[i] = vb[i] - sign * s
+    for base in range(0, n if want else 0, PIECE):
+        m = min(PIECE, n - base)
+        vb = v[base:base + m]
+        b32 = np.uint32(base)
+        for i in range(m):
+            us[i] = _uniform(idx[i] + b32, k0, k1)
+        for i in range(m):
+            a = vb[i]
+            keep = np.uint8(np.float32(us[i] * s) < abs(a))
+            codes[i] = (keep << np.uint8(1)) | (keep & np.uint8(a > 0))
+        _pack2(codes, m, packed, base // 4)
+        rb = residual[base:base + m]
+        for i in range(m):
+            c = codes[i]
+            sign = np.float32(1.0) if c == 3 else (np.float32(-1.0) if c == 2 else np.float32(0.0))
+            rb[i] = vb[i] - sign * s
 
 
 @njit
@@ -218,7 +245,7 @@ def _onebit_sums(v, cols, width, packed, nonneg, psums, nsums):
     to the columns (:func:`_fold_lanes`). Codes, counts and sums in one loop over a run of
     consecutive lanes (vectorised), then the piece is packed."""
     n = v.size
-    codes = np.empty(PIECE, np.uint8)
+    codes = np.empty(ONEBIT_PIECE, np.uint8)
     lanes_p = np.zeros(width, np.float32)
     lanes_n = np.zeros(width, np.float32)
     wide = np.empty(2 * width, np.float64)
@@ -227,8 +254,8 @@ def _onebit_sums(v, cols, width, packed, nonneg, psums, nsums):
     k = 0  # the lane of the next entry
     line = 0  # lines done in the current block
     b = 0  # the current block
-    for base in range(0, n, PIECE):
-        m = min(PIECE, n - base)
+    for base in range(0, n, ONEBIT_PIECE):
+        m = min(ONEBIT_PIECE, n - base)
         vb = v[base:base + m]
         i = 0
         while i < m:
@@ -348,10 +375,10 @@ def _onebit_decode(packed, cols, pos, neg, v, mode, out):
     ``out[j] + that`` (``v`` is ``out``). Both values are loaded before the choice, so it is
     a vector blend, not a branch on random bits."""
     n = out.size
-    codes = np.empty(PIECE, np.uint8)
+    codes = np.empty(ONEBIT_PIECE, np.uint8)
     c = 0  # the column of the piece's first entry
-    for base in range(0, n, PIECE):
-        m = min(PIECE, n - base)
+    for base in range(0, n, ONEBIT_PIECE):
+        m = min(ONEBIT_PIECE, n - base)
         _unpack1(packed, base // 8, m, codes)
         i = 0
         while i < m:  # one run of a row's columns at a time (the whole piece for one column)
