@@ -91,17 +91,17 @@ def njit(fn):
 @njit
 def _qsgd_encode(v, scale, levels, bits, k0, k1, packed, residual, step):
     """QSGD codes ``s ± ξ`` (the sign of ``v``), ``ξ = min(⌊|v|·scale + u⌋, s)``, packed with
-    ``bits`` bits into ``packed``; unless ``residual`` is None, ``v − (code − s)·step`` into
-    it. ``|v|·scale + u`` is never negative, so ``⌊·⌋`` is a truncation to int32 (taken
-    after the ``min``, which keeps it in range). numba compiles the two cases apart (a
-    None argument prunes its branch): a residual test inside the loop cost ~20%."""
+    ``bits`` bits into ``packed``; if ``residual`` has ``v``'s size, ``v − (code − s)·step``
+    into it. ``|v|·scale + u`` is never negative, so ``⌊·⌋`` is a truncation to int32 (taken
+    after the ``min``, which keeps it in range). Two piece loops, as :func:`_terngrad_encode`."""
     n = v.size
     codes = np.empty(PIECE, np.uint8)
     us = np.empty(PIECE, np.float32)
     idx = np.arange(PIECE).astype(np.uint32)
     merged = np.empty(PIECE // 8, np.uint64)
     sf = np.float32(levels)
-    for base in range(0, n, PIECE):
+    want = residual.size == n
+    for base in range(0, 0 if want else n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
         b32 = np.uint32(base)  # (< 2^32: the kernel runs on one counter block)
@@ -113,10 +113,21 @@ def _qsgd_encode(v, scale, levels, bits, k0, k1, packed, residual, step):
             xi = np.float32(np.int32(y if y < sf else sf))  # ⌊·⌋ as an integer-valued float32
             codes[i] = np.uint8(np.int32(sf + xi if a >= 0 else sf - xi))  # exact: ≤ 254, float lanes
         _pack_words(codes, m, bits, packed, base // 8 * bits, merged)
-        if residual is not None:
-            rb = residual[base:base + m]
-            for i in range(m):
-                rb[i] = vb[i] - (np.float32(codes[i]) - sf) * step
+    for base in range(0, n if want else 0, PIECE):
+        m = min(PIECE, n - base)
+        vb = v[base:base + m]
+        b32 = np.uint32(base)
+        for i in range(m):
+            us[i] = _uniform(idx[i] + b32, k0, k1)
+        for i in range(m):
+            a = vb[i]
+            y = np.float32(abs(a) * scale) + us[i]
+            xi = np.float32(np.int32(y if y < sf else sf))
+            codes[i] = np.uint8(np.int32(sf + xi if a >= 0 else sf - xi))
+        _pack_words(codes, m, bits, packed, base // 8 * bits, merged)
+        rb = residual[base:base + m]
+        for i in range(m):
+            rb[i] = vb[i] - (np.float32(codes[i]) - sf) * step
 
 
 @njit
@@ -139,13 +150,15 @@ def _qsgd_decode(packed, count, levels, bits, step, out, add):
 @njit
 def _terngrad_encode(v, s, k0, k1, packed, residual):
     """TernGrad codes ``11`` (+s), ``10`` (−s) where ``u·s < |v|``, else ``00``, four a byte;
-    unless ``residual`` is None, ``v − sign·s`` into it (sign of the code); the two cases
-    compiled apart, as :func:`_qsgd_encode`."""
+    if ``residual`` has ``v``'s size, ``v − sign·s`` into it (sign of the code). Two piece
+    loops written out, without and with the residual: one loop with a residual branch ran
+    ~20% slower, and so did a shared inline helper for the codes."""
     n = v.size
     codes = np.empty(PIECE, np.uint8)
     us = np.empty(PIECE, np.float32)
     idx = np.arange(PIECE).astype(np.uint32)
-    for base in range(0, n, PIECE):
+    want = residual.size == n
+    for base in range(0, 0 if want else n, PIECE):
         m = min(PIECE, n - base)
         vb = v[base:base + m]
         b32 = np.uint32(base)  # (< 2^32: the kernel runs on one counter block)
@@ -156,12 +169,22 @@ def _terngrad_encode(v, s, k0, k1, packed, residual):
             keep = np.uint8(np.float32(us[i] * s) < abs(a))
             codes[i] = (keep << np.uint8(1)) | (keep & np.uint8(a > 0))
         _pack2(codes, m, packed, base // 4)
-        if residual is not None:
-            rb = residual[base:base + m]
-            for i in range(m):
-                c = codes[i]
-                sign = np.float32(1.0) if c == 3 else (np.float32(-1.0) if c == 2 else np.float32(0.0))
-                rb[i] = vb[i] - sign * s
+    for base in range(0, n if want else 0, PIECE):
+        m = min(PIECE, n - base)
+        vb = v[base:base + m]
+        b32 = np.uint32(base)
+        for i in range(m):
+            us[i] = _uniform(idx[i] + b32, k0, k1)
+        for i in range(m):
+            a = vb[i]
+            keep = np.uint8(np.float32(us[i] * s) < abs(a))
+            codes[i] = (keep << np.uint8(1)) | (keep & np.uint8(a > 0))
+        _pack2(codes, m, packed, base // 4)
+        rb = residual[base:base + m]
+        for i in range(m):
+            c = codes[i]
+            sign = np.float32(1.0) if c == 3 else (np.float32(-1.0) if c == 2 else np.float32(0.0))
+            rb[i] = vb[i] - sign * s
 
 
 @njit
@@ -614,8 +637,10 @@ def _blocks(seed: int, numel: int):
 
 
 def _residual_arrays(residual: torch.Tensor | None):
-    """The residual's flat numpy view, or None (the kernels' "not asked")."""
-    return None if residual is None else array(residual.view(-1))
+    """The residual's flat numpy view, or an empty array (the kernels' "not asked")."""
+    if residual is None:
+        return np.empty(0, np.float32)
+    return array(residual.view(-1))
 
 
 def qsgd_encode(v: torch.Tensor, scale: float, levels: int, bits: int, seed: int,
@@ -625,7 +650,7 @@ def qsgd_encode(v: torch.Tensor, scale: float, levels: int, bits: int, seed: int
     values, out, res = array(v), array(packed), _residual_arrays(residual)
     for start, stop, k0, k1 in _blocks(seed, v.numel()):
         _qsgd_encode(values[start:stop], np.float32(scale), levels, bits, k0, k1,
-                     out[start // 8 * bits:], None if res is None else res[start:stop], np.float32(step))
+                     out[start // 8 * bits:], res[start:stop] if res.size else res, np.float32(step))
 
 
 def qsgd_decode(packed: torch.Tensor, levels: int, bits: int, step: float, out: torch.Tensor,
@@ -640,7 +665,7 @@ def terngrad_encode(v: torch.Tensor, s: float, seed: int, packed: torch.Tensor,
     values, out, res = array(v), array(packed), _residual_arrays(residual)
     for start, stop, k0, k1 in _blocks(seed, v.numel()):
         _terngrad_encode(values[start:stop], np.float32(s), k0, k1, out[start // 4:],
-                         None if res is None else res[start:stop])
+                         res[start:stop] if res.size else res)
 
 
 def terngrad_decode(packed: torch.Tensor, s: float, out: torch.Tensor, add: bool = False) -> None:
