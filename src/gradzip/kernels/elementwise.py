@@ -38,8 +38,9 @@ BLOCK = _BLOCK
 #: 63 − k; every other product is a distinct power of two outside bits 56–63 (below them,
 #: or past bit 63 and dropped), so nothing carries in. :data:`PACK4` = Σ 2^(30 − 10k) does
 #: the same for four 2-bit codes (0..3) of a 32-bit word: code k to bits 30 − 2k and 31 − 2k,
-#: the other products on disjoint bit pairs below bit 22 or dropped. ~25% faster than the
-#: shift-and-or chains they replace, in AVX2 and in AVX-512 code (tests/test_kernels_elementwise.py).
+#: the other products on disjoint bit pairs below bit 22 or dropped. Against the
+#: shift-and-or chains they replace: 25% off the sign packer's time, 5–20% off 2bit's, in
+#: AVX2 and in AVX-512 code (every pattern: tests/test_kernels_elementwise.py).
 PACK8 = np.uint64(0x8040201008040201)
 PACK4 = np.uint32(0x40100401)
 TOP8 = np.uint64(56)
