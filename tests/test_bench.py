@@ -152,6 +152,7 @@ def test_rates_parse():
 
 @pytest.mark.parametrize("args, message", [
     (["bench", "model", "--compute-ms", "-1", "--no-projection"], "--compute-ms must be"),
+    (["bench", "model", "--bucket-mb", "0", "--no-projection"], "--bucket-mb must be"),
     (["bench", "model", "--measured", "/nonexistent.json", "--no-projection"], "bench net"),
     (["bench", "net", "--bandwidth", "fast"], "bad bandwidth"),
     (["bench", "net", "--workers", "0"], "--workers must be"),

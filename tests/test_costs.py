@@ -139,6 +139,18 @@ def test_projection_reports_the_transport_each_method_uses():
         assert r["speedup"] == pytest.approx(base["iteration_s"] / r["iteration_s"])
 
 
+def test_projection_bucket_bytes_reach_the_methods():
+    """``bucket_bytes`` is every projected method's: S-SGD's two 8 KB gradients in one 1 MB
+    bucket are one exchange, in 4 KB buckets two, each paying its ring's 2(n-1) latencies."""
+    def ssgd(bucket_bytes):
+        row, = timeline.project([("ssgd", None)], [4], [8e6], 0.01, ALPHA, shapes=[(2048,), (2048,)], steps=1,
+                                bucket_bytes=bucket_bytes)
+        return row
+    one, two = ssgd(1 << 20), ssgd(4096)
+    assert one["wire_bytes_per_step"] == two["wire_bytes_per_step"]
+    assert two["communicate_s"] - one["communicate_s"] == pytest.approx(2 * 3 * ALPHA)
+
+
 def test_comm_cost_of_a_twophase_profile_counts_its_second_round_once():
     """A method profiled with transport="twophase" issues its second all-to-all while the
     exchange finishes, after PSync.start: those calls are the exchange's own, so pricing the

@@ -206,6 +206,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--intra-gbit", type=float, default=100.0,
                    help="projection with --workers-per-node > 1: link rate inside a node, Gbit/s "
                         "(default: %(default)s)")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="projection: every method's bucket_bytes in MB (as DDP's bucket_cap_mb; fewer, larger "
+                        "exchanges pay fewer per-message latencies but overlap less of backward; default: the "
+                        "methods' 4 MB)")
     p.add_argument("--no-projection", action="store_true", help="only the validation")
     p.add_argument("--out", default="runs/bench-model.json", help="predictions as JSON (default: %(default)s)")
 
@@ -236,9 +240,15 @@ def _check_model_args(args) -> None:
         raise GradzipError(f"--workers-per-node must be >= 1, got {args.workers_per_node}")
     if not args.intra_gbit > 0:
         raise GradzipError(f"--intra-gbit must be > 0, got {args.intra_gbit}")
+    if args.bucket_mb is not None and not (math.isfinite(args.bucket_mb) and _bucket_bytes(args.bucket_mb) >= 1):
+        raise GradzipError(f"--bucket-mb must be a finite number > 0, got {args.bucket_mb}; e.g. --bucket-mb 25")
     for t in _transports(args.transports):
         if t != "recorded" and t not in TRANSPORTS:
             raise GradzipError(f"unknown transport {t!r} in --transports; valid: recorded, {', '.join(TRANSPORTS)}")
+
+
+def _bucket_bytes(mb: float) -> int:
+    return int(mb * (1 << 20))
 
 
 def _transports(text: str) -> list[str]:
@@ -276,7 +286,8 @@ def run_model(args, command: str) -> dict[str, Any]:
         rows = timeline.project(algos, workers, bws, args.compute_ms / 1e3, alpha, args.codec_scale, shapes,
                                 log=_log, time_at_most=args.profile_max_workers, steps=args.profile_steps,
                                 transports=transports, hierarchy=args.workers_per_node,
-                                intra_bps=args.intra_gbit * 1e9, straggler=stragglers.parse(args.straggler))
+                                intra_bps=args.intra_gbit * 1e9, straggler=stragglers.parse(args.straggler),
+                                bucket_bytes=None if args.bucket_mb is None else _bucket_bytes(args.bucket_mb))
         result["projection"] = rows
         result["projection_settings"] = {"model": args.model, "parameters": sum(math.prod(s) for s in shapes),
                                          "compute_s": args.compute_ms / 1e3, "alpha_s": alpha,
@@ -285,6 +296,7 @@ def run_model(args, command: str) -> dict[str, Any]:
                                          "profile_steps": args.profile_steps,
                                          "transports": _transports(args.transports),
                                          "workers_per_node": args.workers_per_node,
+                                         "bucket_mb": args.bucket_mb,
                                          "intra_bps": args.intra_gbit * 1e9,
                                          "straggler": stragglers.canonical(args.straggler)}
         print("### Projection\n")

@@ -301,18 +301,22 @@ def project(algos: Sequence[tuple[str, str | None]], workers: Sequence[int], ban
             compute_s: float, alpha_s: float, codec_scale: float = 1.0, shapes=None, steps: int = 5,
             log: Callable[[str], None] | None = None, time_at_most: int | None = 8,
             transports: Sequence[str | None] = (None,), hierarchy: int = 1,
-            intra_bps: float | None = None, straggler: Straggler | None = None) -> list[dict[str, Any]]:
+            intra_bps: float | None = None, straggler: Straggler | None = None,
+            bucket_bytes: int | None = None) -> list[dict[str, Any]]:
     """Predicted iteration time of each method for every (workers, bandwidth, transport):
     ``transports`` None (the collectives as the method issues them today), ``exact``,
     ``twophase`` or ``auto`` (:func:`predict`); ``hierarchy`` k > 1 with ``intra_bps``
     links inside a node. Each row says which transports the method's exchanges took
     (``uses``); ``speedup`` is over the first method with the same transport. With a
-    ``straggler``, each iteration waits ``E[max of K delays]`` more (K = workers)."""
+    ``straggler``, each iteration waits ``E[max of K delays]`` more (K = workers);
+    ``bucket_bytes``: every method's (None: their default)."""
     shapes = shapes or resnet50_shapes()
     rows = []
     for n in workers:
         for algo, codec in algos:
             options = {"compressor": codec} if codec else {}
+            if bucket_bytes is not None:
+                options["bucket_bytes"] = bucket_bytes
             label = method_label(algo, codec)
             if log:
                 log(f"[bench model] profiling {label} for {n} workers ...")
