@@ -11,6 +11,12 @@ from gradzip.comm import allgather_wire_bytes, allreduce_wire_bytes
 _INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
+def sparse_index_dtype(numel: int) -> torch.dtype:
+    """The wire dtype the sparse codecs' indices must take for a tensor of ``numel`` entries,
+    stated here apart from the code: the narrowest integer holding ``numel - 1``."""
+    return torch.uint8 if numel <= 256 else torch.uint16 if numel <= 65536 else torch.int32
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bits (-0.0 and every payload compared exactly), except that any
     NaN matches any NaN at the same place: torch itself gives a NaN of another sign or payload

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from gradzip.compressors import Compressor, _util, build, keep_count, names
 from gradzip.errors import GradzipError
 
+from cases import sparse_index_dtype
+
 SHAPES = [(), (1,), (7,), (33,), (5, 3), (10, 9), (4, 3, 3, 3), (3, 1, 5)]
 EXTRA_SPECS = [
     "2bit:threshold=0.3",
@@ -228,8 +230,7 @@ def test_topk_exact(shape, ratio):
     keep = torch.zeros(d, dtype=torch.bool)
     keep[v.reshape(-1).abs().argsort(descending=True)[:k]] = True
     assert torch.equal(out.reshape(-1), torch.where(keep, v.reshape(-1), 0.0))
-    narrowest = torch.uint8 if d <= 256 else torch.uint16 if d <= 65536 else torch.int32
-    assert p.wire["indices"].dtype == narrowest and p.wire["values"].numel() == k
+    assert p.wire["indices"].dtype == sparse_index_dtype(d) and p.wire["values"].numel() == k
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.01", "dgc:ratio=0.01"])
@@ -248,8 +249,7 @@ def test_sparse_index_width_boundaries(spec, numel, mode):
     c = build(spec)
     with kernels.use(mode):
         p = c.compress(v)
-        width = 1 if numel <= 256 else 2 if numel <= 65536 else 4
-        assert p.wire["indices"].element_size() == width and p.nbytes == c.wire_nbytes((numel,))
+        assert p.wire["indices"].dtype == sparse_index_dtype(numel) and p.nbytes == c.wire_nbytes((numel,))
         back = p.from_raw(torch.cat(p.raw()))
         out = torch.full((numel,), 7.0)
         dense = c.decompress(back, out=out)
@@ -374,7 +374,7 @@ def expected_nbytes(spec: str, shape) -> int:
         return math.ceil(d * math.ceil(math.log2(2 * c.levels + 1)) / 8) + 4
     if name == "terngrad":
         return math.ceil(d / 4) + 4
-    index_bytes = 1 if d <= 256 else 2 if d <= 65536 else 4   # the narrowest that holds d - 1
+    index_bytes = sparse_index_dtype(d).itemsize
     if name == "topk":
         return (4 + index_bytes) * keep_count(c.ratio, d)
     if name in ("randomk",) or (name == "randblock" and c.ratio is not None):

@@ -42,8 +42,8 @@ def test_selection_lands_in_band_and_keeps_the_largest(dist, numel, ratio):
 
     codec = build(f"dgc:ratio={ratio}")
     packet = codec.compress(x.view(-1, 10), seed=3)
-    index = torch.uint8 if numel <= 256 else torch.uint16 if numel <= 65536 else torch.int32
-    assert packet.wire["indices"].dtype == index   # the narrowest that holds numel - 1
+    index = cases.sparse_index_dtype(numel)
+    assert packet.wire["indices"].dtype == index
     assert packet.nbytes == (4 + index.itemsize) * k == codec.wire_nbytes((numel // 10, 10))
     sel = selected_indices(packet)
     assert 0.8 * k <= sel.numel() <= k

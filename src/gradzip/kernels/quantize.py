@@ -13,8 +13,8 @@ write in-range codes.)
 
 The kernels work on flat numpy views (:func:`gradzip.kernels.array`) of contiguous float32
 tensors. Entry ``j`` of a kernel's slice has counter ``j`` (callers slice at counter-block
-boundaries, see ``counter_rng.BLOCK``). Work is done in pieces of :data:`PIECE` entries:
-codes first into a small scratch (a loop LLVM vectorises), then packed.
+boundaries, see ``counter_rng.BLOCK``). Work is done in pieces of :data:`PIECE` entries
+(1bit: :data:`ONEBIT_PIECE`): codes first into a small scratch (a loop LLVM vectorises), then packed.
 """
 from __future__ import annotations
 
@@ -319,7 +319,7 @@ def _fold_pairwise(acc, size, width):
 
 
 def _pack1(codes, m, packed, at):
-    """Pack the 1-bit ``codes[:m]`` (``codes`` a PIECE scratch) MSB-first into ``packed[at:]``
+    """Pack the 1-bit ``codes[:m]`` (``codes`` an ONEBIT_PIECE scratch) MSB-first into ``packed[at:]``
     (:mod:`gradzip.compressors.bitpack`'s layout): each byte from one little-endian 64-bit
     word of eight 0/1 codes (vectorised, as the sign encoder packs)."""
     words = codes.view(np.uint64)
