@@ -457,7 +457,7 @@ def test_kernel_packing_is_bitpack_layout(bits):
         codec = build(f"qsgd:levels={levels}")
         assert codec.bits == bits
     piece = quantize.PIECE if levels else quantize.ONEBIT_PIECE
-    for n in (1, 7, 8, 9, 63, 64, 65, piece - 1, piece, piece + 9, 2 * piece + 71):
+    for n in (1, 7, 8, 9, 15, 16, 17, 63, 64, 65, piece - 1, piece, piece + 9, 2 * piece + 71):
         x = sample((n,), seed=n)
         with kernels.use("numba"):
             packet = codec.compress(x, 2)
@@ -468,6 +468,30 @@ def test_kernel_packing_is_bitpack_layout(bits):
         with kernels.use("torch"):
             assert torch.equal(codec.compress(x, 2).wire["codes" if levels else "bits"], wire)
             assert torch.equal(codec.decompress(packet), decoded)
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_qsgd_kernels_take_unaligned_packet_buffers(offset):
+    """A packet may sit at any byte of a bucket's message (PSync's transports): the kernels,
+    which store and load the codes as 8-byte words, encode into and decode from a buffer at
+    an odd address the bits of an aligned one (sizes with and without a partial group)."""
+    codec = build("qsgd")
+    assert codec.bits == 6
+    for n in (16, 17, 1000, quantize.PIECE + 33):
+        x = sample((n,), seed=n)
+        with kernels.use("numba"):
+            packet = codec.compress(x, 5)
+            expect = codec.decompress(packet)
+        codes = packet.wire["codes"]
+        norm = packet.wire["norm"].item()
+        scale = np.float32(codec.levels) / np.float32(norm)
+        step = np.float32(norm) / np.float32(codec.levels)
+        moved = torch.zeros(codes.numel() + offset, dtype=torch.uint8)[offset:]
+        quantize.qsgd_encode(x, scale, codec.levels, 6, 5, moved, None, step)
+        assert torch.equal(moved, codes)
+        out = torch.empty(n)
+        quantize.qsgd_decode(moved, codec.levels, 6, step, out)
+        assert torch.equal(out, expect)
 
 
 def test_helpers_compile_once_even_when_threads_race(monkeypatch):
