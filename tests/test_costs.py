@@ -41,7 +41,8 @@ def test_twophase_bytes_by_hand():
     """Spec box: phase 1 sends slice j's packet to each peer j, phase 2 allgathers the
     recompressed slices. 2bit, d = 1000, n = 4: slices of 250 -> 63-byte packets:
     3·63 = 189 each phase (flat packet 250: 2·3/4·250 = 375 ≈ 378). topk 1%: ⌈2.5⌉ = 3
-    entries · (4 B value + 1 B uint8 index: a slice of 250 entries) = 15 per slice: 45 each phase. d = 10, n = 4 (slices 3,3,2,2), 2bit:
+    entries · (4 B value + 1 B uint8 index: a slice of 250 entries) = 15 per slice: 45
+    each phase. d = 10, n = 4 (slices 3,3,2,2), 2bit:
     packets 1,1,1,1 -> 3 and 3; fp32 'none' d = 10: 12,12,8,8: the busiest sender is
     worker 0 (longest slice): 12+8+8 = 28 to its peers, then its slice to each: 3·12 = 36
     (no padding; PSync's own count, gradzip.twophase.wire_bytes, agrees)."""
