@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from .. import stragglers
-from ..twophase import TRANSPORTS as PSYNC_TRANSPORTS, check_round_bytes
+from ..planner import TRANSPORTS as PSYNC_TRANSPORTS
+from ..twophase import check_round_bytes
 from ..errors import GradzipError
 from ..train.config import parse_algos
 from . import emulated, peers, tables, timeline

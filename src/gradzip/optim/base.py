@@ -51,7 +51,8 @@ from .. import consistency
 from ..double_sync import refuse_ddp_double_sync
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync
-from ..twophase import check_round_bytes, check_transport
+from ..planner import check_transport
+from ..twophase import check_round_bytes
 from ..hierarchy import check_workers_per_node
 from ..nonfinite import NONFINITE_POLICIES
 from ..replicas import parameter_digest
@@ -193,6 +194,8 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
         for i, psync in enumerate(self._exchanges):
             fields[f"exchange {i} codec"] = psync.compressor.spec
             fields[f"exchange {i} transport"] = plans[f"exchange {i}"]
+            if "twophase" in plans[f"exchange {i}"]:   # its buckets are part of the numbers
+                fields[f"exchange {i} buckets"] = self.exchange_plans()[f"exchange {i}"].layout()
         if self._hierarchy > 1:   # only then: settings (and checkpoints) of flat runs stay as they were
             fields["hierarchy"] = self._hierarchy
         fields["frozen parameters"] = [i for i, p in enumerate(self._all_params()) if not p.requires_grad]

@@ -65,26 +65,23 @@ from .base import DistributedOptimizer
 
 
 class _Plan:
-    """The fixed buckets over ``pairs`` (``(group, param)``, ``params_with_grad``'s order):
-    parameters in reverse order, up to ``bucket_bytes`` of parameter bytes per bucket."""
+    """The step's buckets over ``pairs`` (``(group, param)``, ``params_with_grad``'s order):
+    the exchange plan of the method's launching PSync (:meth:`GradientExchange.launch_psync`,
+    :func:`gradzip.exchange.plan`), its buckets as parameter lists in launch order (descending
+    key: reverse parameter order)."""
 
-    def __init__(self, pairs: list[tuple[dict, torch.Tensor]], bucket_bytes: int):
-        self.key = _plan_key(pairs, bucket_bytes)
+    def __init__(self, pairs: list[tuple[dict, torch.Tensor]], psync, keys: list[int]):
+        self.key = _plan_key(pairs, psync)
         self.group = {p: g for g, p in pairs}
-        self.buckets: list[list[torch.Tensor]] = []
-        size = 0
-        for _, p in reversed(pairs):
-            nbytes = p.numel() * p.element_size()
-            if not self.buckets or (size + nbytes > bucket_bytes and self.buckets[-1]):
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += nbytes
+        params = [p for _, p in pairs]
+        order, self.exchange = psync.exchange_plan(params, keys)
+        self.buckets: list[list[torch.Tensor]] = [[params[order[i]] for i in b.tensors]
+                                                  for b in self.exchange.buckets]
         self.where = {p: b for b, members in enumerate(self.buckets) for p in members}
 
 
-def _plan_key(pairs, bucket_bytes: int) -> tuple:
-    return (bucket_bytes, *((id(g), id(p)) for g, p in pairs))
+def _plan_key(pairs, psync) -> tuple:
+    return (id(psync), *((id(g), id(p)) for g, p in pairs))
 
 
 class _Run:
@@ -150,10 +147,15 @@ class GradientExchange(DistributedOptimizer):
         ``aggregates`` and ``residuals``)."""
         raise NotImplementedError
 
-    def start_bucket(self, members: list, inputs: list, step: int) -> list[tuple[list, Pending]]:
-        """Launch one bucket: ``(members, pending)`` per exchange started (default: one
-        ``self.psync.start`` over all members)."""
-        return [(members, self.psync.start(inputs, step, keys=self.keys(members), residual=self.exchange_residual))]
+    def launch_psync(self):
+        """The PSync whose plan cuts the step into buckets (default: ``self.psync``)."""
+        return self.psync
+
+    def start_bucket(self, members: list, inputs: list, step: int, plan) -> list[tuple[list, Pending]]:
+        """Launch one bucket (``plan``: its part of the exchange plan): ``(members, pending)``
+        per exchange started (default: one ``self.psync.start`` over all members)."""
+        return [(members, self.psync.start(inputs, step, keys=self.keys(members), residual=self.exchange_residual,
+                                           plan=plan))]
 
     def apply_bucket(self, pairs: list, pending: Pending, result) -> None:
         """Apply one exchange of a bucket (``pairs`` its members)."""
@@ -241,8 +243,8 @@ class GradientExchange(DistributedOptimizer):
         if self._run is None:
             self.verify_once()   # before the first collective of this optimizer
             pairs = self.participating()
-            if self._plan is None or self._plan.key != _plan_key(pairs, self.bucket_bytes):
-                self._plan = _Plan(pairs, self.bucket_bytes)
+            if self._plan is None or self._plan.key != _plan_key(pairs, self.launch_psync()):
+                self._plan = _Plan(pairs, self.launch_psync(), self.keys([p for _, p in pairs]))
             self._run = self._new_run()
         return self._run
 
@@ -262,8 +264,10 @@ class GradientExchange(DistributedOptimizer):
     def _launch_ready(self, run: _Run) -> None:
         buckets = run.plan.buckets
         while not run.poisoned and len(run.launched) < len(buckets) and run.missing[len(run.launched)] == 0:
-            members = buckets[len(run.launched)]
-            run.launched.append(self.start_bucket(members, [run.inputs[p] for p in members], run.step))
+            b = len(run.launched)
+            members = buckets[b]
+            run.launched.append(self.start_bucket(members, [run.inputs[p] for p in members], run.step,
+                                                  run.plan.exchange.select([b])))
 
     def _feed_rest(self, run: _Run) -> None:
         for members in run.plan.buckets:
