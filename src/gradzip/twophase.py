@@ -24,7 +24,8 @@ Bytes per worker: ``Σ_{j≠i} |c_ij| + (n−1)·|ĉ_i|`` ≈ 2(n−1)/n × pack
 rounds of at most that many bytes per message (:func:`rounds`): the same bytes and numbers,
 more calls; on links that several exchanges share (the exchanges of a node's workers
 behind its uplink) whole messages left the link idle a third of the time
-(docs/benchmarks.md, "Two-phase across nodes: what the uplink runs say").
+(docs/benchmarks/transports-and-nodes.md, "Two-phase across nodes: what the uplink runs
+say").
 
 Seeds: phase 1 slice ``j`` uses ``mix(seed of (step, key) as for the exact transports, j)``
 (so shared randomness stays shared per slice), the second compression of slice ``j`` (done
