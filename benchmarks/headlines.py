@@ -88,7 +88,7 @@ class Results:
                 out.append(f"{run}: the command '{r['command']}' is not in '{r['section']}' of {r['page']}")
             for setting, values in r["values"].items():
                 for key, v in values.items():
-                    if v not in text:
+                    if not re.search(rf"(?<![\d.]){re.escape(v)}(?!\d)", text):
                         out.append(f"{run}: {setting} / {key} = {v} is not in '{r['section']}' of {r['page']}")
         return out
 
