@@ -86,7 +86,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "0.01 for LAMB (their trust ratios scale it), 0.001 for 1-bit / 0/1 Adam, "
                         "1-bit LAMB, AdamW and DiLoCo's AdamW)")
     g.add_argument("--momentum", type=fraction, default=0.0,
-                   help="default: %(default)s (BIT-SGD with momentum 0.9 at lr 0.1 is unstable: docs/benchmarks.md)")
+                   help="default: %(default)s (BIT-SGD with momentum 0.9 at lr 0.1 is unstable: docs/benchmarks/accuracy.md)")
     g.add_argument("--nesterov", action="store_true")
     g.add_argument("--weight-decay", type=non_negative, default=0.0)
     g.add_argument("--seed", type=seed_int, default=0)
@@ -112,7 +112,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--round-bytes", type=positive_int, default=None,
                    help="two-phase: send each all-to-all in rounds of at most this many bytes per message "
                         "(default: whole messages); on slow links that several workers share, e.g. 131072 "
-                        "(docs/benchmarks.md, \"Two-phase across nodes\")")
+                        "(docs/benchmarks/transports-and-nodes.md, \"Two-phase across nodes\")")
     w = p.add_argument_group("workers")
     w.add_argument("--workers", type=positive_int, default=None,
                    help="worker count (default: 1 for train, 4 for compare; under torchrun: its world)")

@@ -3,7 +3,7 @@
 ``gradzip.cli`` adds this parser with :func:`add_parser` and hands the parsed arguments
 to :func:`run`. Each subcommand runs the library (:mod:`gradzip.bench.emulated`,
 :mod:`gradzip.bench.timeline`), prints its tables (:mod:`gradzip.bench.tables`) and writes
-its results as JSON. Updating docs/benchmarks.md and drawing plots is the job of
+its results as JSON. Updating docs/benchmarks/ and drawing plots is the job of
 ``python -m benchmarks.network``, which takes the same flags plus ``--write`` / ``--plots``.
 """
 from __future__ import annotations
