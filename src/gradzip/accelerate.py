@@ -15,6 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .errors import GradzipError
+from .validation import refuses_unknown_options
 
 __all__ = ["PerRank"]
 
@@ -32,6 +33,7 @@ class PerRank:
     (one ``all_gather_object`` on the default group): every rank must call it, as
     ``accelerator.save_state`` does."""
 
+    @refuses_unknown_options
     def __init__(self, obj: Any):
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise GradzipError(f"PerRank: a {type(obj).__name__} has no state_dict()/load_state_dict(); wrap the "

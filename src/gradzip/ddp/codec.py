@@ -16,6 +16,7 @@ from ..compressors import Compressor, PerTensor, build
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync
 from ..nonfinite import all_finite
+from ..validation import refuses_unknown_options
 from .state import HookState, views
 
 class _Bucket(NamedTuple):
@@ -43,6 +44,7 @@ class CodecState(HookState):
     ``start_iter``); compression starts at step ``start_iter + 1``.
     ``nonfinite``: see :meth:`HookState.settle`."""
 
+    @refuses_unknown_options
     def __init__(self, codec: "str | Compressor" = "none", *, error_feedback: bool | None = None,
                  model: torch.nn.Module | None = None, process_group: Any = None, seed: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..compressors.powersgd import matrix_shape, orthogonalize, should_compress
 from ..errors import GradzipError
-from ..validation import is_int
+from ..validation import is_int, refuses_unknown_options
 from ..nonfinite import all_finite
 from .state import HookState, views
 
@@ -46,6 +46,7 @@ class PowerSGDState(HookState):
     normal draws for the bucket's compressed tensors grouped by shape, orthogonalised. The
     first ``start_iter`` synchronised steps are a plain allreduce-mean."""
 
+    @refuses_unknown_options
     def __init__(self, rank: int = 1, start_iter: int = 1000, min_compression_rate: float = 2,
                  use_error_feedback: bool = True, warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
                  random_seed: int = 0, batch_tensors_with_same_shape: bool = False, *,

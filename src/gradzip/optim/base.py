@@ -55,7 +55,7 @@ from ..twophase import check_round_bytes, check_transport
 from ..hierarchy import check_workers_per_node
 from ..nonfinite import NONFINITE_POLICIES
 from ..replicas import parameter_digest
-from ..validation import is_int, require
+from ..validation import constructor_options, is_int, refuse_unknown_options, require
 from ..version import __version__
 from .exchanges import ExchangeOwner
 from .guard import NonFiniteGuard
@@ -80,6 +80,10 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
     #: The method reads the whole-tensor packets of an exchange (DGC's selected indices), so
     #: its exchanges keep to the exact transports (``transport="twophase"`` is refused).
     reads_packets: bool = False
+    #: The method's own options kept per param group (in ``defaults``, so a param group may
+    #: set them too): CD-SGD's ``local_lr``, the Adam methods' ``betas`` and ``eps``. Any other
+    #: keyword that reaches this constructor is refused, naming the closest valid option.
+    group_options: tuple[str, ...] = ()
 
     @classmethod
     def default_lr(cls, options: dict) -> float:
@@ -93,6 +97,8 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
                  transport: str = "auto", hierarchy: "int | str | None" = None, round_bytes: int | None = None,
                  **options: Any):
         name = type(self).__name__
+        refuse_unknown_options(name, [k for k in options if k not in self.group_options],
+                               constructor_options(type(self), stop=DistributedOptimizer))
         require(nonfinite in NONFINITE_POLICIES, name,
                 f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
         check_hyperparameters(name, lr, momentum, weight_decay, nesterov)

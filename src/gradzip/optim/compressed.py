@@ -25,7 +25,7 @@ import torch
 from ..compressors import Compressor, build
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES
-from ..validation import is_real, require
+from ..validation import is_real, refuses_unknown_options, require
 from .base import DistributedOptimizer
 from .lamb import LAMB
 from .lars import LARS
@@ -44,6 +44,7 @@ class Compressed(GradientExchange):
     ``nonfinite``, ``overlap_backward``, ``transport``, ``hierarchy``; learning rate, momentum and weight decay are the
     inner optimizer's."""
 
+    @refuses_unknown_options
     def __init__(self, inner: torch.optim.Optimizer, *, compressor: "str | Compressor" = "none",
                  error_feedback: bool | None = None, comm=None, seed: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise", overlap_backward: bool = True,
