@@ -36,6 +36,8 @@ def test_the_hook_strategy_compresses_on_cpu_and_resumes_exactly(results):
     for res in results:
         assert res["lightning_ddp_hook_steps"] == 0          # Lightning's DDPStrategy skipped the hook
         assert res["hook_steps"] == 8 and res["hook_bytes"] > 0
+        # issue 36 item 3: the resumed run reports the whole run's counters, not the part after the resume
+        assert res["hook_resumed_counters"] == (res["hook_steps"], res["hook_bytes"])
         straight, resumed = res["hook"]
         assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
     assert all(torch.equal(a, b) for a, b in zip(results[0]["hook"][0], results[1]["hook"][0]))

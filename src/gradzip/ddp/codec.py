@@ -107,7 +107,7 @@ class CodecState(HookState):
         """Tensors and plain values only: loads with ``torch.load``'s defaults."""
         self._check_fresh()
         return {"codec": self.codec.spec, "error_feedback": self.error_feedback, "seed": self.seed,
-                "iter": self.iter, "skipped_steps": self.skipped_steps, "start_iter": self.start_iter,
+                **self.counters(), "start_iter": self.start_iter,
                 "residuals": {k: v.clone() for k, v in self.residuals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -119,8 +119,7 @@ class CodecState(HookState):
         self._psync = self._dense = None
         self.start_iter = int(state.get("start_iter", 0))
         self.error_feedback, self.seed = bool(state["error_feedback"]), int(state["seed"])
-        self.iter = int(state["iter"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.load_counters(state)
         self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
 
     def _finish_all(self) -> bool:

@@ -83,13 +83,12 @@ class PowerSGDState(HookState):
     def state_dict(self) -> dict:
         """Tensors and plain values only: loads with ``torch.load``'s defaults."""
         self._check_fresh()
-        return {"iter": self.iter, "skipped_steps": self.skipped_steps, "rng": rng_state(self.rng),
+        return {**self.counters(), "rng": rng_state(self.rng),
                 "errors": {k: v.clone() for k, v in self.errors.items()},
                 "qs": {k: v.clone() for k, v in self.qs.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.iter = int(state["iter"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.load_counters(state)
         set_rng_state(self.rng, state["rng"])
         self.errors = {int(k): v.clone() for k, v in state["errors"].items()}
         self.qs = {int(k): v.clone() for k, v in state["qs"].items()}
