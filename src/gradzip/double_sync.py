@@ -60,6 +60,16 @@ def refuse_ddp_double_sync(params: Iterable[torch.Tensor], method: str) -> None:
             raise DoubleCommunication(
                 f"{method}: {len(shared)} of its parameters belong to a DistributedDataParallel module "
                 f"that synchronises them {how}: every gradient would be sent twice and compressed after "
-                "DDP averaged it. Register DDP's no-op hook, ddp.register_comm_hook(None, torch.distributed."
-                "algorithms.ddp_comm_hooks.debugging_hooks.noop_hook), or pass the unwrapped module's "
-                "parameters without DDP.")
+                f"DDP averaged it. {_fix(module)}")
+
+
+def _fix(ddp: DistributedDataParallel) -> str:
+    """The way out for ``ddp``: under PyTorch Lightning (DDP around a ``LightningModule``; found
+    by class name, nothing here imports Lightning), the strategy for gradzip optimizers;
+    elsewhere DDP's no-op hook or no DDP."""
+    if any(c.__name__ == "LightningModule" for c in type(getattr(ddp, "module", None)).__mro__):
+        return ("Under PyTorch Lightning, train a gradzip optimizer with strategy=gradzip.lightning.GradzipStrategy() "
+                "(no DDP wrapper: the optimizer communicates); DDPHookStrategy and DDPStrategy are for torch "
+                "optimizers.")
+    return ("Register DDP's no-op hook, ddp.register_comm_hook(None, torch.distributed.algorithms.ddp_comm_hooks."
+            "debugging_hooks.noop_hook), or pass the unwrapped module's parameters without DDP.")
