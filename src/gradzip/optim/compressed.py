@@ -88,7 +88,7 @@ class Compressed(GradientExchange):
             self._keys.setdefault(p, len(self._keys))
         if self.overlap_backward:
             self._register_hooks(self.param_groups[-1]["params"])
-        self._verified = False
+        self.reverify()
 
     def exchange_input(self, group, p):
         error = self.state[p].get("error") if self.error_feedback else None
