@@ -1,4 +1,4 @@
-"""A torchrun harness for tests/test_accelerate.py: runs docs/integrations.md's Accelerate
+"""A harness for tests/test_accelerate.py, started by `accelerate launch`: runs docs/integrations.md's Accelerate
 script as written (runpy, in this process: one start-up for every run) in fresh folders:
 "optimizer" 2 epochs straight, 1 epoch then resumed to 2, and "hook" 1 epoch; then the
 script with the gradzip optimizer stepped on every micro-batch inside accumulate() (the

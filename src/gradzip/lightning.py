@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .ddp import CodecState, PowerSGDState, codec_hook, powersgd_hook
+from .ddp import CodecState, PowerSGDState
 from .errors import GradzipError
 from .optim import DistributedOptimizer
 from .replicas import broadcast_parameters
@@ -101,8 +101,8 @@ class DDPHookStrategy(_PerRank, DDPStrategy):
     ``Trainer(strategy=DDPHookStrategy(gradzip.ddp.hook("topk:ratio=0.01")))``.
 
     ``state``: a :class:`gradzip.ddp.CodecState` (``gradzip.ddp.hook(...)``) or
-    :class:`gradzip.ddp.PowerSGDState`; ``hook``: default :func:`~gradzip.ddp.codec_hook` or
-    :func:`~gradzip.ddp.powersgd_hook` by the state's type. The state is bound to the
+    :class:`gradzip.ddp.PowerSGDState`; ``hook``: default the state's own (``state.comm_hook``:
+    :func:`~gradzip.ddp.codec_hook` or :func:`~gradzip.ddp.powersgd_hook`). The state is bound to the
     LightningModule (keys and names by ``named_parameters()``) unless it already is, and is
     saved and restored per rank with every checkpoint. ``kwargs``: ``DDPStrategy``'s (an unknown
     one is refused, naming the closest)."""
@@ -115,7 +115,7 @@ class DDPHookStrategy(_PerRank, DDPStrategy):
             raise GradzipError("DDPHookStrategy: pass the hook state as its first argument (and hook=), "
                                "not ddp_comm_state / ddp_comm_hook")
         _check_options(type(self), kwargs)
-        hook = hook or (powersgd_hook if isinstance(state, PowerSGDState) else codec_hook)
+        hook = hook or state.comm_hook
         super().__init__(ddp_comm_state=state, ddp_comm_hook=hook, **kwargs)
         self.hook_state = state
 

@@ -78,6 +78,10 @@ class CodecState(HookState):
     _transient = HookState._transient + ("_psync", "_dense")
 
     @property
+    def comm_hook(self):
+        return codec_hook
+
+    @property
     def psync(self) -> PSync:
         if self._psync is None:
             # exact transports only: the hook's state has no place for two-phase server errors

@@ -71,6 +71,10 @@ class PowerSGDState(HookState):
 
     _transient = HookState._transient + ("_step",)
 
+    @property
+    def comm_hook(self):
+        return powersgd_hook
+
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._step = []

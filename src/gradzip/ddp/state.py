@@ -3,7 +3,7 @@ parameter keys that survive bucket rebuilds, the group, pickling, and the step's
 non-finite policy."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,11 @@ class HookState:
             self._next_key += 1
             self.keys_from = "first_seen"
         return key
+
+    @property
+    def comm_hook(self) -> Callable:
+        """The hook function this state is for: ``ddp.register_comm_hook(state, state.comm_hook)``."""
+        raise NotImplementedError
 
     @property
     def comm(self) -> TorchGroup:
