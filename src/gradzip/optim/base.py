@@ -114,6 +114,7 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
                         weight_decay=float(weight_decay), **options)
         super().__init__(params, defaults)
         self.comm = comm if comm is not None else comm_lib.default()
+        self.comm.claim(self._all_params(), name)   # in-process workers: no parameter shared by two
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.nonfinite = nonfinite
@@ -149,10 +150,17 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
             self.param_groups.pop()
             raise
         if hasattr(self, "_keys"):  # not while the constructor adds the first groups
-            for p in self.param_groups[-1]["params"]:
-                self._keys.setdefault(p, len(self._keys))
+            self.joined(self.param_groups[-1]["params"])
             self._learn_names()
-            self.reverify()
+
+    def joined(self, params: list[torch.Tensor]) -> None:
+        """Parameters of a group added after construction: claimed on the group
+        (``comm.claim``: not another in-process worker's), keyed after the others, and the
+        settings compared across workers again at the next step (:meth:`reverify`)."""
+        self.comm.claim(params, type(self).__name__)
+        for p in params:
+            self._keys.setdefault(p, len(self._keys))
+        self.reverify()
 
     def reverify(self) -> None:
         """Run the first-step guards again at the next step (new parameters, a loaded state)."""

@@ -84,11 +84,9 @@ class Compressed(GradientExchange):
         self.inner.add_param_group(param_group)
         if self.param_groups is not self.inner.param_groups:
             self.param_groups = self.inner.param_groups
-        for p in self.param_groups[-1]["params"]:
-            self._keys.setdefault(p, len(self._keys))
+        self.joined(self.param_groups[-1]["params"])
         if self.overlap_backward:
             self._register_hooks(self.param_groups[-1]["params"])
-        self.reverify()
 
     def exchange_input(self, group, p):
         error = self.state[p].get("error") if self.error_feedback else None
