@@ -190,6 +190,43 @@ def test_stuck_thread_is_named_after_the_timeout_and_simulate_does_not_hang():
     assert any("rank 2 still running" in note for note in info.value.__notes__)
 
 
+LEFT_BEHIND = """
+import sys, time, torch
+from pathlib import Path
+from gradzip.comm import PeerFailure, simulate, threads
+
+def fn(comm):
+    if comm.rank == 1:
+        raise RuntimeError("rank 1 failed")
+    time.sleep(threads.GRACE_S + 1)           # busy when simulate gives up on it: left behind
+    try:
+        comm.allreduce(torch.ones(1))
+    except PeerFailure:
+        Path(sys.argv[1]).write_text("stopped at its next collective")
+        raise
+
+simulate(2, fn)
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_left_behind_stops_before_the_interpreter_exits(tmp_path):
+    """issue 36 item 6: a worker still busy GRACE_S after a peer failed was a daemon thread
+    killed at exit (inside native code that aborts: exit 134 or 139, no message); the
+    interpreter now waits for it to stop at its next collective, and exits with the error."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    flag = tmp_path / "flag"
+    env = dict(os.environ, PYTHONPATH=str(Path(gradzip.__file__).parents[1]))
+    proc = subprocess.run([sys.executable, "-c", LEFT_BEHIND, str(flag)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1 and "RuntimeError: rank 1 failed" in proc.stderr, proc.stderr[-3000:]
+    assert "waiting up to" in proc.stderr and "left behind" in proc.stderr
+    assert flag.read_text() == "stopped at its next collective"
+
+
 def test_thread_that_returns_early_releases_its_peers_at_once():
     def fn(comm):
         for _ in range(2 if comm.rank == 1 else 3):

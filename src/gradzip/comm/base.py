@@ -154,6 +154,11 @@ class Group(abc.ABC):
         timeline model's recording group) may answer it locally."""
         return self.allgather(tensor)
 
+    def claim(self, tensors, owner: str) -> None:
+        """Record that this worker's ``owner`` (e.g. an optimizer) updates ``tensors``. Workers
+        in separate processes cannot share a tensor: nothing to check here; an in-process group
+        refuses a tensor another of its workers claimed (:class:`~gradzip.comm.ThreadGroup`)."""
+
     def new_group(self) -> "Group":
         """A new group of the same workers with its own collective order, e.g. for
         exchanges that run on a background thread while this group is used by the

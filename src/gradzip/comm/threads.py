@@ -8,16 +8,25 @@ same bits. A worker that fails (raises) breaks the group: every peer waiting on 
 :class:`PeerFailure` naming the lost rank instead of hanging, and ``simulate`` re-raises
 the original error. A worker whose function returns while its peers still wait for it
 releases them the same way; one that is stuck (never arrives within ``timeout_s``) is
-named, with what it last did and where it is, by the peers that waited for it.
+named, with what it last did and where it is, by the peers that waited for it. A worker
+left behind (busy ``GRACE_S`` after a peer failed) stops at its next collective; the
+interpreter waits for it at exit (up to ``EXIT_WAIT_S``), since one torn down inside native
+code (a kernel, a compiler) aborts the process instead of exiting with the error.
+
+The workers share the process's memory, so two of them could be handed the same
+parameters (one model built outside ``fn``): their updates would race, a hang or a crash.
+:meth:`ThreadGroup.claim` (every optimizer claims its parameters) refuses that at once.
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import sys
 import sysconfig
 import threading
 import time
 import traceback
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,6 +38,22 @@ from .base import DEFAULT_TIMEOUT_S, TIMEOUT_HINT, Group, PeerFailure, Work, che
 #: Seconds ``simulate`` waits for the other workers once one failed; a worker still running
 #: then (stuck outside any collective) is left behind as a daemon thread.
 GRACE_S = 2.0
+#: Seconds the interpreter waits at exit for the workers ``simulate`` left behind.
+EXIT_WAIT_S = 30.0
+_left_behind: list[threading.Thread] = []
+
+
+@atexit.register
+def _join_left_behind() -> None:
+    """At exit: wait for the worker threads ``simulate`` left behind (the group failed, so
+    each stops at its next collective), saying so."""
+    alive = [t for t in _left_behind if t.is_alive()]
+    if alive:
+        print(f"gradzip.simulate: waiting up to {EXIT_WAIT_S:g} s for {len(alive)} worker thread(s) left behind "
+              "after a failure to stop", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for t in alive:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 class _Slot:
@@ -55,6 +80,7 @@ class _Hub:
         # per rank: (seq, kind, monotonic time, thread id) of its latest collective
         self.last: list[tuple[int, str, float, int] | None] = [None] * world_size
         self.children: list[_Hub] = []  # groups made by new_group(): they fail with this one
+        self.owners: dict[int, tuple[int, weakref.ref]] = {}  # id(tensor) -> (rank, the tensor), claim()
 
     def fail(self, rank: int, exc: BaseException) -> None:
         with self.cond:
@@ -179,6 +205,22 @@ class ThreadGroup(Group):
         slot = self._hub.deposit(seq, self.rank, kind, value, combine)
         return Work(lambda: finish(self._hub.collect(seq, self.rank, slot)), nbytes)
 
+    def claim(self, tensors, owner: str) -> None:
+        """Refuse a tensor another worker of this group claimed (one model shared by the
+        workers of ``simulate``), naming the fix; else record this worker's."""
+        hub = self._hub
+        with hub.cond:
+            for t in tensors:
+                rank, ref = hub.owners.get(id(t), (self.rank, None))
+                if rank != self.rank and ref() is t:
+                    raise GradzipError(
+                        f"{owner}: rank {self.rank} was given a tensor of shape {tuple(t.shape)} that rank {rank} "
+                        "updates too: the workers of one simulate() share the same parameters, so their updates "
+                        "would race (a hang or a crash). Build the model inside the worker function, one per "
+                        "worker, and start them equal with gradzip.broadcast_parameters(model, comm=comm)")
+            for t in tensors:
+                hub.owners[id(t)] = (self.rank, weakref.ref(t))
+
     def new_group(self) -> "ThreadGroup":
         parent = self._hub
 
@@ -287,5 +329,6 @@ def simulate(world_size: int, fn: Callable[[ThreadGroup], Any], *,
         if running and hasattr(first, "add_note"):
             first.add_note(f"simulate: {ranks_text(running)} still running {GRACE_S:g} s after the first "
                            "failure; left behind (daemon threads)")
+        _left_behind.extend(threads[r] for r in running)
         raise first
     return results
