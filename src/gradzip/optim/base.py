@@ -217,7 +217,7 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
             fields[f"exchange {i} codec"] = psync.compressor.spec
             fields[f"exchange {i} transport"] = plans[f"exchange {i}"]
             if "twophase" in plans[f"exchange {i}"]:   # its buckets are part of the numbers
-                fields[f"exchange {i} buckets"] = self.exchange_plans()[f"exchange {i}"].layout()
+                fields[f"exchange {i} two-phase buckets"] = self.exchange_plans()[f"exchange {i}"].layout()
         if self._hierarchy > 1:   # only then: settings (and checkpoints) of flat runs stay as they were
             fields["hierarchy"] = self._hierarchy
         fields["frozen parameters"] = [i for i, p in enumerate(self._all_params()) if not p.requires_grad]
