@@ -223,6 +223,40 @@ def test_thread_failure_releases_background_exchanges_on_a_new_group():
     assert time.monotonic() - began < SLACK_S
 
 
+_FREED_WITH_THE_THREAD = """
+import threading, time, torch, gradzip
+scratch = threading.local()   # as gradzip.kernels.sparse keeps its scratch buffers
+
+class FreedWithTheThread:
+    def __del__(self):   # runs as the worker thread's state is cleared, after fn returned
+        a = torch.ones(256, 256)
+        until = time.monotonic() + 2.0
+        while time.monotonic() < until:
+            torch.mm(a, a)   # torch's binding releases the GIL, and takes it back in a C++ destructor
+
+def fn(comm):
+    scratch.held = FreedWithTheThread()
+    return comm.rank
+
+print(gradzip.simulate(2, fn))
+"""
+
+
+def test_simulate_returns_only_once_its_threads_have_ended():
+    """Issue 35 item 7 (``--backend threads`` aborting at exit about 1 run in 10): simulate()
+    returned as soon as the worker functions had, while their threads still freed their
+    thread-local tensors; the interpreter's finalisation then ended such a thread inside a
+    torch C++ destructor: "terminate called without an active exception", exit 134. Here the
+    freeing lasts 2 s, so the abort was certain; simulate() must wait for the threads."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = dict(os.environ, PYTHONPATH=str(Path(gradzip.__file__).parents[1]), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", _FREED_WITH_THE_THREAD], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert (done.returncode, done.stdout) == (0, "[0, 1]\n"), done.stderr[-2000:]
+
+
 # -- the timeout setting -------------------------------------------------------------------
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), "30", True, None])
 def test_bad_timeouts_are_rejected(bad):

@@ -247,7 +247,9 @@ def simulate(world_size: int, fn: Callable[[ThreadGroup], Any], *,
     rank order. If a worker raises, its peers are released and its exception re-raised
     (the root cause, not the peers' :class:`PeerFailure`). Never hangs on a stuck worker:
     its peers time out after ``timeout_s`` naming it, and ``GRACE_S`` after the first failure
-    the workers still running are left behind (daemon threads) and the error is raised."""
+    the workers still running are left behind (daemon threads) and the error is raised.
+    Every other worker's thread has ended when it returns or raises (each is joined: a
+    thread still freeing its state when the interpreter finalises can abort the process)."""
     groups = make_group(world_size, timeout_s)
     if not callable(fn):
         raise GradzipError(f"simulate() runs fn(comm) on every worker: fn must be callable, got {fn!r}")
@@ -279,6 +281,14 @@ def simulate(world_size: int, fn: Callable[[ThreadGroup], Any], *,
             break
         if give_up_at is None and any(e is not None for e in errors):
             give_up_at = time.monotonic() + GRACE_S
+    for t, group in zip(threads, groups):
+        if group.rank not in running:
+            # Its function has returned, but the thread still frees its state (thread-local
+            # tensors: kernels' scratch buffers, ...). Returning before it ends lets the caller
+            # finalise the interpreter meanwhile: torch then releases the GIL while freeing a
+            # tensor, the thread is ended when it takes the GIL back, inside a C++ destructor,
+            # and the process aborts ("terminate called without an active exception").
+            t.join(timeout_s)
     root_causes = [e for e in errors if e is not None and not isinstance(e, PeerFailure)]
     origin = groups[0]._hub.failure  # the first to fail: the others may relay its PeerFailure
     first = root_causes[0] if root_causes else origin[1] if origin is not None else \
