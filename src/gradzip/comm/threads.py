@@ -55,15 +55,18 @@ class _Hub:
         # per rank: (seq, kind, monotonic time, thread id) of its latest collective
         self.last: list[tuple[int, str, float, int] | None] = [None] * world_size
         self.children: list[_Hub] = []  # groups made by new_group(): they fail with this one
+        self.watchers: list[Callable[[int, BaseException | None], None]] = []  # ThreadGroup.watch
 
     def fail(self, rank: int, exc: BaseException) -> None:
         with self.cond:
             if self.failure is None:
                 self.failure = (rank, exc)
             self.cond.notify_all()
-            children = list(self.children)
+            children, watchers = list(self.children), list(self.watchers)
         for child in children:
             child.fail(rank, exc)
+        for watcher in watchers:
+            watcher(rank, exc)
 
     def leave(self, rank: int) -> None:
         """Rank ``rank`` will issue no more collectives (its worker function returned).
@@ -72,6 +75,9 @@ class _Hub:
         with self.cond:
             self.left.add(rank)
             self.cond.notify_all()
+            watchers = list(self.watchers)
+        for watcher in watchers:
+            watcher(rank, None)
 
     def deposit(self, seq: int, rank: int, kind: str, value: Any,
                 combine: Callable[[list[Any]], Any]) -> _Slot:
@@ -122,14 +128,7 @@ class _Hub:
 
     def _check_failure(self, rank: int) -> None:
         if self.failure is not None and self.failure[0] != rank:
-            lost, exc = self.failure
-            if isinstance(exc, PeerFailure) and exc.lost and rank not in exc.lost:
-                # the peer gave up on someone else: blame the same rank(s)
-                found = str(exc).removeprefix(f"rank {lost}: ")
-                raise PeerFailure(f"rank {rank}: rank {lost} found that {found}",
-                                  rank=rank, lost=exc.lost, collective=exc.collective)
-            raise PeerFailure(f"rank {rank}: peer rank {lost} failed ({type(exc).__name__}: {exc})",
-                              rank=rank, lost=(lost,))
+            raise peer_failed(rank, *self.failure)
 
     def _doing(self, rank: int) -> str:
         """What worker ``rank`` was last seen doing (called with ``cond`` held)."""
@@ -142,6 +141,19 @@ class _Hub:
         if frame is None:
             return text + "; its thread has ended"
         return text + f"; it is now at {_where(frame)}"
+
+
+def peer_failed(rank: int, lost: int, exc: BaseException) -> PeerFailure:
+    """What worker ``rank`` raises once peer ``lost`` of its in-process group failed with
+    ``exc``: a :class:`PeerFailure` naming ``lost`` and its error, or, where ``lost`` itself
+    gave up on other peers, naming those."""
+    if isinstance(exc, PeerFailure) and exc.lost and rank not in exc.lost:
+        # the peer gave up on someone else: blame the same rank(s)
+        found = str(exc).removeprefix(f"rank {lost}: ")
+        return PeerFailure(f"rank {rank}: rank {lost} found that {found}",
+                           rank=rank, lost=exc.lost, collective=exc.collective)
+    return PeerFailure(f"rank {rank}: peer rank {lost} failed ({type(exc).__name__}: {exc})",
+                       rank=rank, lost=(lost,))
 
 
 def _where(frame) -> str:
@@ -178,6 +190,16 @@ class ThreadGroup(Group):
         self._seq += 1
         slot = self._hub.deposit(seq, self.rank, kind, value, combine)
         return Work(lambda: finish(self._hub.collect(seq, self.rank, slot)), nbytes)
+
+    def watch(self, callback: Callable[[int, BaseException | None], None]) -> None:
+        """Call ``callback(rank, exc)`` when the worker of ``rank`` fails with ``exc`` (as
+        ``simulate`` reports it, to this group and the groups made from it), and, on the
+        group ``simulate`` made, ``callback(rank, None)`` when its worker function returns.
+        For objects the workers share (:func:`gradzip.comm.p2p.shared_object`) whose own
+        waits must end as the group's collectives do. Called in the thread of worker
+        ``rank``, no lock held; register once per object (from any one rank)."""
+        with self._hub.cond:
+            self._hub.watchers.append(callback)
 
     def new_group(self) -> "ThreadGroup":
         parent = self._hub
