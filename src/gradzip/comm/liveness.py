@@ -411,19 +411,22 @@ _STARTUP_STATE = {"gone": "exited", "stopped": "is stopped (SIGSTOP or a debugge
 
 def startup_verdict(base, rank: int, world_size: int) -> Verdict:
     """Which peers kept rank ``rank``'s process group from forming at start-up, and what each
-    was doing, read from the store ``base`` after ``init_process_group`` failed. A peer that
-    never reached the rendezvous (no :func:`announce_start`) is blamed, with its process's
-    state where its launcher recorded its pid (:func:`record_launch`) on this host; one that
-    reached it, only where its process (on this host) has exited or is stopped."""
+    was doing, read from the store ``base`` after ``init_process_group`` failed (None: this
+    process could not connect to the store). A peer that never reached the rendezvous (no
+    :func:`announce_start`) is blamed, with its process's state where its launcher recorded
+    its pid (:func:`record_launch`) on this host; one that reached it, only where its process
+    (on this host) has exited or is stopped."""
     peers = [r for r in range(world_size) if r != rank]
     try:
+        if base is None:
+            raise ConnectionError("it did not answer")
         store = _client(base, attempt_prefix())
         arrived = _records(store, "start", peers)
         launched = _records(store, "launched", [r for r in peers if r not in arrived])
-    except Exception as exc:  # noqa: BLE001 - the store's host is gone
+    except Exception as exc:  # noqa: BLE001 - the store's host is gone, stopped or not started yet
         host = "rank 0" if _store_on_rank0() else "the launcher (torchrun's agent or run_processes)"
         return Verdict(f"the c10d store at {_store_address()} is unreachable ({_first_line(exc)}): its host, "
-                       f"{host}, is probably gone", (0,) if _store_on_rank0() and rank != 0 else ())
+                       f"{host}, is gone, stopped or still starting", (0,) if _store_on_rank0() and rank != 0 else ())
     here = _host_key()
 
     def state(info: dict) -> str | None:

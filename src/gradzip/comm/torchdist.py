@@ -299,14 +299,7 @@ def _startup_failure(exc: RuntimeError, store, rank: int, world_size: int, timeo
     if not (isinstance(exc, getattr(dist, "DistError", ())) or _COMM_ERROR.search(str(exc))) or (
             store is None and rank == 0 and not agent):
         return None
-    if store is not None:
-        verdict = startup_verdict(store, rank, world_size)
-    elif agent:
-        verdict = Verdict(f"the launcher's c10d store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} "
-                          "did not answer (torchrun's agent or run_processes is gone)", ())
-    else:
-        verdict = Verdict(f"rank 0 did not open the c10d store at {os.environ['MASTER_ADDR']}:"
-                          f"{os.environ['MASTER_PORT']} (it is still starting, stopped or gone)", (0,))
+    verdict = startup_verdict(store, rank, world_size)
     backend, said = _gloo_says(exc)
     return PeerFailure(f"rank {rank}: the process group could not be formed at start-up: {verdict.text}; "
                        f"{backend}: {said} (timeout {timeout_s:g} s; {TIMEOUT_HINT})",
