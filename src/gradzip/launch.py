@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from . import allocator
 from .comm import init_from_env
 from .comm.base import DEFAULT_TIMEOUT_S, PeerFailure, check_timeout, check_world_size
-from .comm.liveness import announce_failure
+from .comm.liveness import announce_failure, record_launch
 from .errors import GradzipError
 
 #: Seconds the other workers get to finish after one failed, before they are terminated.
@@ -136,8 +136,10 @@ def run_processes(world_size: int, fn: Callable[..., Any], *args: Any,
                                                fn, args, os.getpid()),
                          name=f"gradzip-rank{r}", daemon=False) for r in range(world_size)]
     with _environment(allocator.worker_env()):   # read by the spawned interpreters
-        for p in procs:
+        for r, p in enumerate(procs):
             p.start()
+            if store is not None:   # a worker that never reaches the rendezvous is then named with its state
+                record_launch(store, r, p.pid)
     outputs: dict[int, Any] = {}
     reports: dict[int, tuple[BaseException | None, str]] = {}  # rank -> (exception, traceback)
     deaths: dict[int, int] = {}  # rank -> exit code, for workers gone without reporting
