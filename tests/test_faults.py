@@ -25,6 +25,10 @@ import cases
 import cases_faults
 
 SLACK_S = 20.0
+#: In-process failures: a timeout far above anything a loaded machine adds (numba compiling
+#: the codecs from a cold cache takes tens of seconds on 2 busy cores), and "released, not
+#: timed out" is then any time under half of it.
+THREAD_TIMEOUT_S = 240.0
 HINT = "change it with --timeout or timeout_s="
 
 
@@ -161,8 +165,8 @@ def test_thread_that_dies_is_named_by_every_survivor():
 
     began = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 2 died"):  # the root cause, not a PeerFailure
-        simulate(3, _loop_until(2, die, seen), timeout_s=60)
-    assert time.monotonic() - began < SLACK_S
+        simulate(3, _loop_until(2, die, seen), timeout_s=THREAD_TIMEOUT_S)
+    assert time.monotonic() - began < THREAD_TIMEOUT_S / 2
     assert sorted(seen) == [0, 1]
     for r, exc in seen.items():
         assert exc.lost == (2,) and exc.rank == r
@@ -235,8 +239,8 @@ def test_thread_that_returns_early_releases_its_peers_at_once():
     began = time.monotonic()
     with pytest.raises(PeerFailure, match=r"^rank [02]: peer rank 1 returned from its worker function without "
                                           r"joining allreduce #2$") as info:
-        simulate(3, fn, timeout_s=60)
-    assert time.monotonic() - began < SLACK_S and info.value.lost == (1,)
+        simulate(3, fn, timeout_s=THREAD_TIMEOUT_S)
+    assert time.monotonic() - began < THREAD_TIMEOUT_S / 2 and info.value.lost == (1,)
 
 
 def test_thread_failure_releases_background_exchanges_on_a_new_group():
@@ -256,8 +260,8 @@ def test_thread_failure_releases_background_exchanges_on_a_new_group():
 
     began = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 2 died"):
-        simulate(3, fn, timeout_s=60)
-    assert time.monotonic() - began < SLACK_S
+        simulate(3, fn, timeout_s=THREAD_TIMEOUT_S)
+    assert time.monotonic() - began < THREAD_TIMEOUT_S / 2   # released, not timed out
 
 
 _FREED_WITH_THE_THREAD = """
