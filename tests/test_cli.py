@@ -31,6 +31,8 @@ def run_cli(*args):
     (["train", "--algo", "bitsgd", "--threshold", "-1"], "threshold must be > 0"),
     (["train", "--checkpoint-every", "10"], "--checkpoint-every needs a directory"),
     (["train", "--resume", "a", "--checkpoint-dir", "b"], "give --checkpoint-dir the same directory"),
+    (["train", "--resume", "a", "--keep-checkpoints", "1"], "--keep-checkpoints: expected an integer >= 2"),
+    (["train", "--checkpoint-dir", "a", "--start-over-if-damaged"], "--start-over-if-damaged says what --resume"),
     (["train", "--nonfinite", "ignore"], "invalid choice"),
     (["train", "--timeout", "0"], "--timeout: expected seconds > 0"),
     (["train", "--out", "/proc/version/x"], "--out /proc/version/x: cannot create"),

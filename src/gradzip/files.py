@@ -20,6 +20,22 @@ def temporary_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
+def names(directory: str | os.PathLike) -> list[str]:
+    """The names in ``directory``; none when it does not exist, is not a directory, or was
+    removed while being listed (by another process cleaning up)."""
+    try:
+        with os.scandir(directory) as entries:
+            return [entry.name for entry in entries]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def leftovers(path: Path) -> list[Path]:
+    """Temporaries of ``path`` that writes killed before their rename left behind (any process's)."""
+    prefix = f".{path.name}.tmp-"
+    return [path.with_name(name) for name in names(path.parent) if name.startswith(prefix)]
+
+
 def write_atomically(path: str | os.PathLike, write: Callable[[IO[Any]], Any], *, binary: bool = False) -> Path:
     """Write ``path`` whole or not at all: ``write(f)`` fills the temporary file ``f``
     (opened for text, or bytes with ``binary``), which is then synced and renamed over

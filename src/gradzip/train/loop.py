@@ -108,6 +108,7 @@ class _Job:
     began: float = 0.0             # perf_counter() at which the run's clock (resumed: its clock) started
     straggler: stragglers.Straggler | None = None
     last_compute_s: float = 0.0    # the previous step's compute without its delay (slow:rank=R,factor=F)
+    run: int = 0                   # the run's identity, recorded in its checkpoints (checkpoint.new_run)
 
     @property
     def total(self) -> int:
@@ -125,7 +126,8 @@ def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | 
     (:mod:`gradzip.train.checkpoint`): model, optimizer (residuals, errors, global/local
     models, momentum, counters), data position, random generators and the records so far;
     with ``cfg.resume`` it continues from the newest one every rank holds and that
-    verifies, and ends with the same bits as a run never interrupted. ``after_step(steps_done)``
+    verifies (keeping ``cfg.keep_checkpoints`` steps; a damaged file is moved aside, never
+    deleted), and ends with the same bits as a run never interrupted. ``after_step(steps_done)``
     is called after every step (tests inject faults with it)."""
     setup_began = time.perf_counter()
     job = _prepare(comm, cfg, after_step)
@@ -155,6 +157,7 @@ def _prepare(comm: Group, cfg: RunConfig, after_step) -> _Job:
     """Data, model (identical on every worker), optimizer, after the workers agreed on the
     settings; the global generators seeded from the run's seed and this rank."""
     checkpoint.check_directory(cfg.checkpoint_dir)
+    checkpoint.check_keep(cfg.keep_checkpoints)
     if not is_int(cfg.seed) or not 0 <= cfg.seed < SEED_LIMIT:
         raise GradzipError(f"seed must be an integer in [0, 2**32), got {cfg.seed!r}")
     ds = datasets.load(cfg.dataset, cfg.data_dir, download=cfg.download)
@@ -366,29 +369,30 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-#: What a gradzip checkpoint file holds (anything else is not one).
+#: What a gradzip checkpoint's payload holds (anything else is not one).
 _PAYLOAD_KEYS = {"format", "gradzip_version", "config", "settings", "model", "optimizer", "rng", "loop"}
 
 
 def _save(job: _Job) -> None:
     """This rank's checkpoint at ``state.done`` steps; once every rank has written it (a
-    barrier), the earlier ones are deleted."""
+    barrier), steps older than the newest ``cfg.keep_checkpoints`` are deleted."""
     comm, cfg, state = job.comm, job.cfg, job.state
     state.wall_time_s = time.perf_counter() - job.began
     state.scaler = job.precision.state_dict()
     checkpoint.save(cfg.checkpoint_dir, state.done, comm.rank, comm.world_size, {
-        "format": 2, "gradzip_version": __version__, "config": trajectory_fields(cfg), "settings": job.settings,
+        "format": 3, "gradzip_version": __version__, "config": trajectory_fields(cfg), "settings": job.settings,
         "model": job.model.state_dict(), "optimizer": job.opt.state_dict(), "rng": _rng_state(),
         "loop": state.as_dict(),
-    })
+    }, run=job.run)
     comm.barrier()
-    checkpoint.prune(cfg.checkpoint_dir, comm.rank, comm.world_size, keep_from=state.done)
+    checkpoint.prune(cfg.checkpoint_dir, comm.rank, comm.world_size, keep=cfg.keep_checkpoints)
 
 
 def _resume(job: _Job) -> int | None:
-    """Load the newest checkpoint every rank holds and that verifies into the model, the
-    optimizer and the loop state (model and optimizer state first: the optimizer's first
-    step comes after); the step resumed from, or None. Collective."""
+    """Load the newest checkpoint every rank holds and that verifies (:func:`checkpoint.choose`)
+    into the model, the optimizer and the loop state (model and optimizer state first: the
+    optimizer's first step comes after), and take its run identity; the step resumed from,
+    or None (a new run identity). Collective."""
     comm, cfg = job.comm, job.cfg
     if not cfg.checkpoint_dir:
         return None
@@ -400,13 +404,14 @@ def _resume(job: _Job) -> int | None:
             "that run with --resume DIR, or write checkpoints to an empty directory"
         )
     note = (lambda text: print(f"gradzip: note: {text}", file=sys.stderr, flush=True)) if comm.rank == 0 else None
-    step = checkpoint.choose(comm, cfg.checkpoint_dir, held, note)
-    checkpoint.discard_after(cfg.checkpoint_dir, comm.rank, comm.world_size, step)
-    if step is None:
+    found = checkpoint.choose(comm, cfg.checkpoint_dir, held, note, start_over=cfg.start_over)
+    checkpoint.discard_after(cfg.checkpoint_dir, comm.rank, comm.world_size, found.step if found else None)
+    if found is None:
+        job.run = checkpoint.new_run(comm)
         if cfg.resume and not any(held) and note is not None:
             note(f"no checkpoint in {cfg.checkpoint_dir}: starting from scratch")
         return None
-    saved = checkpoint.load(cfg.checkpoint_dir, step, comm.rank, comm.world_size)
+    step, saved, job.run = found.step, found.payload, found.run
     path = checkpoint.rank_file(cfg.checkpoint_dir, step, comm.rank, comm.world_size)
     if not isinstance(saved, dict) or not _PAYLOAD_KEYS <= set(saved):
         raise GradzipError(f"{path} is not a gradzip checkpoint (it lacks "
