@@ -3,6 +3,7 @@ method, interrupted and resumed, ends with the bits of a run never interrupted."
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
@@ -106,9 +107,15 @@ def test_a_checkpoint_does_not_run_code_when_loaded(tmp_path):
 def test_resume_refuses_other_settings_naming_the_field(tmp_path):
     cfg = RunConfig(epochs=1, progress=False, checkpoint_dir=str(tmp_path), checkpoint_every=10)
     gradzip.simulate(1, lambda c: run_worker(c, cfg))
-    changed = RunConfig(**{**vars(cfg), "lr": 0.2, "resume": True})
-    with pytest.raises(GradzipError, match="written with lr=0.1, this run has lr=0.2"):
-        gradzip.simulate(1, lambda c: run_worker(c, changed))
+    # issue 35, item 14: the setting changed is named, not a value that follows from it
+    # (a parameter's values for --seed, a transport plan for --model)
+    for changed, message in ((dict(lr=0.2), "written with lr=0.1, this run has lr=0.2;"),
+                             (dict(seed=7), "written with seed=0, this run has seed=7;"),
+                             (dict(model="logreg"), "written with model='mlp', this run has model='logreg';"),
+                             (dict(seed=7, lr=0.2), "written with lr=0.1, this run has lr=0.2 (and 1 more field);")):
+        other = RunConfig(**{**vars(cfg), **changed, "resume": True})
+        with pytest.raises(GradzipError, match=re.escape(message)):
+            gradzip.simulate(1, lambda c: run_worker(c, other))
     fresh = RunConfig(**{**vars(cfg)})
     with pytest.raises(GradzipError, match="already holds a checkpoint .* --resume"):
         gradzip.simulate(1, lambda c: run_worker(c, fresh))

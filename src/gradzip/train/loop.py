@@ -31,6 +31,7 @@ from ..version import __version__
 from ..comm import Group
 from ..errors import GradzipError
 from ..landscape import sharpness
+from ..optim.base import derived_setting
 from ..trace import Tracer, maybe_span
 from ..validation import is_int
 from . import checkpoint, datasets, models
@@ -427,17 +428,25 @@ def _resume(job: _Job) -> int | None:
 
 
 def _check_resumable(job: _Job, saved: dict[str, Any], step: int) -> None:
-    """Refuse a checkpoint of other settings (compared as resolved: an option given
-    explicitly at its default value is the same setting) or one past this run's end."""
+    """Refuse a checkpoint of other settings or one past this run's end. The settings are
+    compared field by field, the run's own first (``--seed``, ``--model``, ``--lr``, ...:
+    the checkpoint's ``config`` against this run's), then the method's resolved settings
+    (``describe()``: an option given explicitly at its default value is the same setting),
+    those that follow from others last (:func:`gradzip.optim.base.derived_setting`: a
+    parameter's values, a transport plan), so that the refusal names the setting that
+    was changed, not one that follows from it."""
     cfg = job.cfg
-    now = {**{k: v for k, v in trajectory_fields(cfg).items() if k != "options"}, **job.settings}
-    then = {**{k: v for k, v in saved["config"].items() if k != "options"}, **saved["settings"]}
-    for name in sorted((set(now) | set(then)) - set(FREE_FIELDS)):
-        if name != "epochs" and then.get(name) != now.get(name):
+    own = [{k: v for k, v in fields.items() if k not in ("options", "epochs", *FREE_FIELDS)}
+           for fields in (saved["config"], trajectory_fields(cfg))]
+    for then, now, later in ((*own, None), (saved["settings"], job.settings, derived_setting)):
+        names = consistency.differing([then, now], later)
+        if names:
+            name = names[0]
             raise GradzipError(
                 f"cannot resume from {cfg.checkpoint_dir}: it was written with {name}="
-                f"{then.get(name)!r}, this run has {name}={now.get(name)!r}; resume with "
-                "the same settings (only the number of epochs may change), or start in a new directory"
+                f"{then.get(name, consistency.NOT_SET)!r}, this run has {name}={now.get(name, consistency.NOT_SET)!r}"
+                f"{consistency.more_fields(names)}; resume with the same settings (only the number of epochs may "
+                "change), or start in a new directory"
             )
     if step > job.total:
         epochs = -(-step // job.steps_per_epoch)
