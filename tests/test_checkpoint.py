@@ -125,6 +125,30 @@ def test_resume_refuses_other_settings_naming_the_field(tmp_path):
     assert out["summary"]["resumed_from_step"] == 44 and len(out["history"]) == 2
 
 
+def test_a_resume_on_another_thread_count_says_so(tmp_path, capsys):
+    # issue 35, item 15: the backend and torch's thread count are recorded; a resume on
+    # others goes on (a machine may change) but says that the numbers may differ
+    cfg = RunConfig(epochs=1, progress=False, checkpoint_dir=str(tmp_path), resume=True)
+    gradzip.simulate(1, lambda c: run_worker(c, cfg))
+    assert checkpoint.load(tmp_path, 44, 0, 1)["environment"] == {"backend": "threads",
+                                                                   "threads": torch.get_num_threads()}
+    threads = torch.get_num_threads()
+
+    def resume(epochs, with_threads):
+        capsys.readouterr()
+        torch.set_num_threads(with_threads)
+        try:
+            out = gradzip.simulate(1, lambda c: run_worker(c, RunConfig(**{**vars(cfg), "epochs": epochs})))
+        finally:
+            torch.set_num_threads(threads)
+        return out[0]["summary"]["resumed_from_step"], _lines(capsys)
+    resumed, err = resume(2, threads + 1)
+    assert resumed == 44 and len(err) == 1, err
+    assert (f"written by workers on threads with {threads} torch thread(s) each, this run's are on threads with "
+            f"{threads + 1}") in err[0] and f"OMP_NUM_THREADS={threads}" in err[0], err
+    assert resume(3, threads + 1) == (88, [])   # as it was written: nothing to say
+
+
 def test_resume_from_an_empty_directory_starts_from_scratch(tmp_path):
     cfg = RunConfig(epochs=1, progress=False, checkpoint_dir=str(tmp_path / "new"), resume=True)
     out = gradzip.simulate(2, lambda c: run_worker(c, cfg))[0]

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import consistency, optim, seeds, stragglers
 from ..version import __version__
-from ..comm import Group
+from ..comm import Group, ThreadGroup, TorchGroup
 from ..errors import GradzipError
 from ..landscape import sharpness
 from ..optim.base import derived_setting
@@ -371,7 +372,20 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 #: What a gradzip checkpoint's payload holds (anything else is not one).
-_PAYLOAD_KEYS = {"format", "gradzip_version", "config", "settings", "model", "optimizer", "rng", "loop"}
+_PAYLOAD_KEYS = {"format", "gradzip_version", "config", "settings", "environment", "model", "optimizer", "rng",
+                 "loop"}
+
+
+def _environment(comm: Group) -> dict[str, Any]:
+    """What the workers ran on that can change the numbers without changing a setting:
+    the backend (threads sum in rank order, gloo's ring in its own) and torch's intra-op
+    thread count (CPU kernels split sums by it). Recorded in checkpoints; a resume on
+    another is noted (:func:`_note_environment`)."""
+    if isinstance(comm, TorchGroup):
+        backend = str(dist.get_backend(comm.group))
+    else:
+        backend = "threads" if isinstance(comm, ThreadGroup) else type(comm).__name__
+    return {"backend": backend, "threads": torch.get_num_threads()}
 
 
 def _save(job: _Job) -> None:
@@ -382,8 +396,8 @@ def _save(job: _Job) -> None:
     state.scaler = job.precision.state_dict()
     checkpoint.save(cfg.checkpoint_dir, state.done, comm.rank, comm.world_size, {
         "format": 3, "gradzip_version": __version__, "config": trajectory_fields(cfg), "settings": job.settings,
-        "model": job.model.state_dict(), "optimizer": job.opt.state_dict(), "rng": _rng_state(),
-        "loop": state.as_dict(),
+        "environment": _environment(comm), "model": job.model.state_dict(), "optimizer": job.opt.state_dict(),
+        "rng": _rng_state(), "loop": state.as_dict(),
     }, run=job.run)
     comm.barrier()
     checkpoint.prune(cfg.checkpoint_dir, comm.rank, comm.world_size, keep=cfg.keep_checkpoints)
@@ -419,6 +433,7 @@ def _resume(job: _Job) -> int | None:
                            f"{', '.join(sorted(_PAYLOAD_KEYS - set(saved if isinstance(saved, dict) else ())))}); "
                            "give the directory a gradzip run wrote, or start in a new directory")
     _check_resumable(job, saved, step)
+    _note_environment(comm, saved["environment"], note)
     job.model.load_state_dict(saved["model"])
     job.opt.load_state_dict(saved["optimizer"])
     job.state = LoopState.from_dict(saved["loop"])
@@ -455,6 +470,23 @@ def _check_resumable(job: _Job, saved: dict[str, Any], step: int) -> None:
             f"the end of this run ({cfg.epochs} epochs, {job.total} steps); resume with --epochs {epochs} or "
             "more, or start in a new directory"
         )
+
+
+def _note_environment(comm: Group, saved: dict[str, Any], note: Callable[[str], None] | None) -> None:
+    """Say, in one line, when the checkpoint was written on another backend or thread
+    count than this run's (:func:`_environment`): the run resumes, but need not repeat an
+    uninterrupted run's numbers bit for bit. Collective (one small allgather)."""
+    now = _environment(comm)
+    row = torch.tensor([saved["threads"], now["threads"], int(saved["backend"] != now["backend"])], dtype=torch.int64)
+    rows = comm.allgather_control(row).reshape(comm.world_size, -1).tolist()
+    changed = [r for r, (then_threads, now_threads, other) in enumerate(rows) if then_threads != now_threads or other]
+    if changed and note is not None:
+        then_threads, now_threads, _ = rows[changed[0]]
+        note(f"the checkpoint was written by workers on {saved['backend']} with {then_threads} torch thread(s) "
+             f"each, this run's are on {now['backend']} with {now_threads} (rank(s) {', '.join(map(str, changed))}): "
+             "it resumes, but may not repeat an uninterrupted run's numbers bit for bit (CPU kernels split sums "
+             f"by thread count, backends sum in different orders); resume on {saved['backend']} with "
+             f"OMP_NUM_THREADS={then_threads} to repeat them (docs/reliability.md, Determinism)")
 
 
 def run_many(comm: Group, cfgs: list[RunConfig]) -> list[dict[str, Any]]:
