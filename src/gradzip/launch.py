@@ -90,13 +90,23 @@ _ORPHANED = 70
 PARENT_POLL_S = 1.0
 
 
+def worker_threads(world_size: int) -> int:
+    """Torch's intra-op thread count in each of ``world_size`` local workers: the
+    ``OMP_NUM_THREADS`` the launcher was given (as torchrun does; it changes the numbers,
+    docs/reliability.md "Determinism"), else an equal share of the machine's cores."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) >= 1:
+        return int(given)
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 def _worker(rank: int, world_size: int, port: int, agent_store: bool, timeout_s: float, results,
             fn, args, parent_pid: int) -> None:
     die_with_parent(parent_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       TORCHELASTIC_USE_AGENT_STORE=str(agent_store))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(worker_threads(world_size))
     try:
         group = init_from_env(timeout_s=timeout_s)
         out = fn(group, *args)

@@ -14,8 +14,9 @@ hook residuals and (local SGD, CSER, ...) model replicas differ per rank, and a 
 rank 0's alone drifts. Both strategies gather every rank's state into the checkpoint
 (``checkpoint["gradzip"]["ranks"][r]``: the hook state, every optimizer's state, and the
 module's weights where an optimizer's replicas differ) and each rank restores its own, so
-``trainer.fit(model, ckpt_path=...)`` continues bit for bit. Resume with the world size that
-saved it.
+``trainer.fit(model, ckpt_path=...)`` continues bit for bit from a checkpoint taken at an
+epoch's end; from one taken mid-epoch it does not (Lightning restarts a plain data loader
+from the epoch's start, with plain DDP too). Resume with the world size that saved it.
 """
 from __future__ import annotations
 

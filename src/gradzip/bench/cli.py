@@ -21,6 +21,7 @@ from .. import stragglers
 from ..planner import TRANSPORTS as PSYNC_TRANSPORTS
 from ..twophase import check_round_bytes
 from ..errors import GradzipError
+from ..files import write_text
 from ..train.config import parse_algos
 from . import emulated, peers, tables, timeline
 from .costs import TRANSPORTS
@@ -304,6 +305,6 @@ def run_model(args, command: str) -> dict[str, Any]:
         print(tables.codec_table(rows) + "\n")
         print(tables.projection_table(rows) + "\n")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_text(args.out, json.dumps(result, indent=1))
     print(f"wrote {args.out}")
     return result

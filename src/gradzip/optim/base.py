@@ -63,6 +63,14 @@ from .guard import NonFiniteGuard
 from .options import check_group, check_hyperparameters
 
 
+def derived_setting(name: str) -> bool:
+    """Whether the :meth:`DistributedOptimizer.describe` field ``name`` follows from other
+    settings (the world size, parameter shapes and values, an exchange's transport plan):
+    a comparison of settings names the setting that differs before these."""
+    return (name in ("world size", "parameter shapes") or name.startswith("parameter #")
+            or (name.startswith("exchange ") and name.endswith(" transport")))
+
+
 class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer):
     """Base of every method. ``comm=None``: the default torch.distributed group when one is
     initialised, else a world of one."""
