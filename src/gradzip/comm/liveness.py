@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..errors import first_line
 from .base import PeerFailure, ranks_text
 
 #: Seconds between two heartbeats of a process.
@@ -221,7 +222,7 @@ class Heartbeat:
                 try:
                     self.store.set(f"hb/{self.rank}", value)
                 except Exception as exc:  # noqa: BLE001 - the store host is gone: stop writing
-                    self.store_error = _first_line(exc)
+                    self.store_error = first_line(exc)
         self.beat += 1
 
     def announce(self, state: str, why: str, lost) -> None:
@@ -244,7 +245,7 @@ class Heartbeat:
                     with self._io:
                         self._read_infos(self.store, range(self.world_size))
                 except Exception as exc:  # noqa: BLE001 - the store host is gone: stop
-                    self.store_error = _first_line(exc)
+                    self.store_error = first_line(exc)
             if self.store_error is not None:
                 return
         # "left" tells peers still in the group; once the group is destroyed its store's host
@@ -290,7 +291,7 @@ class Heartbeat:
                         for r, v in zip(present, self.probe.multi_get([f"hb/{r}" for r in present])):
                             seen[r] = json.loads(v)
                 except Exception as exc:  # noqa: BLE001 - the store host is gone
-                    store_error = _first_line(exc)
+                    store_error = first_line(exc)
             for r, value in seen.items():
                 if first.setdefault(r, value["beat"]) != value["beat"]:
                     advanced.add(r)
@@ -425,7 +426,7 @@ def startup_verdict(base, rank: int, world_size: int) -> Verdict:
         launched = _records(store, "launched", [r for r in peers if r not in arrived])
     except Exception as exc:  # noqa: BLE001 - the store's host is gone, stopped or not started yet
         host = "rank 0" if _store_on_rank0() else "the launcher (torchrun's agent or run_processes)"
-        return Verdict(f"the c10d store at {_store_address()} is unreachable ({_first_line(exc)}): its host, "
+        return Verdict(f"the c10d store at {_store_address()} is unreachable ({first_line(exc)}): its host, "
                        f"{host}, is gone, stopped or still starting", (0,) if _store_on_rank0() and rank != 0 else ())
     here = _host_key()
 
@@ -454,7 +455,3 @@ def startup_verdict(base, rank: int, world_size: int) -> Verdict:
 
 
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:200]

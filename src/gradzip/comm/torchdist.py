@@ -19,7 +19,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from ..errors import GradzipError
+from ..errors import GradzipError, first_line
 from .base import DEFAULT_TIMEOUT_S, TIMEOUT_HINT, Group, PeerFailure, Work, check_timeout
 from .liveness import Heartbeat, Verdict, announce_start, attempt_prefix, sequence, startup_verdict
 
@@ -224,7 +224,7 @@ def _gloo_says(exc: BaseException) -> tuple[str, str]:
     """(backend name, the first sentence of its error without source paths and advice)."""
     text = str(exc).strip()
     backend = "gloo" if "gloo" in text.lower() else "nccl" if "nccl" in text.lower() else "torch.distributed"
-    text = text.splitlines()[0] if text else type(exc).__name__
+    text = first_line(exc, limit=1000)
     text = re.sub(r"^\[[^\]]*:\d+\]\s*", "", text)
     text = text.split(" This is typically caused")[0].split(", keys: ")[0].strip()
     return backend, text[:300]
