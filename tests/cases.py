@@ -5,6 +5,7 @@ import torch
 
 from checkpoint_diff import differences
 
+from gradzip import kernels
 from gradzip.comm import allgather_wire_bytes, allreduce_wire_bytes
 
 
@@ -32,6 +33,52 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     as_int = _INT_OF[a.element_size()]
     ia, ib = a.detach().contiguous().view(as_int), b.detach().contiguous().view(as_int)
     return torch.equal(ia[~nan], ib[~nan])
+
+
+def codec_outputs(codec, x: torch.Tensor, mode: str, n: int = 3, seed: int = 5) -> dict:
+    """Everything ``codec`` computes for ``x`` under the kernel ``mode``, on ``x``'s device, into
+    fresh buffers: the packet, the decoded tensor (also into ``out=``), the packet and residual
+    of ``compress_residual``, the aggregate of ``n`` packets and of one, and where packets sum,
+    the summand and the aggregate from the sum (wide and in the summand's own dtype)."""
+    got = {}
+    with kernels.use(mode):
+        packet = got["packet"] = codec.compress(x, seed=seed)
+        got["decoded"] = codec.decompress(packet)
+        out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+        got["decoded_out"] = codec.decompress(packet, out=out)
+        assert got["decoded_out"] is out
+        residual = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+        got["packet_r"] = codec.compress_residual(x, seed, residual)
+        got["residual"] = residual
+        packets = [codec.compress(x * k if k else x, seed=seed + k) for k in range(n)]
+        got["aggregate"] = codec.aggregate(packets)
+        got["aggregate_of_one"] = codec.aggregate(packets[:1])
+        if codec.sum_dtype(n, x.dtype) is not None:
+            summands = [codec.summand(p, n) for p in packets]
+            got["summand"] = summands[0]
+            wide = summands[0].to(torch.int32) if not summands[0].is_floating_point() else summands[0].clone()
+            for s in summands[1:]:
+                wide += s
+            got["from_sum_wide"] = codec.from_sum(wide, packets[0], n)
+            if not summands[0].is_floating_point():
+                got["from_sum_narrow"] = codec.from_sum(wide.to(summands[0].dtype), packets[0], n)
+    return got
+
+
+def same_outputs(a: dict, b: dict) -> list[str]:
+    """The keys of two :func:`codec_outputs` whose values differ (packets: wire names, dtypes
+    and bits; tensors: :func:`same_bits`)."""
+    assert a.keys() == b.keys()
+    differ = []
+    for key in a:
+        if key.startswith("packet"):
+            p, q = a[key], b[key]
+            if not (p.wire.keys() == q.wire.keys() and p.shape == q.shape and p.dtype == q.dtype
+                    and all(same_bits(p.wire[k].cpu(), q.wire[k].cpu()) for k in p.wire)):
+                differ.append(key)
+        elif not same_bits(a[key].cpu(), b[key].cpu()):
+            differ.append(key)
+    return differ
 
 
 def collectives(comm):
