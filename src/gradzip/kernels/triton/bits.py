@@ -20,7 +20,7 @@ import triton.language as tl
 from .launch import BLOCK, blocks, chunks, finish, load_codes, run, narrow, store_packed, target, widen16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nbytes"])
 def _encode(x_ptr, thr_ptr, table_ptr, packed_ptr, res_ptr, n, nbytes,
             BITS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
@@ -39,7 +39,7 @@ def _encode(x_ptr, thr_ptr, table_ptr, packed_ptr, res_ptr, n, nbytes,
         tl.store(res_ptr + offs, narrow(r, res_ptr.dtype.element_ty), mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nbytes"])
 def _decode(packed_ptr, table_ptr, out_ptr, n, nbytes, BITS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
@@ -47,7 +47,7 @@ def _decode(packed_ptr, table_ptr, out_ptr, n, nbytes, BITS: tl.constexpr, BLOCK
     tl.store(out_ptr + offs, tl.load(table_ptr + code), mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nbytes"])
 def _counts(ptrs, out_ptr, step_ptr, n, nbytes, NP: tl.constexpr, BITS: tl.constexpr,
             FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr):
     """Σ_i of the packets' codes as −1, 0, +1 (``sign``: bit 1 = +1, 0 = −1; ``2bit``: 11 = +1,
@@ -75,7 +75,7 @@ def _counts(ptrs, out_ptr, step_ptr, n, nbytes, NP: tl.constexpr, BITS: tl.const
     tl.store(out_ptr + offs, r, mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _from_counts(total_ptr, step_ptr, out_ptr, n, VOTE: tl.constexpr, BLOCK: tl.constexpr):
     """The aggregate from an allreduced count: ``sign(count)`` in the output's dtype (VOTE),
     else ``float32(count)·step``."""
@@ -89,7 +89,7 @@ def _from_counts(total_ptr, step_ptr, out_ptr, n, VOTE: tl.constexpr, BLOCK: tl.
     tl.store(out_ptr + offs, r, mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nbytes"])
 def _mean1(ptrs, scales, out_ptr, count_ptr, n, nbytes, NP: tl.constexpr, FIRST: tl.constexpr,
            LAST: tl.constexpr, BLOCK: tl.constexpr):
     """``scaled_sign``'s mean: worker i's entry decodes to ``±scale_i``, added in worker order

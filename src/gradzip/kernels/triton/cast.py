@@ -18,7 +18,7 @@ import triton.language as tl
 from .launch import BLOCK, blocks, chunks, narrow, run, widen16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _summand(x_ptr, out_ptr, count_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
@@ -26,7 +26,7 @@ def _summand(x_ptr, out_ptr, count_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, narrow(tl.math.div_rn(v, tl.load(count_ptr)), out_ptr.dtype.element_ty), mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _mean(ptrs, out_ptr, count_ptr, n, NP: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
           BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

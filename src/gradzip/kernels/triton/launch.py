@@ -18,7 +18,9 @@ MAX_PACKETS = 8
 
 def run(kernel, grid, *args, **meta) -> None:
     """``kernel[grid](*args, **meta)`` with multiply-add contraction off (the spec's float
-    operations one at a time, as the interpreter and torch compute them)."""
+    operations one at a time, as the interpreter and torch compute them). Every kernel marks
+    its sizes ``do_not_specialize``: one compiled variant per dtype and constexprs, not one
+    per size class."""
     kernel[grid](*args, enable_fp_fusion=False, **meta)
 
 

@@ -40,7 +40,7 @@ def fold(acc, STEPS: tl.constexpr):
     return tl.sum(acc, 0)   # one lane left: its value
 
 
-@triton.jit(do_not_specialize=["d"])
+@triton.jit(do_not_specialize=["n", "d"])
 def _block_sums(x_ptr, partials_ptr, packed_ptr, final_ptr, n, d, SQUARE: tl.constexpr, PACK: tl.constexpr,
                 FINAL: tl.constexpr):
     """``partials[b]`` = block b's sum of ``|v|`` (or ``v·v``, rounded in the input's dtype);
@@ -91,7 +91,7 @@ def ordered_sum(x: torch.Tensor, square: bool = False, final: int = NONE, out: t
         level, first = partials, False
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _abs_max(x_ptr, top_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     bits = tl.load(x_ptr + offs, mask=offs < n, other=0) & 0x7FFFFFFF

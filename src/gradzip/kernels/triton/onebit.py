@@ -23,7 +23,7 @@ TILE = 1024
 _LINES = tl.constexpr(LINES)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "width", "nblocks"])
 def _lanes(x_ptr, lanes_ptr, counts_ptr, packed_ptr, n, width, nblocks, PACK: tl.constexpr, TILE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     lane = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -63,7 +63,7 @@ def lanes(v: torch.Tensor, cols: int, packed: torch.Tensor) -> tuple[torch.Tenso
     return sums, counts, pack
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nbytes", "cols"])
 def _decode(ptrs, means, out_ptr, x_ptr, count_ptr, n, nbytes, cols, NP: tl.constexpr, MODE: tl.constexpr,
             FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr):
     """Entry j of packet i decodes to its column's non-negative mean where its bit is 1, else

@@ -23,7 +23,7 @@ from .launch import BLOCK, blocks, chunks, finish, load_codes, run, store_packed
 from .rng import uniform
 
 
-@triton.jit(do_not_specialize=["k0", "k1"])
+@triton.jit(do_not_specialize=["n", "nbytes", "k0", "k1"])
 def _qsgd_encode(x_ptr, norm_ptr, packed_ptr, res_ptr, n, nbytes, k0, k1, LEVELS: tl.constexpr,
                  BITS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
@@ -44,7 +44,7 @@ def _qsgd_encode(x_ptr, norm_ptr, packed_ptr, res_ptr, n, nbytes, k0, k1, LEVELS
         tl.store(res_ptr + offs, v - (code.to(tl.float32) - s) * step, mask=inside)
 
 
-@triton.jit(do_not_specialize=["k0", "k1"])
+@triton.jit(do_not_specialize=["n", "nbytes", "k0", "k1"])
 def _terngrad_encode(x_ptr, s_ptr, packed_ptr, res_ptr, n, nbytes, k0, k1, RESIDUAL: tl.constexpr,
                      BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
@@ -73,7 +73,7 @@ def _decoded(packed_ptr, scalar_ptr, offs, nbytes, LEVELS: tl.constexpr, BITS: t
     return sign * scalar
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nbytes"])
 def _mean(ptrs, scalars, out_ptr, count_ptr, n, nbytes, NP: tl.constexpr, LEVELS: tl.constexpr,
           BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, DIVIDE: tl.constexpr, BLOCK: tl.constexpr):
     """The decoded packets added in worker order into the float32 output (the first one not

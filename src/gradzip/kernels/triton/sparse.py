@@ -26,7 +26,7 @@ from .rng import keyed_hash
 SCAN = 4096
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["lo", "hi", "mask", "n", "cap"])
 def _scan(bits_ptr, lo, hi, mask, count_ptr, idx_ptr, val_ptr, res_ptr, n, cap, COPY: tl.constexpr,
           BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -74,7 +74,7 @@ def scan(flat: torch.Tensor, threshold, residual: torch.Tensor | None = None,
     raise AssertionError("unreachable: the second scan has room for every candidate")
 
 
-@triton.jit(do_not_specialize=["k0", "k1"])
+@triton.jit(do_not_specialize=["k0", "k1", "bound", "n", "cap"])
 def _below(k0, k1, bound, count_ptr, idx_ptr, hash_ptr, n, cap, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     h = keyed_hash(offs, k0, k1).to(tl.int64)
