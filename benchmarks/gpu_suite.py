@@ -16,7 +16,8 @@ run cut short still leaves what it measured):
    same tensor (and compress alone, randomk's target).
 3. ``aggregate``: the mean of 8 packets (the allgather aggregate, one pass) against reading
    the 8 packets once and writing the float32 output once at the copy's rate.
-4. ``topk``: ``topk`` and ``dgc`` at 1% against ``torch.topk(|x|, k)``.
+4. ``topk``: ``topk`` and ``dgc`` at 1% against ``torch.topk(|x|, k)``; ``powersgd``: PowerSGD's
+   orthogonalisation of ResNet-50's ``P̂`` per step, torch's (a kernel only where it shows).
 5. ``compute``, ``methods``, ``cdsgd`` (:mod:`benchmarks.gpu_steps`): ResNet-50 bf16 forward +
    backward at batch 32 and 128; each gradzip method's step overhead on one GPU (world size 1
    over NCCL, and 2 ranks of gloo over CUDA tensors); the CD-SGD exchange on its side stream
@@ -55,8 +56,8 @@ MODES = ("torch", "triton")
 #: imports (tomli-w, say, is not on the device image) and of their collection time.
 CUDA_TEST_FILES = ("tests/test_kernels_triton.py", "tests/test_compressors.py", "tests/test_kernels_quantize.py")
 #: Each phase's share of the budget (fractions, cumulative deadlines from the start).
-DEADLINES = {"tests": 0.38, "codecs": 0.58, "aggregate": 0.66, "topk": 0.71, "compute": 0.76,
-             "methods": 0.93, "cdsgd": 1.0}
+DEADLINES = {"tests": 0.38, "codecs": 0.58, "aggregate": 0.66, "topk": 0.70, "powersgd": 0.72,
+             "compute": 0.77, "methods": 0.93, "cdsgd": 1.0}
 
 
 class Settings:
@@ -206,6 +207,34 @@ def measure_topk(settings: Settings) -> list[dict]:
     return rows
 
 
+# -- phase: powersgd -------------------------------------------------------------------------
+def measure_orthogonalize(settings) -> list[dict]:
+    """PowerSGD's orthogonalisation of ``P̂`` for ResNet-50 (torch's, as the method runs it: one
+    call per group of equally shaped matrices), per step, at rank 1, 2 and 4: whether a
+    kernel could gain anything against the step it sits in (the Gram-Schmidt of ``r <= 2``
+    is a few small launches per group; QR above)."""
+    import torch
+    from gradzip.bench.shapes import resnet50_shapes
+    from gradzip.compressors.powersgd import effective_rank, matrix_shape, orthogonalize, should_compress
+    shapes = resnet50_shapes()[:8] if settings.dry else resnet50_shapes()
+    rows = []
+    for rank in (1, 2, 4):
+        groups: dict[tuple[int, int], int] = {}
+        for shape in shapes:
+            if should_compress(shape, rank, 2.0):
+                key = (matrix_shape(shape)[0], effective_rank(shape, rank))
+                groups[key] = groups.get(key, 0) + 1
+        ps = [torch.randn(count, n, r, device=settings.device) for (n, r), count in groups.items()]
+        work = [p.clone() for p in ps]
+
+        def run():
+            for w, p in zip(work, ps):
+                orthogonalize(w.copy_(p))
+        t = median_s(run, settings)
+        rows.append({"rank": rank, "groups": len(ps), "entries": sum(p.numel() for p in ps), "ms": t * 1e3})
+    return rows
+
+
 # -- the report ------------------------------------------------------------------------------
 def environment(settings: Settings) -> dict:
     import torch
@@ -261,6 +290,11 @@ def markdown(result: dict, command: str) -> str:
             lines.append(f"| {_size(r['size'])} | {r['torch_topk_ms']:.3f} | {a['ms']:.3f} ({a['vs_torch_topk']:.2f}) | "
                          f"{b['ms']:.3f} ({b['vs_torch_topk']:.2f}) |")
         lines.append("")
+    ortho = result.get("powersgd")
+    if isinstance(ortho, list) and ortho:
+        parts = ", ".join(f"rank {r['rank']}: {r['ms']:.3f} ms ({r['groups']} groups)" for r in ortho)
+        lines += [f"**PowerSGD's orthogonalisation** of P̂ per step, ResNet-50, torch: {parts}; a kernel pays only "
+                  "where this is a visible share of the step (the compute table below).", ""]
     lines += gpu_steps.markdown(result)
     skipped = [k for k, v in result.items() if isinstance(v, dict) and v.get("skipped")]
     if skipped:
@@ -299,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         "codecs": lambda left: measure_codecs(settings),
         "aggregate": lambda left: measure_aggregate(settings),
         "topk": lambda left: measure_topk(settings),
+        "powersgd": lambda left: measure_orthogonalize(settings),
         "compute": lambda left: gpu_steps.measure_compute(settings),
         "methods": lambda left: gpu_steps.measure_methods(settings, left),
         "cdsgd": lambda left: gpu_steps.measure_cdsgd(settings, out),

@@ -23,7 +23,7 @@ def test_the_dry_run_runs_every_phase(tmp_path):
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "gpu_suite.json").read_text())
-    phases = ("tests", "codecs", "aggregate", "topk", "compute", "methods", "cdsgd")
+    phases = ("tests", "codecs", "aggregate", "topk", "powersgd", "compute", "methods", "cdsgd")
     assert [p for p in phases if not isinstance(result[p], list) and "skipped" in result[p]] == []
     assert result["tests"]["ok"] and result["tests"]["counts"]["passed"] >= 2
     assert {r["codec"] for r in result["codecs"]} >= {"sign", "qsgd", "1bit", "bf16", "randomk:ratio=0.01"}
