@@ -65,20 +65,45 @@ def codec_outputs(codec, x: torch.Tensor, mode: str, n: int = 3, seed: int = 5) 
     return got
 
 
+def same_packet(a, b) -> bool:
+    """Two packets with the same wire names, shapes, dtypes and bits (:func:`same_bits`)."""
+    return (a.wire.keys() == b.wire.keys() and a.shape == b.shape and a.dtype == b.dtype
+            and all(same_bits(a.wire[k].cpu(), b.wire[k].cpu()) for k in a.wire))
+
+
 def same_outputs(a: dict, b: dict) -> list[str]:
-    """The keys of two :func:`codec_outputs` whose values differ (packets: wire names, dtypes
-    and bits; tensors: :func:`same_bits`)."""
+    """The keys of two :func:`codec_outputs` whose values differ (packets: :func:`same_packet`;
+    tensors: :func:`same_bits`)."""
     assert a.keys() == b.keys()
-    differ = []
-    for key in a:
-        if key.startswith("packet"):
-            p, q = a[key], b[key]
-            if not (p.wire.keys() == q.wire.keys() and p.shape == q.shape and p.dtype == q.dtype
-                    and all(same_bits(p.wire[k].cpu(), q.wire[k].cpu()) for k in p.wire)):
-                differ.append(key)
-        elif not same_bits(a[key].cpu(), b[key].cpu()):
-            differ.append(key)
-    return differ
+    return [key for key in a if not (same_packet(a[key], b[key]) if key.startswith("packet")
+                                     else same_bits(a[key].cpu(), b[key].cpu()))]
+
+
+#: Values a codec must treat as torch does: zeros, infinities, NaNs, subnormals, values at
+#: and around the 2bit thresholds, beyond float16's range.
+SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-45, -1e-45, 1e-40, 0.01, -0.01,
+           0.5, -0.5, 0.009999999776482582, -0.009999999776482582, 1e-8, 70000.0, -3e38]
+
+
+def codec_input(shape, dtype, seed, special=True, layout="contiguous", ties=False, device="cpu") -> torch.Tensor:
+    """A codec test tensor: N(0, 0.02) entries, 30% of them :data:`SPECIAL` values when
+    ``special``, every fourth equal to the second when ``ties``; ``layout``: ``transposed``
+    or ``strided`` (the same shape, not contiguous)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.02
+    flat = x.view(-1)
+    if special and flat.numel():
+        picks = torch.randint(len(SPECIAL), (flat.numel(),), generator=gen)
+        where = torch.rand(flat.numel(), generator=gen) < 0.3
+        flat[where] = torch.tensor(SPECIAL, dtype=torch.float64)[picks[where]]
+    if ties and flat.numel() > 4:
+        flat[::4] = flat[1]
+    x = x.to(dtype).to(device)
+    if layout == "transposed" and x.dim() >= 2:
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+    if layout == "strided" and x.dim() >= 1:
+        return torch.stack([x, x], dim=-1)[..., 0]
+    return x
 
 
 def collectives(comm):

@@ -14,33 +14,16 @@ pytest.importorskip("triton")
 from gradzip import kernels  # noqa: E402
 from gradzip.compressors import build  # noqa: E402
 
-from cases import codec_outputs, same_bits, same_outputs  # noqa: E402
+from cases import codec_input, codec_outputs, same_bits, same_outputs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(DEVICE == "cpu" and not kernels.interpreted(),
                                                     reason="no CUDA device and TRITON_INTERPRET is not set"),
               pytest.mark.filterwarnings("ignore::RuntimeWarning")]   # numpy under the interpreter: inf, NaN
 
-SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, 1e-40, 0.01, -0.01, 0.5, -0.5, 7e4, -3e38]
-
-
 def make(shape, dtype=torch.float32, seed=0, special=True, layout="contiguous", ties=False) -> torch.Tensor:
-    """A test tensor on the device: N(0, 0.02) entries, 30% special values when ``special``,
-    every fourth entry equal to the second when ``ties``; ``layout="transposed"``: the same
-    shape, not contiguous."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.02
-    flat = x.view(-1)
-    if special and flat.numel():
-        picks = torch.randint(len(SPECIAL), (flat.numel(),), generator=gen)
-        where = torch.rand(flat.numel(), generator=gen) < 0.3
-        flat[where] = torch.tensor(SPECIAL, dtype=torch.float64)[picks[where]]
-    if ties and flat.numel() > 4:
-        flat[::4] = flat[1]
-    x = x.to(dtype).to(DEVICE)
-    if layout == "transposed":
-        return x.transpose(0, 1).contiguous().transpose(0, 1)
-    return x
+    """:func:`cases.codec_input` on the device."""
+    return codec_input(shape, dtype, seed, special, layout, ties, DEVICE)
 
 
 def check(spec: str, x: torch.Tensor) -> None:

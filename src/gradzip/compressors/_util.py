@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -199,6 +199,59 @@ def above_threshold(flat: torch.Tensor, threshold) -> torch.Tensor:
     idx = [torch.nonzero(torch.abs(flat[lo:lo + piece]) >= threshold).view(-1) + lo
            for lo in range(0, numel, piece)]
     return torch.cat(idx) if len(idx) > 1 else idx[0]
+
+
+class EncodesResidual:
+    """Mixin of an implementation whose ``_encode(tensor, seed, reuse, residual)`` writes the
+    packet and, given ``residual`` (flat, contiguous float32 on the tensor's device), the
+    error-feedback residual ``v − C(v)`` in the same pass: ``compress`` and
+    ``compress_residual`` (float32 tensors; others take the reference's two calls) go
+    through it, an ``out`` that is not contiguous through a buffer then copied."""
+
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        return self._encode(tensor, seed, reuse, None)
+
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        if tensor.dtype != torch.float32:
+            return super().compress_residual(tensor, seed, out, reuse)
+        residual = kernels.decode_target(out, tensor.shape, torch.float32, tensor.device)
+        packet = self._encode(tensor, seed, reuse, residual.view(-1))
+        if residual is not out:
+            out.copy_(residual)
+        return packet
+
+    def _encode(self, tensor: torch.Tensor, seed: int, reuse: Packet | None,
+                residual: torch.Tensor | None) -> Packet:
+        raise NotImplementedError
+
+
+class MeanOfDecoded:
+    """Mixin of a Triton implementation whose float32 packets decode through
+    :func:`gradzip.kernels.triton.mean.mean` (``KIND``; the codes in wire ``WIRE``, each
+    packet's scalar in wire ``SCALAR``; :meth:`mean_options` the rest): the decode, and the
+    mean of n packets in one pass over them; other dtypes take the reference."""
+
+    KIND: ClassVar[str]
+    WIRE: ClassVar[str]
+    SCALAR: ClassVar[str]
+
+    def mean_options(self, packet: Packet) -> dict:
+        return {}
+
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        if packet.dtype != torch.float32:
+            return super().decompress(packet, out)
+        return self.mean_of([packet], divide=False, out=out)
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        if packets[0].dtype != torch.float32:
+            return super().aggregate(packets)
+        return self.mean_of(packets)
+
+    def mean_of(self, packets: Sequence[Packet], **options) -> torch.Tensor:
+        return self.mean.mean(self.KIND, [p.wire[self.WIRE] for p in packets], [p.wire[self.SCALAR] for p in packets],
+                              packets[0].shape, **self.mean_options(packets[0]), **options)
 
 
 def decode_add_mean(impl, packets: Sequence[Packet], add) -> torch.Tensor:

@@ -245,8 +245,14 @@ class Implementation(Operations):
     codec in torch code; a kernel backend's subclasses it, overriding what its kernels do
     and leaving the rest (dtypes or layouts its kernels do not take) to the reference."""
 
+    #: Modules of Triton kernels this implementation calls (``gradzip.kernels.triton.<name>``),
+    #: imported (with triton) when it is built and kept as attributes of the same name.
+    kernel_modules: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, codec: "Compressor"):
         self.codec = codec
+        for name in self.kernel_modules:
+            setattr(self, name, kernels.triton_module(name))
 
 
 def device_of(packet: Packet) -> torch.device:

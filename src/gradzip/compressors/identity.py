@@ -12,7 +12,8 @@ The casts are torch's own (``Tensor.copy_`` casts at the speed of a plain copy w
 writes into an existing buffer; only the allocation of a fresh wire costs): ``compress``
 casts into the ``reuse`` packet's wire and ``decompress(out=)`` straight into ``out``. On
 CUDA (:class:`CastTriton`) the summand (``x/n`` cast back) and the mean of n packets are one
-pass each (:mod:`gradzip.kernels.triton.cast`); elsewhere torch, the reference.
+pass each (:mod:`gradzip.kernels.triton.cast`, :mod:`~gradzip.kernels.triton.mean`); elsewhere torch,
+the reference.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from typing import ClassVar
 
 import torch
 
-from .. import kernels
 from .base import Compressor, Implementation, Packet, deliver
 from .capabilities import Summing
 from .registry import register
@@ -66,19 +66,18 @@ class CastReference(Implementation):
 
 
 class CastTriton(CastReference):
-    """A cast's summand and mean of n float32 packets, one pass each, by Triton (CUDA)."""
+    """A cast's summand and mean of n float32 packets, one pass each, by Triton (CUDA):
+    :mod:`gradzip.kernels.triton.cast` and :mod:`gradzip.kernels.triton.mean`."""
 
-    def __init__(self, codec):
-        super().__init__(codec)
-        self.k = kernels.triton_module("cast")
+    kernel_modules = ("cast", "mean")
 
     def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
-        return self.k.summand(packet.wire["x"], world_size)
+        return self.cast.summand(packet.wire["x"], world_size)
 
     def aggregate(self, packets) -> torch.Tensor:
         if packets[0].dtype != torch.float32:
             return super().aggregate(packets)
-        return self.k.mean([p.wire["x"] for p in packets], packets[0].shape)
+        return self.mean.mean("cast", [p.wire["x"] for p in packets], None, packets[0].shape)
 
 
 @dataclass(frozen=True)

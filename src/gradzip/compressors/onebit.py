@@ -22,7 +22,7 @@ import torch
 from .. import kernels
 from ..kernels import quantize
 from . import _util
-from ._util import _lut, decode_add_mean, decode_lut, encode_chunks, matrix_shape
+from ._util import MeanOfDecoded, _lut, decode_add_mean, decode_lut, encode_chunks, matrix_shape
 from .base import Compressor, Implementation, OnImplementation, Packet, deliver
 from .bitpack import packed_nbytes
 from .registry import register
@@ -102,17 +102,14 @@ class OneBitNumba(OneBitReference):
             add=True))
 
 
-class OneBitTriton(OneBitReference):
+class OneBitTriton(MeanOfDecoded, OneBitReference):
     """1bit on CUDA (or Triton's interpreter): the lane sums, counts and bits in one pass
     (:func:`gradzip.kernels.triton.onebit.lanes`; the bits in a pass of their own where a line
     is not whole bytes), the fold to column means in torch (:func:`fold_lanes`); the decode, the
     residual and the mean of n packets in one pass (float32)."""
 
-    def __init__(self, codec):
-        super().__init__(codec)
-        self.k = kernels.triton_module("onebit")
-        self.bits = kernels.triton_module("bits")
-        self.launch = kernels.triton_module("launch")
+    kernel_modules = ("onebit", "bits", "mean", "launch")
+    KIND, WIRE, SCALAR = "onebit", "bits", "means"
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         rows, cols = matrix_shape(tensor.shape)
@@ -121,7 +118,7 @@ class OneBitTriton(OneBitReference):
         flat = self.launch.flat(tensor)
         bits = self.launch.wire_buffer(reuse, "bits", packed_nbytes(flat.numel(), 1), flat.device)
         means = self.launch.wire_buffer(reuse, "means", 2 * cols, flat.device, torch.float32).view(2, cols)
-        lanes, counts, packed = self.k.lanes(flat, cols, bits)
+        lanes, counts, packed = self.onebit.lanes(flat, cols, bits)
         if not packed:
             self.bits.encode(flat, 1, bits)
         pos_n = counts.view(-1, cols).sum(0, dtype=torch.int64)
@@ -133,21 +130,11 @@ class OneBitTriton(OneBitReference):
         if tensor.dtype != torch.float32 or not matrix_shape(tensor.shape)[1]:
             return super().compress_residual(tensor, seed, out, reuse)
         packet = self.compress(tensor, seed, reuse)
-        self.k.decode([packet.wire["bits"]], [packet.wire["means"]], tensor.shape, matrix_shape(tensor.shape)[1],
-                      out, self.launch.flat(tensor))
+        self.mean_of([packet], out=out, x=self.launch.flat(tensor))
         return packet
 
-    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        if packet.dtype != torch.float32:
-            return super().decompress(packet, out)
-        return self.k.decode([packet.wire["bits"]], [packet.wire["means"]], packet.shape,
-                             matrix_shape(packet.shape)[1], out)
-
-    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
-        if packets[0].dtype != torch.float32:
-            return super().aggregate(packets)
-        return self.k.decode([p.wire["bits"] for p in packets], [p.wire["means"] for p in packets],
-                             packets[0].shape, matrix_shape(packets[0].shape)[1])
+    def mean_options(self, packet: Packet) -> dict:
+        return {"cols": matrix_shape(packet.shape)[1]}
 
 
 @register

@@ -26,7 +26,7 @@ from .. import kernels
 from ..kernels import counter_rng, quantize
 from ..validation import is_int, require
 from .sign import l1_norm
-from ._util import as_float32, decode_add_mean, decode_chunks, encode_chunks
+from ._util import EncodesResidual, MeanOfDecoded, as_float32, decode_add_mean, decode_chunks, encode_chunks
 from .base import Compressor, Implementation, OnImplementation, Packet, deliver
 from .bitpack import packed_nbytes
 from .registry import register
@@ -62,18 +62,9 @@ class QSGDReference(Implementation):
         return deliver(dense.to(packet.dtype).view(packet.shape), out)
 
 
-class QSGDNumba(QSGDReference):
+class QSGDNumba(EncodesResidual, QSGDReference):
     """qsgd on the CPU: one read pass for the norm, one numba pass for the codes, their packing
     and the residual (:mod:`gradzip.kernels.quantize`)."""
-
-    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
-        return self._encode(tensor, seed, reuse, None)
-
-    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
-                          reuse: Packet | None = None) -> Packet:
-        if tensor.dtype != torch.float32 or not out.is_contiguous():
-            return super().compress_residual(tensor, seed, out, reuse)
-        return self._encode(tensor, seed, reuse, out)
 
     def _encode(self, tensor: torch.Tensor, seed: int, reuse: Packet | None,
                 residual: torch.Tensor | None) -> Packet:
@@ -102,29 +93,14 @@ class QSGDNumba(QSGDReference):
             p.wire["codes"], s, bits, _step(p.wire["norm"].item(), s), total, add=True))
 
 
-class QSGDTriton(QSGDReference):
+class QSGDTriton(MeanOfDecoded, EncodesResidual, QSGDReference):
     """qsgd on CUDA (or Triton's interpreter): the norm by one ordered read pass
     (:func:`gradzip.kernels.triton.norms.ordered_sum`), the codes, their packing and the residual
     by one more (:mod:`gradzip.kernels.triton.quantize`), the norm never leaving the device;
     the decode, and the mean of n packets in one pass over them."""
 
-    def __init__(self, codec):
-        super().__init__(codec)
-        self.k = kernels.triton_module("quantize")
-        self.norms = kernels.triton_module("norms")
-        self.launch = kernels.triton_module("launch")
-
-    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
-        return self._encode(tensor, seed, reuse, None)
-
-    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
-                          reuse: Packet | None = None) -> Packet:
-        if tensor.dtype != torch.float32:
-            return super().compress_residual(tensor, seed, out, reuse)
-        residual = self.launch.target(out, tensor.shape, torch.float32, tensor.device)
-        packet = self._encode(tensor, seed, reuse, residual.view(-1))
-        self.launch.finish(residual, out)
-        return packet
+    kernel_modules = ("quantize", "norms", "mean", "launch")
+    KIND, WIRE, SCALAR = "qsgd", "codes", "norm"
 
     def _encode(self, tensor: torch.Tensor, seed: int, reuse: Packet | None,
                 residual: torch.Tensor | None) -> Packet:
@@ -133,21 +109,11 @@ class QSGDTriton(QSGDReference):
         norm = self.launch.wire_buffer(reuse, "norm", 1, v.device, torch.float32)
         codes = self.launch.wire_buffer(reuse, "codes", packed_nbytes(v.numel(), bits), v.device)
         self.norms.ordered_sum(v, square=True, final=self.norms.ROOT, out=norm)   # l2_norm's bits
-        self.k.qsgd_encode(v, norm, s, bits, seed, codes, residual)
+        self.quantize.qsgd_encode(v, norm, s, bits, seed, codes, residual)
         return Packet({"norm": norm, "codes": codes}, tensor.shape, tensor.dtype)
 
-    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        s, bits = self.codec.levels, self.codec.bits
-        if packet.dtype == torch.float32:
-            return self.k.mean([packet.wire["codes"]], [packet.wire["norm"]], packet.shape, s, bits, False, out)
-        dense = self.k.mean([packet.wire["codes"]], [packet.wire["norm"]], packet.shape, s, bits, False)
-        return deliver(dense.to(packet.dtype), out)
-
-    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
-        if packets[0].dtype != torch.float32:
-            return super().aggregate(packets)
-        return self.k.mean([p.wire["codes"] for p in packets], [p.wire["norm"] for p in packets],
-                           packets[0].shape, self.codec.levels, self.codec.bits)
+    def mean_options(self, packet: Packet) -> dict:
+        return {"levels": self.codec.levels, "bits": self.codec.bits}
 
 
 @register

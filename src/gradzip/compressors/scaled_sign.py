@@ -25,7 +25,7 @@ import torch
 from .. import kernels
 from ..kernels import elementwise as ek
 from ..validation import require
-from ._util import FUSED_DTYPES, decode_lut, fused_slices, laid_out, rows, value_table, wire_buffer
+from ._util import FUSED_DTYPES, MeanOfDecoded, decode_lut, fused_slices, laid_out, rows, value_table, wire_buffer
 from .base import Compressor, Implementation, OnImplementation, Packet, Slices, deliver
 from .bitpack import packed_nbytes
 from .registry import register
@@ -146,15 +146,12 @@ class ScaledSignNumba(ScaledSignReference):
         return (l1 / np.maximum(lengths, 1)).astype(np.float32)
 
 
-class ScaledSignTriton(ScaledSignReference):
+class ScaledSignTriton(MeanOfDecoded, ScaledSignReference):
     """scaled_sign on CUDA (or Triton's interpreter) by :mod:`gradzip.kernels.triton.bits` and
     :mod:`gradzip.kernels.triton.norms`."""
 
-    def __init__(self, codec):
-        super().__init__(codec)
-        self.k = kernels.triton_module("bits")
-        self.norms = kernels.triton_module("norms")
-        self.launch = kernels.triton_module("launch")
+    kernel_modules = ("bits", "norms", "mean", "launch")
+    KIND, WIRE, SCALAR = "signs", "bits", "scale"
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         if not tensor.dtype.is_floating_point:
@@ -162,7 +159,7 @@ class ScaledSignTriton(ScaledSignReference):
         x, bits, scale = self._buffers(tensor, reuse)
         if self.codec.scale == "rms":
             scale.copy_(rms_scale(x).reshape(1))
-            self.k.encode(x, 1, bits)
+            self.bits.encode(x, 1, bits)
         else:   # the bits and the l1 block sums in one pass, the scale by the last fold
             self.norms.ordered_sum(x, final=self.norms.MEAN, out=scale, packed=bits)
         return Packet({"bits": bits, "scale": scale}, tensor.shape, tensor.dtype)
@@ -177,7 +174,7 @@ class ScaledSignTriton(ScaledSignReference):
         else:
             self.norms.ordered_sum(x, final=self.norms.MEAN, out=scale)
         table = value_table(PM1, x.dtype).to(x.device).mul_(scale.to(x.dtype))   # decompress's values
-        self.k.encode(x, 1, bits, residual=out, table=table)
+        self.bits.encode(x, 1, bits, residual=out, table=table)
         return Packet({"bits": bits, "scale": scale}, tensor.shape, tensor.dtype)
 
     def _buffers(self, tensor: torch.Tensor, reuse: Packet | None):
@@ -190,12 +187,7 @@ class ScaledSignTriton(ScaledSignReference):
             return super().decompress(packet, out)
         bits = packet.wire["bits"]
         table = value_table(PM1, packet.dtype).to(bits.device).mul_(packet.wire["scale"].to(packet.dtype))
-        return self.k.decode(bits, 1, table, packet.shape, out)
-
-    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
-        if packets[0].dtype != torch.float32:
-            return super().aggregate(packets)
-        return self.k.mean1([p.wire["bits"] for p in packets], [p.wire["scale"] for p in packets], packets[0].shape)
+        return self.bits.decode(bits, 1, table, packet.shape, out)
 
 
 @register

@@ -188,17 +188,14 @@ class SignTriton(SignReference):
     the residual in one pass, the decode, the summand, and the vote of n packets in one pass
     over them."""
 
-    def __init__(self, codec):
-        super().__init__(codec)
-        self.k = kernels.triton_module("bits")
-        self.launch = kernels.triton_module("launch")
+    kernel_modules = ("bits", "launch")
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         if not tensor.dtype.is_floating_point:
             return super().compress(tensor, seed, reuse)
         x = self.launch.flat(tensor)
         bits = self.launch.wire_buffer(reuse, "bits", packed_nbytes(x.numel(), 1), x.device)
-        self.k.encode(x, 1, bits)
+        self.bits.encode(x, 1, bits)
         return Packet({"bits": bits}, tensor.shape, tensor.dtype)
 
     def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
@@ -207,29 +204,29 @@ class SignTriton(SignReference):
             return super().compress_residual(tensor, seed, out, reuse)
         x = self.launch.flat(tensor)
         bits = self.launch.wire_buffer(reuse, "bits", packed_nbytes(x.numel(), 1), x.device)
-        self.k.encode(x, 1, bits, residual=out, table=value_table(PM1, x.dtype).to(x.device))
+        self.bits.encode(x, 1, bits, residual=out, table=value_table(PM1, x.dtype).to(x.device))
         return Packet({"bits": bits}, tensor.shape, tensor.dtype)
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         if not packet.dtype.is_floating_point:
             return super().decompress(packet, out)
         bits = packet.wire["bits"]
-        return self.k.decode(bits, 1, value_table(PM1, packet.dtype).to(bits.device), packet.shape, out)
+        return self.bits.decode(bits, 1, value_table(PM1, packet.dtype).to(bits.device), packet.shape, out)
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         if packets[0].dtype != torch.float32:
             return super().aggregate(packets)
-        return self.k.counts([p.wire["bits"] for p in packets], 1, packets[0].shape, None)
+        return self.bits.counts([p.wire["bits"] for p in packets], 1, packets[0].shape, None)
 
     def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
         bits = packet.wire["bits"]
         table = value_table(PM1, self.codec.summand_dtype(world_size)).to(bits.device)
-        return self.k.decode(bits, 1, table, (packet.numel,), None)
+        return self.bits.decode(bits, 1, table, (packet.numel,), None)
 
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
         if not packet.dtype.is_floating_point or total.dtype not in (torch.int8, torch.int16, torch.int32):
             return super().from_sum(total, packet, world_size)
-        return self.k.from_counts(total, packet.shape, packet.dtype, None)
+        return self.bits.from_counts(total, packet.shape, packet.dtype, None)
 
 
 @register

@@ -216,12 +216,10 @@ class TritonScans(Scans):
     """:class:`Scans` by the Triton kernel of :mod:`gradzip.kernels.triton.sparse` (the fix:
     torch at the k sent entries, the reference's own operations)."""
 
-    def __init__(self, codec):
-        super().__init__(codec)
-        self.k = kernels.triton_module("sparse")
+    kernel_modules = ("sparse",)
 
     def scan(self, flat, threshold, residual, expect):
-        return self.k.scan(flat, threshold, residual, expect)
+        return self.sparse.scan(flat, threshold, residual, expect)
 
     def fix_residual(self, residual, flat, idx, added) -> None:
         sent = flat.index_select(0, idx)
@@ -361,12 +359,10 @@ class RandomKTriton(RandomKReference):
     never on the CPU; the gather, the residual (a copy plus the k drawn entries), the decode
     and the mean of n packets by torch on the device."""
 
-    def __init__(self, codec):
-        super().__init__(codec)
-        self.k = kernels.triton_module("sparse")
+    kernel_modules = ("sparse",)
 
     def indices(self, numel: int, seed: int, device) -> torch.Tensor:
-        return counter_rng.smallest_hashes(seed, numel, self.codec.count(numel), device, self.k.below)
+        return counter_rng.smallest_hashes(seed, numel, self.codec.count(numel), device, self.sparse.below)
 
     def _gather(self, flat: torch.Tensor, idx: torch.Tensor, reuse: Packet | None) -> torch.Tensor:
         values = _util.wire_buffer(reuse, "values", idx.numel(), flat.dtype, flat.device)

@@ -20,7 +20,7 @@ import torch
 
 from .. import kernels
 from ..kernels import counter_rng, quantize
-from ._util import as_float32, decode_add_mean, decode_lut, encode_chunks
+from ._util import EncodesResidual, MeanOfDecoded, as_float32, decode_add_mean, decode_lut, encode_chunks
 from .base import Compressor, Implementation, OnImplementation, Packet, deliver
 from .bitpack import packed_nbytes
 from .registry import register
@@ -53,18 +53,9 @@ class TernGradReference(Implementation):
         return deliver(dense.mul_(packet.wire["scale"]).to(packet.dtype).view(packet.shape), out)
 
 
-class TernGradNumba(TernGradReference):
+class TernGradNumba(EncodesResidual, TernGradReference):
     """terngrad on the CPU: an integer-max pass for ``s``, one numba pass for the codes, their
     packing and the residual (:mod:`gradzip.kernels.quantize`)."""
-
-    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
-        return self._encode(tensor, seed, reuse, None)
-
-    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
-                          reuse: Packet | None = None) -> Packet:
-        if tensor.dtype != torch.float32 or not out.is_contiguous():
-            return super().compress_residual(tensor, seed, out, reuse)
-        return self._encode(tensor, seed, reuse, out)
 
     def _encode(self, tensor: torch.Tensor, seed: int, reuse: Packet | None,
                 residual: torch.Tensor | None) -> Packet:
@@ -88,49 +79,25 @@ class TernGradNumba(TernGradReference):
             p.wire["codes"], p.wire["scale"].item(), total, add=True))
 
 
-class TernGradTriton(TernGradReference):
+class TernGradTriton(MeanOfDecoded, EncodesResidual, TernGradReference):
     """terngrad on CUDA (or Triton's interpreter): ``s`` by an integer-max pass
     (:func:`gradzip.kernels.triton.norms.abs_max`), the codes, their packing and the residual by
     one more (:mod:`gradzip.kernels.triton.quantize`), ``s`` never leaving the device; the
     decode, and the mean of n packets in one pass over them."""
 
-    def __init__(self, codec):
-        super().__init__(codec)
-        self.k = kernels.triton_module("quantize")
-        self.norms = kernels.triton_module("norms")
-        self.launch = kernels.triton_module("launch")
-
-    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
-        return self._encode(tensor, seed, reuse, None)
-
-    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
-                          reuse: Packet | None = None) -> Packet:
-        if tensor.dtype != torch.float32:
-            return super().compress_residual(tensor, seed, out, reuse)
-        residual = self.launch.target(out, tensor.shape, torch.float32, tensor.device)
-        packet = self._encode(tensor, seed, reuse, residual.view(-1))
-        self.launch.finish(residual, out)
-        return packet
+    kernel_modules = ("quantize", "norms", "mean", "launch")
+    KIND, WIRE, SCALAR = "terngrad", "codes", "scale"
 
     def _encode(self, tensor: torch.Tensor, seed: int, reuse: Packet | None,
                 residual: torch.Tensor | None) -> Packet:
         v = as_float32(tensor.detach()).contiguous()
         scale = self.norms.abs_max(v, self.launch.wire_buffer(reuse, "scale", 1, v.device, torch.float32))
         codes = self.launch.wire_buffer(reuse, "codes", packed_nbytes(v.numel(), 2), v.device)
-        self.k.terngrad_encode(v, scale, seed, codes, residual)
+        self.quantize.terngrad_encode(v, scale, seed, codes, residual)
         return Packet({"codes": codes, "scale": scale}, tensor.shape, tensor.dtype)
 
-    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        if packet.dtype == torch.float32:
-            return self.k.mean([packet.wire["codes"]], [packet.wire["scale"]], packet.shape, 0, 2, False, out)
-        dense = self.k.mean([packet.wire["codes"]], [packet.wire["scale"]], packet.shape, 0, 2, False)
-        return deliver(dense.to(packet.dtype), out)
-
-    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
-        if packets[0].dtype != torch.float32:
-            return super().aggregate(packets)
-        return self.k.mean([p.wire["codes"] for p in packets], [p.wire["scale"] for p in packets],
-                           packets[0].shape, 0, 2)
+    def mean_options(self, packet: Packet) -> dict:
+        return {"bits": 2}
 
 
 @register

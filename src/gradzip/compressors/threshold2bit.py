@@ -188,10 +188,7 @@ class TwoBitTriton(TwoBitReference):
     the residual in one pass, the decode, the summand, and the aggregate of n packets in one
     pass over them."""
 
-    def __init__(self, codec):
-        super().__init__(codec)
-        self.k = kernels.triton_module("bits")
-        self.launch = kernels.triton_module("launch")
+    kernel_modules = ("bits", "launch")
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         return self._encode(tensor, reuse, None)
@@ -208,27 +205,27 @@ class TwoBitTriton(TwoBitReference):
         codes = self.launch.wire_buffer(reuse, "codes", packed_nbytes(x.numel(), 2), x.device)
         threshold = torch.tensor([self.codec.threshold], dtype=x.dtype).to(x.device)   # as torch rounds p >= t
         table = value_table(self.codec.values, x.dtype).to(x.device) if residual is not None else None
-        self.k.encode(x, 2, codes, threshold, residual, table)
+        self.bits.encode(x, 2, codes, threshold, residual, table)
         return Packet({"codes": codes}, tensor.shape, tensor.dtype)
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         codes = packet.wire["codes"]
-        return self.k.decode(codes, 2, value_table(self.codec.values, packet.dtype).to(codes.device), packet.shape, out)
+        return self.bits.decode(codes, 2, value_table(self.codec.values, packet.dtype).to(codes.device), packet.shape, out)
 
     def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
         codes = packet.wire["codes"]
         table = value_table(_SIGNS, self.codec.summand_dtype(world_size)).to(codes.device)
-        return self.k.decode(codes, 2, table, (packet.numel,), None)
+        return self.bits.decode(codes, 2, table, (packet.numel,), None)
 
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
         if packet.dtype != torch.float32 or total.dtype not in (torch.int8, torch.int16, torch.int32):
             return super().from_sum(total, packet, world_size)
-        return self.k.from_counts(total, packet.shape, torch.float32, self.codec.threshold / world_size)
+        return self.bits.from_counts(total, packet.shape, torch.float32, self.codec.threshold / world_size)
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         if packets[0].dtype != torch.float32:
             return super().aggregate(packets)
-        return self.k.counts([p.wire["codes"] for p in packets], 2, packets[0].shape,
+        return self.bits.counts([p.wire["codes"] for p in packets], 2, packets[0].shape,
                              self.codec.threshold / len(packets))
 
 

@@ -2,7 +2,7 @@
 torch ops makes several (docs/benchmarks.md, "Codecs").
 
 Three implementations of every fused codec operation, one chosen per codec instance and
-device (:func:`backend`; a codec keeps its choice, ``Compressor.kernels``):
+device (:func:`backend`; a codec keeps its choice: ``Compressor.impl``):
 
 * ``torch``: the reference, the codec's own torch code (every device);
 * ``numba``: CPU kernels (``@njit``, compiled on first use and cached on disk beside this

@@ -4,14 +4,18 @@ One module per codec family, each importing triton at its top, so that only a co
 Triton implementation (built when :func:`gradzip.kernels.backend` picks ``triton``) loads
 them, through :func:`gradzip.kernels.triton_module`; ``import gradzip`` imports none:
 
-* :mod:`.launch`: launching (no fused multiply-add), buffers, the packing of b-bit codes;
+* :mod:`.launch`: launching (no fused multiply-add), buffers, the packing of b-bit codes,
+  exact 16-bit widening and round-to-nearest-even narrowing;
 * :mod:`.rng`: the counter-based uniforms of :mod:`gradzip.kernels.counter_rng`;
 * :mod:`.bits`: ``sign``, ``scaled_sign``, ``2bit`` (encode with the residual, decode,
-  summands, the aggregate of n packets in one pass);
+  summands, the vote / count of n packets in one pass);
 * :mod:`.norms`: the ordered ℓ1 / ℓ2 sums (docs/algorithms.md §codec: sign, scaled_sign)
   and the exact ``max |v|``;
-* :mod:`.quantize`: ``qsgd`` and ``terngrad``; :mod:`.onebit`: ``1bit``;
-* :mod:`.cast`: ``fp16`` / ``bf16``; :mod:`.sparse`: ``topk``, ``dgc``, ``randomk``.
+* :mod:`.quantize`: ``qsgd``'s and ``terngrad``'s encode; :mod:`.onebit`: ``1bit``'s;
+  :mod:`.cast`: the ``fp16`` / ``bf16`` summand;
+* :mod:`.mean`: the decode-and-accumulate of n packets (and one packet's decode) of every
+  codec whose aggregate is the mean of its decoded packets;
+* :mod:`.sparse`: ``topk`` / ``dgc``'s candidate scan, ``randomk``'s draw.
 
 Bit-identical to the torch reference on every device (tests/test_kernels_triton*.py run
 them under Triton's interpreter, ``TRITON_INTERPRET=1``, on the CPU; the device suite runs

@@ -2,12 +2,12 @@
 scaled_sign, §codec: 2bit): the codes of one or two bits an entry, with the error-feedback
 residual in the same pass, the decode (any output dtype, through the codec's table of
 decoded values), and the aggregate of n packets in one pass over them (the vote counts of
-``sign`` and ``2bit``, exact in float32, or ``scaled_sign``'s mean in worker order).
+``sign`` and ``2bit``, exact in float32; ``scaled_sign``'s mean: :mod:`.mean`).
 
 Float contract (see :mod:`gradzip.kernels.triton`): codes compare in the input's dtype (the
 threshold already rounded to it); the residual ``v − table[code]`` is one subtraction, in
 float32 for 16-bit inputs then rounded once (as torch computes a 16-bit difference); the
-mean adds the decoded values one worker after another and divides once (``div_rn``).
+counts are integers.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import BLOCK, blocks, chunks, finish, load_codes, run, narrow, store_packed, target, widen16
+from .launch import BLOCK, blocks, finish, load_codes, run, narrow, over_packets, store_packed, target, widen16
 
 
 @triton.jit(do_not_specialize=["n", "nbytes"])
@@ -89,27 +89,6 @@ def _from_counts(total_ptr, step_ptr, out_ptr, n, VOTE: tl.constexpr, BLOCK: tl.
     tl.store(out_ptr + offs, r, mask=inside)
 
 
-@triton.jit(do_not_specialize=["n", "nbytes"])
-def _mean1(ptrs, scales, out_ptr, count_ptr, n, nbytes, NP: tl.constexpr, FIRST: tl.constexpr,
-           LAST: tl.constexpr, BLOCK: tl.constexpr):
-    """``scaled_sign``'s mean: worker i's entry decodes to ``±scale_i``, added in worker order
-    in float32 (the first one not added to anything), divided by the count on the last chunk."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < n
-    if not FIRST:
-        acc = tl.load(out_ptr + offs, mask=inside, other=0.0)
-    for i in tl.static_range(NP):
-        s = tl.load(scales[i])
-        d = tl.where(load_codes(ptrs[i], offs, nbytes, 1) == 1, s, -s)
-        if FIRST and i == 0:
-            acc = d
-        else:
-            acc = acc + d
-    if LAST:
-        acc = tl.math.div_rn(acc, tl.load(count_ptr))
-    tl.store(out_ptr + offs, acc, mask=inside)
-
-
 # -- the calls the codecs make (torch tensors in) --------------------------------------------
 def encode(x: torch.Tensor, bits: int, packed: torch.Tensor, threshold: torch.Tensor | None = None,
            residual: torch.Tensor | None = None, table: torch.Tensor | None = None) -> None:
@@ -142,10 +121,7 @@ def counts(wires: Sequence[torch.Tensor], bits: int, shape, step: float | None) 
     out = torch.empty(shape, dtype=torch.float32, device=device)
     n = out.numel()
     step_t = torch.tensor([0.0 if step is None else step], dtype=torch.float32, device=device)
-    wires = [w.contiguous() for w in wires]
-    for first, last, chunk in chunks(wires):
-        run(_counts, blocks(n), chunk, out, step_t, n, wires[0].numel(), NP=len(chunk), BITS=bits,
-            FIRST=first, LAST=last, BLOCK=BLOCK)
+    over_packets(_counts, n, [[w.contiguous() for w in wires]], out, step_t, n, wires[0].numel(), BITS=bits)
     return out
 
 
@@ -156,18 +132,4 @@ def from_counts(total: torch.Tensor, shape, dtype: torch.dtype, step: float | No
     out = torch.empty(shape, dtype=dtype if step is None else torch.float32, device=total.device)
     step_t = torch.tensor([0.0 if step is None else step], dtype=torch.float32, device=total.device)
     run(_from_counts, blocks(out.numel()), total, step_t, out, out.numel(), VOTE=step is None, BLOCK=BLOCK)
-    return out
-
-
-def mean1(wires: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], shape) -> torch.Tensor:
-    """``scaled_sign``'s float32 aggregate of n packets (their bits and float32 scale wires)."""
-    device = wires[0].device
-    out = torch.empty(shape, dtype=torch.float32, device=device)
-    n = out.numel()
-    count = torch.tensor([len(wires)], dtype=torch.float32, device=device)
-    wires = [w.contiguous() for w in wires]
-    pairs = list(zip(wires, scales))
-    for first, last, chunk in chunks(pairs):
-        run(_mean1, blocks(n), tuple(w for w, _ in chunk), tuple(s for _, s in chunk), out, count, n,
-            wires[0].numel(), NP=len(chunk), FIRST=first, LAST=last, BLOCK=BLOCK)
     return out

@@ -3,6 +3,8 @@ codec families share (:mod:`gradzip.compressors.bitpack`'s layout: a big-endian 
 the first code in the top bits of the first byte, a last partial byte padded with 0)."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -55,10 +57,17 @@ def finish(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return out.copy_(result)
 
 
-def chunks(items, size: int = MAX_PACKETS):
-    """``(first, last, chunk)`` for the consecutive chunks of at most ``size`` items."""
-    for start in range(0, len(items), size):
-        yield start == 0, start + size >= len(items), tuple(items[start:start + size])
+def over_packets(kernel, n: int, columns: Sequence[Sequence[torch.Tensor]], *args, **meta) -> None:
+    """Launch an n-packet kernel over ``n`` entries, the packets in chunks of at most
+    :data:`MAX_PACKETS`: per chunk, one tuple per column of ``columns`` (each a per-packet
+    list: wires, scales, ...), then ``args``; ``NP`` (the chunk's packets), ``FIRST``, ``LAST``
+    (its place: the partial result stays in the kernel's output between chunks) and
+    ``BLOCK`` as constexprs."""
+    count = len(columns[0])
+    for start in range(0, count, MAX_PACKETS):
+        chunk = [tuple(column[start:start + MAX_PACKETS]) for column in columns]
+        run(kernel, blocks(n), *chunk, *args, NP=len(chunk[0]), FIRST=start == 0,
+            LAST=start + MAX_PACKETS >= count, BLOCK=BLOCK, **meta)
 
 
 @triton.jit

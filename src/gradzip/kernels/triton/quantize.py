@@ -1,25 +1,22 @@
 """Triton kernels of ``qsgd`` and ``terngrad`` (docs/algorithms.md §codec: qsgd, §codec:
 terngrad): the codes, drawn with the counter-based uniforms (:mod:`.rng`) and packed in the
-same pass, with the error-feedback residual when asked; the decode; and the mean of n packets
-in one pass over them. The scalars a packet needs (qsgd's ``‖v‖₂``, terngrad's ``max |v|``)
+same pass, with the error-feedback residual when asked (their decode and the mean of n
+packets: :mod:`.mean`). The scalars a packet needs (qsgd's ``‖v‖₂``, terngrad's ``max |v|``)
 stay on the device: the encode reads them from the packet's wire, no host synchronisation.
 
 Float contract: one IEEE float32 operation at a time, in the reference's order (qsgd:
 ``scale = s / ‖v‖`` and ``step = ‖v‖ / s`` by ``div_rn``, ``ξ = min(⌊|v|·scale + u⌋, s)``
 as a product then a sum, the code ``s ± ξ`` by the sign bit of ``v`` as ``copysign`` takes
-it; terngrad: ``u·s < |v|``); decoded values ``(code − s)·step`` and ``sign·s``; the mean adds
-them one worker after another and divides once.
+it; terngrad: ``u·s < |v|``); the residual ``v − (code − s)·step`` and ``v − sign·s``.
 """
 from __future__ import annotations
-
-from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from .. import counter_rng
-from .launch import BLOCK, blocks, chunks, finish, load_codes, run, store_packed, target
+from .launch import BLOCK, blocks, run, store_packed
 from .rng import uniform
 
 
@@ -60,39 +57,6 @@ def _terngrad_encode(x_ptr, s_ptr, packed_ptr, res_ptr, n, nbytes, k0, k1, RESID
         tl.store(res_ptr + offs, v - sign * s, mask=inside)
 
 
-@triton.jit
-def _decoded(packed_ptr, scalar_ptr, offs, nbytes, LEVELS: tl.constexpr, BITS: tl.constexpr):
-    """The decoded float32 values of the entries ``offs``: qsgd's ``(code − s)·(‖v‖ / s)``
-    (LEVELS > 0), terngrad's ``sign(code)·s`` (LEVELS = 0; ``scalar`` the packet's float)."""
-    code = load_codes(packed_ptr, offs, nbytes, BITS)
-    scalar = tl.load(scalar_ptr)
-    if LEVELS > 0:
-        s = tl.full((), LEVELS, tl.float32)
-        return (code.to(tl.float32) - s) * tl.math.div_rn(scalar, s)
-    sign = tl.where(code == 3, 1.0, tl.where(code == 2, -1.0, 0.0))
-    return sign * scalar
-
-
-@triton.jit(do_not_specialize=["n", "nbytes"])
-def _mean(ptrs, scalars, out_ptr, count_ptr, n, nbytes, NP: tl.constexpr, LEVELS: tl.constexpr,
-          BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, DIVIDE: tl.constexpr, BLOCK: tl.constexpr):
-    """The decoded packets added in worker order into the float32 output (the first one not
-    added to anything), divided by the count on the last chunk (``DIVIDE``)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < n
-    if not FIRST:
-        acc = tl.load(out_ptr + offs, mask=inside, other=0.0)
-    for i in tl.static_range(NP):
-        d = _decoded(ptrs[i], scalars[i], offs, nbytes, LEVELS, BITS)
-        if FIRST and i == 0:
-            acc = d
-        else:
-            acc = acc + d
-    if LAST and DIVIDE:
-        acc = tl.math.div_rn(acc, tl.load(count_ptr))
-    tl.store(out_ptr + offs, acc, mask=inside)
-
-
 def _blocks(seed: int, n: int):
     """``(start, stop, k0, k1)`` per counter block of ``n`` entries (:mod:`gradzip.kernels.counter_rng`)."""
     for start in range(0, max(n, 1), counter_rng.BLOCK):
@@ -119,20 +83,3 @@ def terngrad_encode(v: torch.Tensor, s: torch.Tensor, seed: int, packed: torch.T
         run(_terngrad_encode, blocks(stop - start), v[start:stop], s, part,
             v if residual is None else residual[start:stop], stop - start, part.numel(), k0, k1,
             RESIDUAL=residual is not None, BLOCK=BLOCK)
-
-
-def mean(wires: Sequence[torch.Tensor], scalars: Sequence[torch.Tensor], shape, levels: int, bits: int,
-         divide: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The decoded float32 packets (codes and their 1-entry float32 ``‖v‖₂`` / ``s``; ``levels``
-    0: terngrad's) added in worker order, divided by their count (``divide``): one packet
-    alone, not divided, is its decode; into ``out`` where it fits."""
-    device = wires[0].device
-    result = target(out, shape, torch.float32, device)
-    n = result.numel()
-    count = torch.tensor([len(wires)], dtype=torch.float32, device=device)
-    pairs = list(zip([w.contiguous() for w in wires], scalars))
-    for first, last, chunk in chunks(pairs):
-        run(_mean, blocks(n), tuple(w for w, _ in chunk), tuple(s for _, s in chunk), result, count, n,
-            pairs[0][0].numel(), NP=len(chunk), LEVELS=levels, BITS=bits, FIRST=first, LAST=last, DIVIDE=divide,
-            BLOCK=BLOCK)
-    return finish(result, out)
