@@ -300,6 +300,25 @@ def test_randomk_dense_ratios_draw_exact_subsets():
         assert idx.numel() == keep_count(ratio, 1000) and torch.equal(idx, idx.unique())
 
 
+@pytest.mark.parametrize("mode", ["torch", "numba"])
+@pytest.mark.parametrize("spec,d", [("topk:ratio=0.1", 200), ("topk:ratio=0.01", 70_000), ("dgc:ratio=0.5", 100)])
+def test_sparsifiers_break_ties_to_the_smaller_index_and_list_indices_ascending(spec, d, mode):
+    """docs/algorithms.md §codec: topk: equal magnitudes at the k-th place go to the smaller
+    indices, and the wire lists the entries in ascending index order (torch.topk leaves both to
+    the device). Magnitudes in few distinct values: every k-th place is a tie."""
+    if mode == "numba" and not kernels.numba_available():
+        pytest.skip("numba is not installed")
+    g = torch.Generator().manual_seed(d)
+    x = torch.randint(-3, 4, (d,), generator=g).float() * 0.5
+    codec = build(spec)
+    k = keep_count(codec.ratio, d)
+    order = sorted(range(d), key=lambda j: (-abs(float(x[j])), j))
+    with kernels.use(mode):
+        packet = codec.compress(x, seed=1)
+    got = packet.wire["indices"].long()[: packet.meta.get("selected", k)].tolist()
+    assert got == sorted(got) and got == sorted(order[:k])
+
+
 @pytest.mark.parametrize("d,k", [(256, 2), (40, 10), (40, 30)])
 def test_randomk_indices_uniform(d, k):
     c = build(f"randomk:ratio={k / d}")
