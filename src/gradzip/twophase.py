@@ -23,7 +23,10 @@ travel. Each stage is one codec call over the bucket's slices
 (:meth:`~gradzip.compressors.Compressor.compress_slices`). Bytes per worker:
 ``Σ_{j≠i} |c_ij| + (n−1)·|ĉ_i|`` ≈ 2(n−1)/n × packet (:meth:`gradzip.planner.Bucket.bytes_for`).
 With ``round_bytes`` each all-to-all is sent in rounds of at most that many bytes per
-message (:func:`rounds`): the same bytes and numbers, more calls.
+message (:func:`rounds`): the same bytes and numbers, more calls; on links that several
+exchanges share (the exchanges of a node's workers behind its uplink) whole messages left
+the link idle a third of the time (docs/benchmarks/transports-and-nodes.md, "Two-phase
+across nodes: what the uplink runs say").
 
 Seeds (the bucket's key: its first tensor's key): phase 1 slice ``j`` uses
 ``mix(seed of (step, key) as for the exact transports, j)``, the second compression of

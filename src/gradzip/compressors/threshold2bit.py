@@ -16,7 +16,7 @@ the exchange never falls back to an allgather because int8 would overflow.
 
 Default threshold 0.01 **[choice]**: MXNet's 0.5 applies to batch-summed gradients,
 gradzip quantizes mean gradients (docs/algorithms.md §codec: 2bit); the sweep that
-chose it is in docs/benchmarks.md, "BIT-SGD threshold on mean gradients".
+chose it is in docs/benchmarks/accuracy.md, "BIT-SGD threshold on mean gradients".
 
 Implementations (``Compressor.impl``): :class:`TwoBitReference` is the torch reference;
 on the CPU the numba kernels of :mod:`gradzip.kernels.elementwise` (:class:`TwoBitNumba`)

@@ -1,5 +1,5 @@
 """The kernel backends behind the codecs: one pass over memory where the reference chain of
-torch ops makes several (docs/benchmarks.md, "Codecs").
+torch ops makes several (docs/benchmarks/codecs.md, "Codecs").
 
 Three implementations of every fused codec operation, one chosen per codec instance and
 device (:func:`backend`; a codec keeps its choice: ``Compressor.impl``):
@@ -7,7 +7,7 @@ device (:func:`backend`; a codec keeps its choice: ``Compressor.impl``):
 * ``torch``: the reference, the codec's own torch code (every device);
 * ``numba``: CPU kernels (``@njit``, compiled on first use and cached on disk beside this
   package; the wheel brings its own LLVM, no compiler is needed; the alternatives measured
-  are in docs/benchmarks.md, "Codecs", "Kernel technology");
+  are in docs/benchmarks/codecs.md, "Codecs", "Kernel technology");
 * ``triton``: GPU kernels (:mod:`gradzip.kernels.triton`, the ``gradzip[gpu]`` extra); on
   CPU tensors only under Triton's interpreter (``TRITON_INTERPRET=1``: the tests).
 

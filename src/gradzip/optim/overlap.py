@@ -29,7 +29,8 @@ composition (≈ 1 ulp, as any change of ``bucket_bytes``).
 
 * one backward per step: a gradient that accumulates again before ``step()`` raises
   :class:`GradzipError`; accumulate over micro-batches inside ``with opt.accumulate():``
-  (hooks idle, like DDP's ``no_sync``), the last backward outside it;
+  (hooks idle, like DDP's ``no_sync``), the last backward outside it; inside ``no_sync()`` of
+  a DDP wrapper with DDP's no-op hook (Accelerate's ``accumulate()``) the hooks idle too;
 * a gradient changed between backward and ``step()`` (clipping, editing by hand; seen by its
   tensor or version counter): the exchange already started from the old one. The control
   allgather tells every worker; all discard it and exchange again from the current
@@ -222,8 +223,9 @@ class GradientExchange(DistributedOptimizer):
                 self._hooked.add(id(p))
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
-        """The hook: feed ``p``'s exchange input, launch the buckets that became ready."""
-        if self._accumulating or not self.overlap_backward:
+        """The hook: feed ``p``'s exchange input, launch the buckets that became ready (not
+        while accumulating: :meth:`accumulate`, or a DDP wrapper's ``no_sync()``)."""
+        if self._accumulating or not self.overlap_backward or self.ddp_accumulating():
             return
         with torch.no_grad():
             run = self._current_run()
@@ -301,6 +303,7 @@ class GradientExchange(DistributedOptimizer):
         the hooks), feed and launch what the hooks did not, run the guards (module docstring)
         and count the step. Returns ``(loss, run, skipped)``."""
         loss = self._evaluate(closure)           # its backward fires the hooks
+        self.refuse_step_while_accumulating()
         run = self._current_run()                # verifies first if no hook did
         self._run = None                         # this step consumes it, whatever happens
         pairs = run.pairs = self.params_with_grad()   # a missing gradient becomes zeros
