@@ -374,6 +374,8 @@ def expected_nbytes(spec: str, shape) -> int:
         return math.ceil(d * math.ceil(math.log2(2 * c.levels + 1)) / 8) + 4
     if name == "terngrad":
         return math.ceil(d / 4) + 4
+    if name == "int8":
+        return d + 4 * math.ceil(d / c.block)
     index_bytes = sparse_index_dtype(d).itemsize
     if name == "topk":
         return (4 + index_bytes) * keep_count(c.ratio, d)
@@ -595,7 +597,7 @@ def test_received_packet_with_shared_meta_decodes():
 
 # -- spec strings --------------------------------------------------------------------------
 def test_registry_order_and_build():
-    assert names() == "none fp16 bf16 2bit 1bit sign scaled_sign qsgd terngrad topk randomk randblock dgc powersgd".split()
+    assert names() == "none fp16 bf16 2bit 1bit sign scaled_sign qsgd terngrad int8 topk randomk randblock dgc powersgd".split()
     c = build("topk:ratio=0.01")
     assert c.name == "topk" and c.ratio == 0.01 and str(c) == "topk:ratio=0.01"
     assert build(None) == build("none") and build(c) is c
