@@ -100,3 +100,42 @@ def test_hsdp_codec_replicas_identical_reference_and_bytes(hsdp):
         assert res["identical"]
         assert res["shard"] == 0.0
         assert res["bytes"] == res["expected_bytes"]
+
+
+# ----------------------------------------------------------------------------- the CLI
+@pytest.mark.parametrize("args, message", [
+    (["train", "--fsdp", "--algo", "efsgd"], "drop --algo efsgd"),
+    (["train", "--weights", "int8"], "--weights belong to FSDP2 runs"),
+    (["train", "--fsdp", "--workers", "2", "--backend", "threads"], "needs torch.distributed processes"),
+    (["train", "--fsdp", "--checkpoint-dir", "{tmp}/ck"], "take no --checkpoint-dir"),
+    (["train", "--fsdp", "--amp", "bf16"], "take no --amp"),
+    (["train", "--fsdp", "--threshold", "0.1"], "fsdp takes no option threshold"),
+    (["train", "--hsdp", "3", "--workers", "4"], "--hsdp 3 does not divide the 4 workers"),
+    (["train", "--fsdp", "--error-memory", "shard", "--error-feedback", "false"], "drop --error-feedback false"),
+    (["compare", "--algos", "ssgd,hsdp@1bit", "--workers", "2"], "needs the number of replicas: add --hsdp R"),
+    (["compare", "--algos", "ssgd,fsdp", "--hsdp", "2", "--workers", "2"], "no method in --algos takes --hsdp"),
+])
+def test_cli_bad_sharded_use_is_one_line(args, message, capsys, tmp_path):
+    from gradzip.cli import main
+
+    code = main([a.replace("{tmp}", str(tmp_path)) for a in args] + ["--epochs", "1", "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and "\n" not in err, err
+
+
+def test_cli_compare_puts_fsdp_and_hsdp_beside_a_method(tmp_path):
+    """hsdp with 2 replicas of one worker each: its exchange across nodes is all there is."""
+    import json
+
+    from gradzip.cli import main
+
+    code = main(["compare", "--algos", "ssgd,fsdp,fsdp@1bit,hsdp@2bit", "--hsdp", "2", "--workers", "2",
+                 "--epochs", "1", "--quiet", "--no-plot", "--bandwidth", "none", "--weights", "int8",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    runs = {s["algo"]: s for s in json.loads((tmp_path / "summary.json").read_text())}
+    assert set(runs) == {"ssgd", "fsdp", "fsdp@1bit", "hsdp@2bit"}
+    assert runs["fsdp@1bit"]["bytes_sent_per_worker"] < runs["fsdp"]["bytes_sent_per_worker"]
+    assert runs["fsdp@1bit"]["compression_ratio"] > 16 and runs["fsdp"]["compression_ratio"] == 1
+    for summary in runs.values():
+        assert summary["final_test_accuracy"] > 0.5 and summary["steps"] == runs["ssgd"]["steps"]
