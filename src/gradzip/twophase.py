@@ -136,23 +136,6 @@ class TwoPhase:
             return None
         return [self.sent.packets[sum(1 for a, b in self.bounds[:j] if b > a)]]
 
-    def reduced(self, waited: Callable[[float, float], None], coded: Callable[[float], None]) -> torch.Tensor:
-        """Phase 1's result on this worker: the codec's aggregate, over every worker's packet,
-        of the slice this worker owns (empty where that slice is); what the compressed
-        reduce-scatter of ``gradzip.fsdp`` keeps (docs/algorithms.md §Sharded exchange).
-        ``waited`` / ``coded`` as for :meth:`finish`."""
-        rank = self.comm.rank
-        began = time.perf_counter()
-        received = self.work.wait()
-        decoding = time.perf_counter()
-        waited(began, decoding)
-        a, b = self.bounds[rank]
-        s = torch.empty(b - a, dtype=self.dtype, device=self.device)
-        if b > a:
-            self.codec.aggregate_slices(received, [(0, b - a)], s, self._template(rank))
-        coded(time.perf_counter() - decoding)
-        return s
-
     def finish(self, server_error: torch.Tensor | None, seed: int, waited: Callable[[float, float], None],
                coded: Callable[[float], None]) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """Phase 2: aggregate this worker's slice, add ``server_error``, compress again
@@ -160,15 +143,20 @@ class TwoPhase:
         aggregate, the new server error of this worker's slice (None when it is empty) and
         the bytes both rounds sent. ``waited(began, ended)`` / ``coded(seconds)`` count time."""
         codec, comm = self.codec, self.comm
-        n = comm.world_size
-        s = self.reduced(waited, coded)
+        n, rank = comm.world_size, comm.rank
+        began = time.perf_counter()
+        received = self.work.wait()
         decoding = time.perf_counter()
+        waited(began, decoding)
+        a, b = self.bounds[rank]
+        s = torch.empty(b - a, dtype=self.dtype, device=self.device)
         error = None
-        if s.numel():
+        if b > a:
+            codec.aggregate_slices(received, [(0, b - a)], s, self._template(rank))
             if server_error is not None:
                 s.add_(server_error)
             error = torch.empty_like(s)
-            back = codec.compress_slices(s, [(0, s.numel())], [seed], error)
+            back = codec.compress_slices(s, [(0, b - a)], [seed], error)
         else:
             back = Slices(torch.empty(0, dtype=torch.uint8, device=self.device), [])
         compressed = time.perf_counter()
