@@ -17,7 +17,6 @@ from gradzip import seeds
 from gradzip.compressors import build
 from gradzip.errors import GradzipError
 from gradzip.integrations.fsdp_collectives import shard_error_codec
-from gradzip.planner import slice_bounds
 
 SEED = 3
 
@@ -93,22 +92,22 @@ class Spy:
         return out
 
 
-def spy_reduce_scatters(model):
+def spy(model, kind: str) -> list[Spy]:
+    """A :class:`Spy` around every module's ``"reduce_scatter"`` or ``"all_gather"``."""
     spies = []
     for m in fsdp_modules(model):
-        spy = Spy(m._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm)
-        m.set_custom_reduce_scatter(spy)
-        spies.append(spy)
+        wrapped = Spy(getattr(m._get_fsdp_state()._fsdp_param_groups[0], f"_{kind}_comm"))
+        getattr(m, f"set_custom_{kind}")(wrapped)
+        spies.append(wrapped)
     return spies
+
+
+def spy_reduce_scatters(model):
+    return spy(model, "reduce_scatter")
 
 
 def spy_all_gathers(model):
-    spies = []
-    for m in fsdp_modules(model):
-        spy = Spy(m._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm)
-        m.set_custom_all_gather(spy)
-        spies.append(spy)
-    return spies
+    return spy(model, "all_gather")
 
 
 def one_line(fn) -> str:
@@ -121,28 +120,53 @@ def one_line(fn) -> str:
 
 
 # ----------------------------------------------------------------------------- references
-def reference_reduce_scatter(codec, inputs, errors, mode, key, step, rank):
-    """The box's compressed reduce-scatter by hand: every worker's ``v``, packets per slice
-    (``compress`` / ``decompress`` one slice at a time), this worker's shard, and every
-    worker's new error memory (dense)."""
+def piece_shapes(model, s):
+    """Per FSDP module, (keys, shapes) of its parameters' pieces of a reduce-scatter row, from
+    the parameters' own shapes: dim 0 in ⌈rows/s⌉ chunks, keys numbered across modules."""
+    out, key = [], 0
+    for m in fsdp_modules(model):
+        shapes = [torch.Size([-(-p.shape[0] // s), *p.shape[1:]]) for p in m.parameters(recurse=False)]
+        out.append((list(range(key, key + len(shapes))), shapes))
+        key += len(shapes)
+    return out
+
+
+def split(flat, shapes):
+    out, at = [], 0
+    for shape in shapes:
+        out.append(flat[at:at + shape.numel()].view(shape))
+        at += shape.numel()
+    return out
+
+
+def reference_reduce_scatter(codec, inputs, errors, mode, keys, shapes, step, rank):
+    """The box's compressed reduce-scatter by hand: every worker's ``v``; per parameter and
+    owner one packet of the piece in its shape (``compress`` / ``decompress``); this worker's
+    shard, and every worker's new error memory (dense)."""
     s = len(inputs)
-    bounds = slice_bounds(inputs[0].numel(), s)
-    decoded, new_errors, mine = [], [], []
+    packets, new_errors, mine = [], [], None
     for i, (g, e) in enumerate(zip(inputs, errors)):
-        v = g.float() + (e if e is not None else 0)
-        sigma = seeds.mix(SEED, step, key) if codec.shared_randomness else seeds.mix(SEED, step, key, i + 1)
-        packets = [codec.compress(v[a:b], seeds.mix(sigma, j)) for j, (a, b) in enumerate(bounds)]
-        dec = torch.cat([codec.decompress(p).reshape(-1) for p in packets])
-        r = v - dec
+        v = g.float().reshape(-1) + (e if e is not None else 0)
+        rows = v.view(s, -1)
+        mine_i, dec = [], torch.empty_like(rows)
+        for j in range(s):
+            row = []
+            for x, d, key in zip(split(rows[j], shapes), split(dec[j], shapes), keys):
+                sigma = seeds.mix(SEED, step, key) if codec.shared_randomness else seeds.mix(SEED, step, key, i + 1)
+                packet = codec.compress(x, seeds.mix(sigma, j))
+                d.copy_(codec.decompress(packet))
+                row.append(packet)
+            mine_i.append(row)
+        r = v - dec.view(-1)
         if mode == "shard":
             t = shard_error_codec(s)
             r = t.decompress(t.compress(r))
         new_errors.append(r if mode != "off" else None)
-        decoded.append(packets)
+        packets.append(mine_i)
         if i == rank:
-            mine = (v, dec)
-    a, b = bounds[rank]
-    shard = codec.aggregate([decoded[i][rank] for i in range(s)]).reshape(-1)
+            mine = (v, dec.view(-1))
+    shard = torch.cat([codec.aggregate([packets[i][rank][p] for i in range(s)]).reshape(-1)
+                       for p in range(len(shapes))])
     return shard, new_errors, mine
 
 
@@ -157,23 +181,24 @@ def reference_run(spec, mode, comm, steps=3):
     spies, gathers = spy_reduce_scatters(model), spy_all_gathers(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     codec, weights = build(spec), build("int8")
+    layout = piece_shapes(model, comm.world_size)
     errors = {m.key: [None] * comm.world_size for m in handle.modules}
     worst = {"shard": 0.0, "identity": 0.0}
     expected_bytes = 0
     for step in range(steps):
         train(model, opt, comm.rank, 1, first=step)
-        for m, spy in zip(handle.modules, spies):
+        for m, spy, (keys, shapes) in zip(handle.modules, spies, layout):
             g, out, s = spy.calls[step]
             inputs = list(comm.allgather(g.reshape(-1)))
-            shard, errors[m.key], (v, dec) = reference_reduce_scatter(codec, inputs, errors[m.key], mode, m.key,
-                                                                     step + 1, comm.rank)
+            shard, errors[m.key], (v, dec) = reference_reduce_scatter(codec, inputs, errors[m.key], mode, keys,
+                                                                     shapes, step + 1, comm.rank)
             worst["shard"] = max(worst["shard"], (shard - out.reshape(-1)).abs().max().item())
             if mode == "full":
                 worst["identity"] = max(worst["identity"], (dec + m.error - v).abs().max().item())
             if mode != "off":
                 worst["error"] = max(worst.get("error", 0.0), (handle_error(m, s) - errors[m.key][comm.rank])
                                      .abs().max().item())
-            expected_bytes += (s - 1) * codec.compress(torch.zeros(g.numel() // s)).nbytes
+            expected_bytes += (s - 1) * sum(codec.compress(torch.zeros(shape)).nbytes for shape in shapes)
     for spy in gathers:
         for inp, _, s in spy.calls:
             expected_bytes += (s - 1) * weights.compress(torch.zeros(inp.numel())).nbytes
@@ -273,18 +298,20 @@ def _two_groups(mesh):
     return net
 
 
-def resume(comm, workdir, steps=2, world_tag=None):
+def resume(comm, workdir, steps=2, hsdp=False):
     """Save after ``steps`` through DCP, run on; a fresh model, optimizer and handle loaded
-    from the checkpoint must reach the same bits. Then the refusals."""
+    from the checkpoint must reach the same bits. Then the refusals. ``hsdp``: 2 nodes,
+    two-phase across them (its server errors are state too)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    mesh = init_device_mesh("cpu", (comm.world_size,))
-    path = f"{workdir}/dcp-{world_tag or comm.world_size}"
+    mesh = hsdp_meshes(comm)["shard"] if hsdp else init_device_mesh("cpu", (comm.world_size,))
+    path = f"{workdir}/dcp-{comm.world_size}{'-hsdp' if hsdp else ''}"
+    options = {"replicas": 2, "transport": "twophase"} if hsdp else {"weights": "int8"}
 
-    def make(spec="1bit", mode="shard"):
+    def make(spec="1bit", mode="full" if hsdp else "shard"):
         model = build_model(mesh)
-        handle = gradzip.fsdp.compress(model, compressor=spec, error_feedback=mode, weights="int8", seed=SEED)
+        handle = gradzip.fsdp.compress(model, compressor=spec, error_feedback=mode, seed=SEED, **options)
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), handle
 
     class App:
@@ -307,11 +334,12 @@ def resume(comm, workdir, steps=2, world_tag=None):
     dcp.load({"app": App(model, opt), "gradzip": handle}, checkpoint_id=path)
     train(model, opt, comm.rank, steps, first=steps)
     out = {"equal": all(torch.equal(a, b) for a, b in zip(local(model), straight)),
-           "bytes": (handle.bytes_sent, straight_bytes)}
+           "bytes": (handle.bytes_sent, straight_bytes),
+           "server_errors": len(handle._exchange.psync.server_errors.errors) if hsdp else None}
     saved = handle.state_dict()   # as a larger world would have saved it (its keys include ours)
     saved["settings"]["world_size"] = 2 * comm.world_size
     out["world_size"] = one_line(lambda: handle.load_state_dict(saved))
-    for label, spec, mode in [("codec", "topk:ratio=0.3", "shard"), ("error_feedback", "1bit", "full")]:
+    for label, spec, mode in [("codec", "topk:ratio=0.3", "full"), ("error_feedback", "1bit", False)]:
         model, opt, handle = make(spec, mode)
         out[label] = one_line(lambda: dcp.load({"app": App(model, opt), "gradzip": handle}, checkpoint_id=path))
     return out
@@ -323,6 +351,7 @@ def hsdp_suite(comm, workdir):
     out["none"] = _guarded(hsdp_none_vs_plain, comm)
     out["codec"] = _guarded(hsdp_codec, comm)
     out["grow"] = _guarded(lambda c: load_grown(c, workdir), comm)
+    out["resume"] = _guarded(lambda c: resume(c, workdir, hsdp=True), comm)
     return out
 
 
@@ -389,28 +418,32 @@ def hsdp_codec(comm, steps=3):
     out = {"identical": True, "shard": 0.0}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
+    layout = piece_shapes(model, s)
+
     def check(step):
         for shard in local(model):
             rows = cross.allgather(shard.reshape(-1))
             out["identical"] &= bool(torch.equal(rows[0], rows[1]))
-        for m, calls in zip(handle.modules, hooks):
+        for m, calls, (keys, shapes) in zip(handle.modules, hooks, layout):
             u, after = calls[step]
             us = list(cross.allgather(u.reshape(-1)))
-            packets, new = [], []
-            for r, (x, e) in enumerate(zip(us, errors[m.key])):
-                v = x + (e if e is not None else 0)
-                p = codec.compress(v, seeds.mix(SEED, step + 1, m.key, r + 1))
-                packets.append(p)
-                new.append(v - codec.decompress(p))
-            errors[m.key] = new
-            out["shard"] = max(out["shard"], (codec.aggregate(packets) - after.reshape(-1)).abs().max().item())
+            replicas = [x + (e if e is not None else 0) for x, e in zip(us, errors[m.key])]
+            errors[m.key] = [torch.empty_like(v) for v in replicas]
+            aggregate = []
+            for p, (key, shape) in enumerate(zip(keys, shapes)):   # each piece in its shape: PSync's rule
+                pieces_ = [split(v, shapes)[p] for v in replicas]
+                packets = [codec.compress(x, seeds.mix(SEED, step + 1, key, r + 1)) for r, x in enumerate(pieces_)]
+                for r, (x, packet) in enumerate(zip(pieces_, packets)):
+                    split(errors[m.key][r], shapes)[p].copy_(x - codec.decompress(packet))
+                aggregate.append(codec.aggregate(packets).reshape(-1))
+            out["shard"] = max(out["shard"], (torch.cat(aggregate) - after.reshape(-1)).abs().max().item())
 
     gathers = spy_all_gathers(model)
     train(model, opt, comm.rank, steps, after=check)
     expected = sum((s - 1) * inp.numel() * inp.element_size() for spy in gathers for inp, _, _ in spy.calls)
-    for calls in hooks:
+    for calls, (_, shapes) in zip(hooks, layout):
         d = calls[0][0].numel()   # the shard: D/s
-        expected += steps * ((s - 1) * 4 * d + plan([(d,)], codec, 2).bytes_for(comm.rank // s))
+        expected += steps * ((s - 1) * 4 * d + plan(shapes, codec, 2).bytes_for(comm.rank // s))
     out["bytes"], out["expected_bytes"] = handle.bytes_sent, expected
     return out
 

@@ -35,6 +35,7 @@ from ..comm import TorchGroup
 from ..compressors import Compressor, Packet, PerTensor, build
 from ..errors import GradzipError
 from ..exchange import PSync, Timings
+from ..planner import check_transport
 from ..validation import is_int
 from .fsdp_collectives import (CodecAllGather, CompressedReduceScatter, ExactAllGather, ExactReduceScatter, Exchange,
                                ModuleState, ReplicaExchange)
@@ -88,13 +89,20 @@ class FSDPCompression:
                                "from what forward computes with; use a dense codec such as 'int8', 'fp16' or 'bf16'")
         shard_ranks = _shard_ranks(modules)
         self.replicas, cross = _replica_group(replicas, self.world_size, shard_ranks)
-        self.error_feedback = _error_feedback(error_feedback, self.codec, self.replicas > 1 or cross is not None)
-        self.seed, self.transport = int(seed), transport
+        self.error_feedback = _error_feedback(error_feedback, self.codec, cross is not None)
+        self.seed, self.transport = int(seed), check_transport(transport, "gradzip.fsdp.compress")
+        if cross is None and (transport != "auto" or link is not None or round_bytes is not None):
+            raise GradzipError("gradzip.fsdp.compress: transport, link and round_bytes set the exchange across nodes; "
+                               "give replicas= (HSDP), or leave them out")
         self._exchange = Exchange(self.codec, self.error_feedback, self.weights, self.seed)
         if cross is not None:
             self._exchange.psync = PSync(cross, self.codec or "none", seed=self.seed, transport=transport, link=link,
                                          round_bytes=round_bytes)
-        self.modules = [ModuleState(key, name, group) for key, (name, _, group) in enumerate(modules)]
+        self.modules, first = [], 0
+        for key, (name, _, group) in enumerate(modules):
+            shapes = [fp.padded_sharded_param_size for fp in group.fsdp_params]
+            self.modules.append(ModuleState(key, name, group, list(range(first, first + len(shapes))), shapes))
+            first += len(shapes)
         self._bytes_offset = 0
         for (name, module, _), state in zip(modules, self.modules):
             self._install(module, state, cross is not None)

@@ -7,13 +7,15 @@ by duck typing, so that importing gradzip does not import FSDP2), and a replica 
 hook ``hook(reduce_output)`` that it calls right after a 1-D mesh's reduce-scatter. One
 object per FSDP module (its :class:`ModuleState`), all sharing one :class:`Exchange`:
 
-* :class:`CompressedReduceScatter`: the box's compressed reduce-scatter, phase 1 of
-  :class:`gradzip.twophase.TwoPhase` (``start`` + ``reduced``) on FSDP's flat input, with the
-  error memory ``ê_i`` ("full": the residual; "shard": its top-k packet);
+* :class:`CompressedReduceScatter`: the box's compressed reduce-scatter, two-phase's phase 1
+  per parameter (FSDP's dim-0 chunks are its slices, each compressed in its own shape, as
+  every gradzip exchange compresses layer-wise), with the error memory ``ê_i`` ("full": the
+  residual; "shard": its top-k packet);
 * :class:`ExactReduceScatter` / :class:`ExactAllGather`: FSDP2's own collectives, called as
   FSDP2 calls them (same bits), their ring bytes counted;
 * :class:`ReplicaExchange`: HSDP's replica all-reduce as a :class:`~gradzip.exchange.PSync`
-  among the workers of equal local rank (any codec, transport, error feedback);
+  of the parameters' shards among the workers of equal local rank (any codec, transport,
+  error feedback);
 * :class:`CodecAllGather`: the parameters' all-gather as every worker's codec packet.
 
 Every call runs to completion before it returns (FSDP2 passes ``async_op=False``; its
@@ -34,24 +36,49 @@ from ..compressors import Compressor, Packet
 from ..compressors.sparsify import TopK
 from ..errors import GradzipError
 from ..exchange import PSync, Timings
-from ..twophase import TwoPhase
 
 __all__ = ["ModuleState", "Exchange", "CompressedReduceScatter", "ExactReduceScatter", "ExactAllGather",
-           "CodecAllGather", "ReplicaExchange", "reduce_scale", "shard_error_codec"]
+           "CodecAllGather", "ReplicaExchange", "reduce_scale", "shard_error_codec", "pieces"]
 
 
 @dataclass
 class ModuleState:
     """One FSDP module's part of the exchange: its key g (position among the model's FSDP
     modules), its name, FSDP2's parameter group (its divide factor is read at every call),
-    t (reduce-scatters so far) and its error memory: a tensor ("full", HSDP's ``e``), the
-    top-k packet of the residual ("shard"), or None."""
+    its parameters' keys (positions among every FSDP module's parameters) and the shape of
+    each one's piece of a reduce-scatter row (FSDP's padded shard), t (reduce-scatters so far)
+    and its error memory: a tensor ("full", HSDP's ``e``), the top-k packet of the residual
+    ("shard"), or None."""
 
     key: int
     name: str
     param_group: Any
+    param_keys: list[int]
+    shapes: list[torch.Size]
     steps: int = 0
     error: torch.Tensor | Packet | None = None
+
+    @property
+    def row_numel(self) -> int:
+        """Entries of one reduce-scatter row (D/s): every parameter's piece."""
+        return sum(shape.numel() for shape in self.shapes)
+
+    def check(self, numel: int, rows: int) -> None:
+        """Refuse a reduce-scatter that is not ``rows`` rows of every parameter's piece: a
+        parameter without a gradient in this step (FSDP2 then leaves it out)."""
+        if numel != rows * self.row_numel:
+            raise GradzipError(f"gradzip.fsdp: module {self.name!r} reduce-scattered {numel} gradient entries, not "
+                               f"the {rows * self.row_numel} of all its parameters: a parameter had no gradient in "
+                               "this step; call set_reduce_scatter_unused_params(True) on the module")
+
+
+def pieces(row: torch.Tensor, shapes) -> list[torch.Tensor]:
+    """The parameters' pieces of one flat reduce-scatter row, each viewed in its shape."""
+    out, at = [], 0
+    for shape in shapes:
+        out.append(row[at:at + shape.numel()].view(shape))
+        at += shape.numel()
+    return out
 
 
 def shard_error_codec(s: int) -> TopK:
@@ -140,42 +167,61 @@ class _Collective:
 
 
 class CompressedReduceScatter(_Collective):
-    """The box's compressed reduce-scatter (``replicas`` None)."""
+    """The box's compressed reduce-scatter (``replicas`` None): per parameter p and owner j,
+    ``c_ij = C(v[S_j] of p)`` in the piece's shape; one all-to-all of every owner's pieces;
+    the owner's aggregate per piece."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
                  async_op: bool = False) -> None:
         ex, m = self.exchange, self.module
         comm = ex.group(group)
+        s, rank, codec = comm.world_size, comm.rank, ex.codec
+        m.check(input_tensor.numel(), s)
         m.steps += 1
         began = time.perf_counter()
-        v = input_tensor.reshape(-1).to(torch.float32, copy=True)
-        error = self._error(v.numel(), comm.world_size)
+        v = input_tensor.reshape(s, -1).to(torch.float32, copy=True)
+        error = self._error(v.numel(), s)
         if error is not None:
-            v.add_(error)
+            v.view(-1).add_(error)
         r = torch.empty_like(v) if ex.error_feedback != "off" else None
-        phase1 = TwoPhase.start(ex.codec, comm, v, m.key, m.steps, ex.seed_of(ex.codec, m.steps, m.key, comm.rank),
-                                r, None)
-        ex.coded(time.perf_counter() - began)
-        ex.count_payload(input_tensor, phase1.sent.wire.numel())
-        shard = phase1.reduced(ex.waited, ex.coded)
-        omega = reduce_scale(op, comm.world_size, m.param_group.gradient_divide_factor)
+        sent = []   # sent[j][p]: the packet of parameter p for owner j
+        for j in range(s):
+            residuals = pieces(r[j], m.shapes) if r is not None else [None] * len(m.shapes)
+            sent.append([self._compress(x, ex.seed_of(codec, m.steps, key, rank), j, out)
+                         for x, key, out in zip(pieces(v[j], m.shapes), m.param_keys, residuals)])
+        wires = [torch.cat([w for packet in row for w in packet.raw()]) for row in sent]
+        work = comm.all_to_all(wires, [wires[rank].numel()] * s, async_op=True)
+        waiting = time.perf_counter()
+        ex.coded(waiting - began)
+        ex.count_payload(input_tensor, sum(w.numel() for w in wires))
+        received = work.wait()
+        decoding = time.perf_counter()
+        ex.waited(waiting, decoding)
+        mine, at, shard = sent[rank], 0, []
+        for template in mine:
+            size = template.nbytes
+            shard.append(codec.aggregate([template.from_raw(w[at:at + size]) for w in received]).reshape(-1))
+            at += size
+        shard = torch.cat(shard)
+        omega = reduce_scale(op, s, m.param_group.gradient_divide_factor)
         output_tensor.view(-1).copy_(shard if omega == 1 else shard.mul_(omega))
         if r is not None:
-            m.error = r if ex.error_feedback == "full" else shard_error_codec(comm.world_size).compress(r)
+            m.error = r.view(-1) if ex.error_feedback == "full" else shard_error_codec(s).compress(r.view(-1))
+        ex.coded(time.perf_counter() - decoding)
         return None
+
+    def _compress(self, x: torch.Tensor, sigma: int, j: int, residual: torch.Tensor | None) -> Packet:
+        """``c_ij`` of one piece (seed ``mix(σ, j)``, two-phase's phase-1 seed); its residual
+        into ``residual`` when given."""
+        codec, seed = self.exchange.codec, seeds.mix(sigma, j)
+        return codec.compress(x, seed) if residual is None else codec.compress_residual(x, seed, residual)
 
     def _error(self, numel: int, s: int) -> torch.Tensor | None:
         """``ê_i`` as a dense float32 tensor of ``numel`` (None: none yet, or off)."""
         error = self.module.error
         if error is None or self.exchange.error_feedback == "off":
             return None
-        if isinstance(error, Packet):
-            error = shard_error_codec(s).decompress(error)
-        if error.numel() != numel:
-            raise GradzipError(f"gradzip.fsdp: module {self.module.name!r} reduce-scattered {numel} gradient entries "
-                               f"after {error.numel()}: a parameter had no gradient in one of the steps; error feedback "
-                               "needs the same gradients every step: call set_reduce_scatter_unused_params(True) on it")
-        return error
+        return shard_error_codec(s).decompress(error) if isinstance(error, Packet) else error
 
 
 class ExactReduceScatter(_Collective):
@@ -245,8 +291,9 @@ class CodecAllGather(_Collective):
 
 
 class ReplicaExchange(_Collective):
-    """HSDP's replica all-reduce of one module's shard (FSDP2's all-reduce hook): PSync among
-    the ``replicas`` workers of equal local rank, the residual kept as ``e``."""
+    """HSDP's replica all-reduce of one module's shard (FSDP2's all-reduce hook): PSync of its
+    parameters' pieces, each in its shape, among the ``replicas`` workers of equal local rank,
+    the residual kept as ``e``."""
 
     def __init__(self, exchange: Exchange, module: ModuleState, replicas: int):
         super().__init__(exchange, module)
@@ -254,16 +301,17 @@ class ReplicaExchange(_Collective):
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         ex, m = self.exchange, self.module
+        m.check(reduce_output.numel(), 1)
         m.steps += 1
         x = reduce_output.reshape(-1).to(torch.float32, copy=True)
         feedback = ex.error_feedback != "off"
         if feedback and m.error is not None:
             x.add_(m.error)
-        result = ex.psync([x], m.steps, keys=[m.key], residual=feedback)
+        result = ex.psync(pieces(x, m.shapes), m.steps, keys=m.param_keys, residual=feedback)
         ex.count_payload(reduce_output, result.packet_bytes)
-        a = result.aggregate[0]
+        a = torch.cat([t.reshape(-1) for t in result.aggregate])
         if m.param_group.gradient_divide_factor is not None:   # FSDP2 divides by its factor alone: the sum
-            a = a * self.replicas
+            a = a.mul_(self.replicas)
         reduce_output.view(-1).copy_(a)
         if feedback:
-            m.error = result.residual[0]
+            m.error = torch.cat([t.reshape(-1) for t in result.residual])
