@@ -5,9 +5,9 @@ docs/algorithms.md §Sharded exchange is the spec, docs/integrations.md the guid
 through FSDP2's own hooks, on every FSDP module of ``model``:
 
 * the gradient reduce-scatter as the first half of gradzip's two-phase exchange (every
-  worker compresses the slice of each shard owner, one all-to-all, the owner sums in
-  float32), with error feedback ("full": the residual, the unsharded gradient's size;
-  "shard": its top-k, a shard's size);
+  worker compresses, per parameter, the chunk of each shard owner in its shape, one
+  all-to-all, the owner sums in float32), with error feedback ("full": the residual, the
+  unsharded gradient's size; "shard": its top-k, a shard's size);
 * with ``replicas`` (HSDP: FSDP sharding on each node's workers), FSDP's exact reduce-scatter
   inside the node and the replica all-reduce across nodes as a PSync (any codec, transport,
   error feedback, shard-sized residuals);

@@ -152,10 +152,6 @@ class Exchange:
         return seeds.mix(self.seed, step, key) if codec.shared_randomness else seeds.mix(self.seed, step, key, rank + 1)
 
 
-def _allocate(size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(*size, dtype=dtype, device=device)
-
-
 class _Collective:
     """One module's collective: its :class:`Exchange` and :class:`ModuleState`."""
 
@@ -163,12 +159,12 @@ class _Collective:
         self.exchange, self.module = exchange, module
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return _allocate(size, dtype=dtype, device=device)
+        return torch.empty(*size, dtype=dtype, device=device)
 
 
 class CompressedReduceScatter(_Collective):
-    """The box's compressed reduce-scatter (``replicas`` None): per parameter p and owner j,
-    ``c_ij = C(v[S_j] of p)`` in the piece's shape; one all-to-all of every owner's pieces;
+    """The box's compressed reduce-scatter (``replicas`` None): per owner j and parameter p,
+    ``c_ijp = C(v[j, p])``, the piece in its shape; one all-to-all of every owner's pieces;
     the owner's aggregate per piece."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
@@ -180,7 +176,7 @@ class CompressedReduceScatter(_Collective):
         m.steps += 1
         began = time.perf_counter()
         v = input_tensor.reshape(s, -1).to(torch.float32, copy=True)
-        error = self._error(v.numel(), s)
+        error = self._error(s)
         if error is not None:
             v.view(-1).add_(error)
         r = torch.empty_like(v) if ex.error_feedback != "off" else None
@@ -216,8 +212,8 @@ class CompressedReduceScatter(_Collective):
         codec, seed = self.exchange.codec, seeds.mix(sigma, j)
         return codec.compress(x, seed) if residual is None else codec.compress_residual(x, seed, residual)
 
-    def _error(self, numel: int, s: int) -> torch.Tensor | None:
-        """``ê_i`` as a dense float32 tensor of ``numel`` (None: none yet, or off)."""
+    def _error(self, s: int) -> torch.Tensor | None:
+        """``ê_i`` as a dense float32 tensor (None: none yet, or off)."""
         error = self.module.error
         if error is None or self.exchange.error_feedback == "off":
             return None
