@@ -208,6 +208,21 @@ def test_qsgd_codes_on_the_grid(levels):
     assert (torch.sign(out) * torch.sign(v) >= 0).all()
 
 
+def test_int8_blocks_scales_and_error():
+    """Per block of B entries one float32 scale max|v|/127, codes round(v/s) (half to even),
+    error at most s/2; a zero block codes 0 with scale 0; the last block may be shorter."""
+    c = build("int8:block=4")
+    v = torch.tensor([1.0, -2.0, 0.5, 127.0, 0.0, 0.0, 0.0, 0.0, 3.0, -1.5])
+    p = c.compress(v)
+    assert p.wire["codes"].dtype == torch.int8
+    assert torch.equal(p.wire["scales"], torch.tensor([127.0, 0.0, 3.0]) / 127)   # float32, per block
+    assert p.wire["codes"].tolist() == [1, -2, 0, 127, 0, 0, 0, 0, 127, -64]   # 0.5 -> 0, -63.5 -> -64
+    x = randn((1000,), seed=3) * 10
+    scales = c.compress(x).wire["scales"]
+    err = (c.decompress(c.compress(x)) - x).abs().view(-1, 4)
+    assert bool((err <= scales[:, None] / 2 + 1e-6).all())
+
+
 def test_terngrad_values():
     v = randn((6, 6), seed=2)
     c = build("terngrad")
