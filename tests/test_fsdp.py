@@ -138,6 +138,6 @@ def test_cli_compare_puts_fsdp_and_hsdp_beside_a_method(tmp_path):
     runs = {s["algo"]: s for s in json.loads((tmp_path / "summary.json").read_text())}
     assert set(runs) == {"ssgd", "fsdp", "fsdp@1bit", "hsdp@2bit"}
     assert runs["fsdp@1bit"]["bytes_sent_per_worker"] < runs["fsdp"]["bytes_sent_per_worker"]
-    assert runs["fsdp@1bit"]["compression_ratio"] > 16 and runs["fsdp"]["compression_ratio"] == 1
+    assert runs["fsdp@1bit"]["compression_ratio"] > 8 and runs["fsdp"]["compression_ratio"] == 1   # 1bit: + column means
     for summary in runs.values():
         assert summary["final_test_accuracy"] > 0.5 and summary["steps"] == runs["ssgd"]["steps"]
