@@ -446,5 +446,3 @@ def hsdp_codec(comm, steps=3):
         expected += steps * ((s - 1) * 4 * d + plan(shapes, codec, 2).bytes_for(comm.rank // s))
     out["bytes"], out["expected_bytes"] = handle.bytes_sent, expected
     return out
-
-

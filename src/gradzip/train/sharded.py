@@ -68,9 +68,9 @@ def check(cfg, workers: int | None = None, backend: str = "gloo") -> None:
     if cfg.nonfinite == "skip":
         raise GradzipError(f"{name} runs cannot skip a non-finite step on every worker (FSDP2 applies what it "
                            "reduced); use --nonfinite raise or off")
-    if name == "fsdp" and cfg.transport != "auto":
-        raise GradzipError("--transport applies to hsdp's exchange across nodes; fsdp's reduce-scatter is an "
-                           "all-to-all")
+    if name == "fsdp" and (cfg.transport != "auto" or cfg.round_bytes is not None):
+        raise GradzipError("--transport and --round-bytes apply to hsdp's exchange across nodes; fsdp's "
+                           "reduce-scatter is one all-to-all")
     if backend == "threads":
         raise GradzipError(f"{name} runs FSDP2, which needs torch.distributed processes: use --backend gloo")
 
@@ -170,17 +170,15 @@ def prepare(cfg, model: torch.nn.Module, comm: Group, device: torch.device) -> t
     else:
         mesh = init_device_mesh(device.type, (replicas, n // replicas), mesh_dim_names=("replicate", "shard"))
         shard_mesh = mesh["shard"]
-    owners = [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))]
+    owners = [m for m in model.modules() if m is not model and next(m.parameters(recurse=False), None) is not None]
     for module in reversed(owners):   # the deepest first
         fully_shard(module, mesh=shard_mesh)
     fully_shard(model, mesh=shard_mesh)
     handle = compress(model, compressor=cfg.options.get("compressor"), weights=cfg.options.get("weights"),
                       error_feedback=error_feedback(cfg.options), seed=cfg.seed,
-                      replicas=mesh if replicas is not None else None,
-                      transport=cfg.transport, round_bytes=cfg.round_bytes)
+                      **({} if replicas is None else {"replicas": mesh, "transport": cfg.transport,
+                                                      "round_bytes": cfg.round_bytes}))
     return model, ShardedOptimizer(model, handle, comm, cfg)
-
-
 
 
 def _difference(a: Timings, b: Timings) -> Timings:
