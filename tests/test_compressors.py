@@ -210,6 +210,21 @@ def test_qsgd_codes_on_the_grid(levels):
     assert (torch.sign(out) * torch.sign(v) >= 0).all()
 
 
+def test_int8_blocks_scales_and_error():
+    """Per block of B entries one float32 scale max|v|/127, codes round(v/s) (half to even),
+    error at most s/2; a zero block codes 0 with scale 0; the last block may be shorter."""
+    c = build("int8:block=4")
+    v = torch.tensor([1.0, -2.0, 0.5, 127.0, 0.0, 0.0, 0.0, 0.0, 3.0, -1.5])
+    p = c.compress(v)
+    assert p.wire["codes"].dtype == torch.int8
+    assert torch.equal(p.wire["scales"], torch.tensor([127.0, 0.0, 3.0]) / 127)   # float32, per block
+    assert p.wire["codes"].tolist() == [1, -2, 0, 127, 0, 0, 0, 0, 127, -64]   # 0.5 -> 0, -63.5 -> -64
+    x = randn((1000,), seed=3) * 10
+    scales = c.compress(x).wire["scales"]
+    err = (c.decompress(c.compress(x)) - x).abs().view(-1, 4)
+    assert bool((err <= scales[:, None] / 2 + 1e-6).all())
+
+
 def test_terngrad_values():
     v = randn((6, 6), seed=2)
     c = build("terngrad")
@@ -410,6 +425,8 @@ def expected_nbytes(spec: str, shape) -> int:
         return math.ceil(d * math.ceil(math.log2(2 * c.levels + 1)) / 8) + 4
     if name == "terngrad":
         return math.ceil(d / 4) + 4
+    if name == "int8":
+        return d + 4 * math.ceil(d / c.block)
     index_bytes = sparse_index_dtype(d).itemsize
     if name == "topk":
         return (4 + index_bytes) * keep_count(c.ratio, d)
@@ -631,7 +648,7 @@ def test_received_packet_with_shared_meta_decodes():
 
 # -- spec strings --------------------------------------------------------------------------
 def test_registry_order_and_build():
-    assert names() == "none fp16 bf16 2bit 1bit sign scaled_sign qsgd terngrad topk randomk randblock dgc powersgd".split()
+    assert names() == "none fp16 bf16 2bit 1bit sign scaled_sign qsgd terngrad int8 topk randomk randblock dgc powersgd".split()
     c = build("topk:ratio=0.01")
     assert c.name == "topk" and c.ratio == 0.01 and str(c) == "topk:ratio=0.01"
     assert build(None) == build("none") and build(c) is c
