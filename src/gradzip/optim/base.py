@@ -50,8 +50,9 @@ from .. import comm as comm_lib
 from .. import consistency
 from ..double_sync import accumulating, refuse_ddp_double_sync
 from ..errors import GradzipError
+from ..calibration import check_recalibrate_every
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync
-from ..planner import check_transport
+from ..planner import Link, as_link, check_transport
 from ..twophase import check_round_bytes
 from ..hierarchy import check_workers_per_node
 from ..nonfinite import NONFINITE_POLICIES
@@ -68,7 +69,7 @@ def derived_setting(name: str) -> bool:
     settings (the world size, parameter shapes and values, an exchange's transport plan):
     a comparison of settings names the setting that differs before these."""
     return (name in ("world size", "parameter shapes") or name.startswith("parameter #")
-            or (name.startswith("exchange ") and name.endswith(" transport")))
+            or (name.startswith("exchange ") and name.endswith((" transport", " auto"))))
 
 
 class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer):
@@ -104,7 +105,7 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
                  momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
                  transport: str = "auto", hierarchy: "int | str | None" = None, round_bytes: int | None = None,
-                 **options: Any):
+                 link: "str | Link | None" = None, recalibrate_every: int | None = None, **options: Any):
         name = type(self).__name__
         refuse_unknown_options(name, [k for k in options if k not in self.group_options],
                                constructor_options(type(self), stop=DistributedOptimizer))
@@ -116,6 +117,11 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
         require(is_int(seed), name, f"seed must be an integer, got {seed!r}")
         check_transport(transport, name)
         check_round_bytes(round_bytes, name)
+        try:
+            declared = None if link is None else as_link(link)
+        except GradzipError as exc:
+            raise GradzipError(f"{name}: {exc}") from None
+        check_recalibrate_every(recalibrate_every, name)
         require(transport != "twophase" or not self.reads_packets, name,
                 "transport='twophase' is not available: this method reads the whole-tensor packets of its "
                 "exchange; use transport='auto', 'allreduce' or 'allgather'")
@@ -131,6 +137,11 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
         #: two-phase: each all-to-all in rounds of at most this many bytes per message (None:
         #: whole messages; PSync's round_bytes); an int joins the settings compared across workers
         self.round_bytes = round_bytes
+        #: the link every exchange's plan is priced on (auto's choices, two-phase): declared, or
+        #: None (auto:<codec> measures it; the others take the default, 10 Gbit/s)
+        self._link = declared
+        #: auto:<codec>: steps between decisions (None: decided once)
+        self.recalibrate_every = recalibrate_every
         try:   # k workers per node: every exchange hierarchical (gradzip.hierarchy); 1 = flat PSync
             self._hierarchy = check_workers_per_node(hierarchy, self.comm.world_size)
         except GradzipError as exc:
@@ -221,9 +232,13 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
                        if not k.startswith("_") and k not in ("steps", "skipped_steps")
                        and isinstance(v, (bool, int, float, str))})
         plans = self.transports()
+        if self._link is not None:   # only then: settings (and checkpoints) without it stay as they were
+            fields["link"] = str(self._link)
         for i, psync in enumerate(self._exchanges):
             fields[f"exchange {i} codec"] = psync.compressor.spec
             fields[f"exchange {i} transport"] = plans[f"exchange {i}"]
+            if psync.describe_decisions() is not None:   # auto:<codec>: rank 0's decisions (or none yet)
+                fields[f"exchange {i} auto"] = psync.describe_decisions()
             if "twophase" in plans[f"exchange {i}"]:   # its buckets are part of the numbers
                 fields[f"exchange {i} two-phase buckets"] = self.exchange_plans()[f"exchange {i}"].layout()
         if self._hierarchy > 1:   # only then: settings (and checkpoints) of flat runs stay as they were

@@ -72,7 +72,7 @@ class _Plan:
     key: reverse parameter order)."""
 
     def __init__(self, pairs: list[tuple[dict, torch.Tensor]], psync, keys: list[int]):
-        self.key = _plan_key(pairs, psync)
+        self.key = _plan_key(pairs, psync)   # auto:<codec>: and its decision (PSync.plan_version)
         self.group = {p: g for g, p in pairs}
         params = [p for _, p in pairs]
         order, self.exchange = psync.exchange_plan(params, keys)
@@ -82,7 +82,7 @@ class _Plan:
 
 
 def _plan_key(pairs, psync) -> tuple:
-    return (id(psync), *((id(g), id(p)) for g, p in pairs))
+    return (id(psync), psync.plan_version, *((id(g), id(p)) for g, p in pairs))
 
 
 class _Run:
@@ -245,8 +245,10 @@ class GradientExchange(DistributedOptimizer):
         if self._run is None:
             self.verify_once()   # before the first collective of this optimizer
             pairs = self.participating()
-            if self._plan is None or self._plan.key != _plan_key(pairs, self.launch_psync()):
-                self._plan = _Plan(pairs, self.launch_psync(), self.keys([p for _, p in pairs]))
+            psync, keys = self.launch_psync(), self.keys([p for _, p in pairs])
+            psync.prepare([p for _, p in pairs], keys, self.steps + 1)   # auto:<codec>: decide where due
+            if self._plan is None or self._plan.key != _plan_key(pairs, psync):
+                self._plan = _Plan(pairs, psync, keys)
             self._run = self._new_run()
         return self._run
 

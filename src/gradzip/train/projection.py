@@ -13,6 +13,11 @@ count is scaled as the profile's (decoding grows with ``n`` for an allgather). A
 batch: weak scaling). The speed-up is over the projection of the run's plain S-SGD, or,
 without one, over S-SGD modelled with this run's compute and update times.
 
+An auto:<codec> run (docs/algorithms.md §Auto codec choice) is profiled with ``link=`` each
+projected rate, so the profile executes what auto would decide on that link (its coding costs
+probed on this machine), and its bytes are that decision's, not rescaled to the run's; the
+row says how many of the exchange's units auto compresses there (``auto``).
+
 These are projections, not measurements: the printed table and the plot say so.
 """
 from __future__ import annotations
@@ -24,6 +29,7 @@ from ..bench.profiling import profile_method
 from ..bench.timeline import backward_period, overlapped_period, timeline
 from ..bench.units import format_rate
 from ..errors import GradzipError
+from ..planner import Link
 
 #: Per-message latency of the projection (a data-centre link; ``gradzip bench model``'s default).
 ALPHA_S = 10e-6
@@ -63,14 +69,23 @@ def _profile(algo: str, options: dict[str, Any], shapes, n: int, timed_at: int, 
     return cache[key]
 
 
+def is_auto(options: dict[str, Any]) -> bool:
+    """Whether a method's options choose a codec by cost (``auto:<codec>``) for any exchange."""
+    return any(isinstance(v, str) and v.startswith("auto:") for v in options.values())
+
+
 def _period(summary: dict[str, Any], times: dict[str, float], n: int, bandwidth_Bps: float, alpha_s: float,
             shapes, algo: str, options: dict[str, Any], compress_s: float, cache: dict) -> dict[str, Any]:
     """One projected iteration of ``algo`` at ``n`` workers with the run's measured
     compute and update ``times`` (per step) and codec seconds ``compress_s``."""
     run_n = summary["workers"]
+    auto = is_auto(options)
+    if auto:   # what auto decides on this link (module docstring)
+        options = {**options, "link": Link(bandwidth_Bps, alpha_s)}
     here = _profile(algo, options, shapes, run_n, run_n, cache)
     there = here if n == run_n else _profile(algo, options, shapes, n, run_n, cache)
-    measured_bytes = summary["bytes_sent_per_worker"] / max(summary["steps"], 1) if algo == summary["method"] else None
+    measured_bytes = (summary["bytes_sent_per_worker"] / max(summary["steps"], 1)
+                      if algo == summary["method"] and not auto else None)
     scale = measured_bytes / here.wire_bytes_per_step if measured_bytes and here.wire_bytes_per_step else 1.0
     communicate = there.comm_time(bandwidth_Bps, alpha_s) * scale
     if here.compress_s > 0:
@@ -84,7 +99,8 @@ def _period(summary: dict[str, Any], times: dict[str, float], n: int, bandwidth_
     else:
         period = timeline(times["compute"], compress_s, communicate, times["update"], False).period
     return {"iteration_s": period, "compute_s": times["compute"], "compress_s": compress_s,
-            "communicate_s": communicate, "update_s": times["update"], "overlaps": there.overlaps}
+            "communicate_s": communicate, "update_s": times["update"], "overlaps": there.overlaps,
+            **({"auto": there.auto_choices} if auto else {})}
 
 
 def project_runs(runs: Sequence[dict[str, Any]], bandwidths_bps: Sequence[float],
@@ -131,6 +147,9 @@ def column(row: dict[str, Any]) -> str:
 
 
 def cell(row: dict[str, Any]) -> str:
-    """``"12.3 (2.1x)"``: projected seconds per epoch and the speed-up over S-SGD."""
+    """``"12.3 (2.1x)"``: projected seconds per epoch and the speed-up over S-SGD; an
+    auto:<codec> run adds how many of its units auto compresses on that link (``auto 3/5``)."""
     speed = "" if row.get("speedup") is None else f" ({row['speedup']:.2f}x)"
-    return f"{row['epoch_s']:.3g}{speed}"
+    chosen = row.get("auto")
+    auto = "" if chosen is None else f" auto {sum(c != 'none' for c in chosen)}/{len(chosen)}"
+    return f"{row['epoch_s']:.3g}{speed}{auto}"

@@ -61,7 +61,9 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
         lines.append(f"proj.: PROJECTED, not measured: seconds per epoch the timeline model (gradzip bench model) "
                      f"predicts from this run's measured compute, codec and update times and its bytes, per link "
                      f"rate and worker count (alpha {first['alpha_s'] * 1e6:g} us); (Nx): speed-up over "
-                     f"{first['speedup_over']}")
+                     f"{first['speedup_over']}"
+                     + ("; auto k/m: the units (buckets) auto:<codec> compresses on that link, of m"
+                        if any("auto" in p for s in summaries for p in s["projections"]) else ""))
     return "\n".join(lines)
 
 
