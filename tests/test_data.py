@@ -144,6 +144,24 @@ def test_digits_deterministic_and_independent_of_seed(digits):
         assert torch.equal(a, b)
 
 
+def test_digits_split_is_scikit_learns():
+    """The split gradzip computes itself (scikit-learn is no longer imported to load the
+    digits) is the one ``train_test_split(stratify=y, random_state=0)`` gives, order
+    included: on the digits' labels and on label sets whose shares tie."""
+    from sklearn.model_selection import train_test_split
+    from gradzip.train.datasets import digits as digits_module
+
+    with gzip.open(digits_module._data_file(), "rt") as f:
+        y_digits = np.loadtxt(f, delimiter=",")[:, -1].astype(np.int64)
+    rng = np.random.RandomState(5)
+    for y, n_test, seed in [(y_digits, 360, 0), (rng.randint(0, 7, 203), 41, 3),
+                            (np.repeat(np.arange(4), [5, 5, 5, 6]), 7, 1), (np.array([2, 0, 1, 2, 1, 0, 0, 1]), 3, 9)]:
+        index = np.arange(len(y))
+        want_train, want_test = train_test_split(index, test_size=n_test, stratify=y, random_state=seed)
+        train, test = digits_module.stratified_split(y, n_test, seed)
+        assert np.array_equal(train, want_train) and np.array_equal(test, want_test)
+
+
 # ----------------------------------------------------------------------------- synthetic
 
 
