@@ -58,6 +58,7 @@ from ..nonfinite import NONFINITE_POLICIES
 from ..replicas import parameter_digest
 from ..validation import constructor_options, is_int, refuse_unknown_options, require
 from ..version import __version__
+from .eager import EagerOptimizer
 from .exchanges import ExchangeOwner
 from .guard import NonFiniteGuard
 from .options import check_group, check_hyperparameters
@@ -71,7 +72,7 @@ def derived_setting(name: str) -> bool:
             or (name.startswith("exchange ") and name.endswith(" transport")))
 
 
-class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer):
+class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, EagerOptimizer):
     """Base of every method. ``comm=None``: the default torch.distributed group when one is
     initialised, else a world of one."""
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 from ..validation import is_real, refuses_unknown_options, require
+from .eager import EagerOptimizer
 from .lars import check_common, excluded
 
 
-class LAMB(torch.optim.Optimizer):
+class LAMB(EagerOptimizer):
     """LAMB, per parameter tensor ``w`` with gradient ``g`` (betas β1, β2, ε, weight decay λ)::
 
         m ← β1·m + (1−β1)·g;   v ← β2·v + (1−β2)·g²

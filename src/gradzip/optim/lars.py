@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..validation import is_real, refuses_unknown_options, require
+from .eager import EagerOptimizer
 from .options import FLOAT32_MAX
 
 
@@ -25,7 +26,7 @@ def excluded(p: torch.Tensor, group: dict) -> bool:
     return group["exclude_1d"] and p.dim() <= 1
 
 
-class LARS(torch.optim.Optimizer):
+class LARS(EagerOptimizer):
     """LARS, per parameter tensor ``w`` with gradient ``g`` (momentum m, weight decay λ,
     trust coefficient τ)::
 
