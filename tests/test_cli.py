@@ -171,7 +171,21 @@ def test_table_shows_skips_and_resumes_only_when_there_are_some():
     plain = {"algo": "ssgd", "skipped_steps": 0, "resumed_from_step": None}
     assert "skipped" not in report.table([plain]) and "resumed" not in report.table([plain])
     text = report.table([plain, {"algo": "efsgd", "skipped_steps": 3, "resumed_from_step": 20}])
-    assert "skipped" in text and "resumed at" in text and text.splitlines()[-1].split()[-2:] == ["3", "20"]
+    assert "skipped" in text and "resumed at" in text and text.splitlines()[3].split()[-2:] == ["3", "20"]
+
+
+def test_the_tables_time_columns_are_what_its_legend_says():
+    """Issue 36, item 11: no "comm s" column (on the training thread it was "wait s" itself,
+    and the network time behind backward or a step is not measured); the legend under the
+    table says what "wait s" holds, a background exchange's codec work included."""
+    from gradzip.train import report
+
+    text = report.table([{"algo": "cdsgd", "time_communicate_s": 0.06, "time_wait_s": 0.17}])
+    header = text.splitlines()[0].split("  ")
+    assert "comm s" not in [h.strip() for h in header] and "wait s" in [h.strip() for h in header]
+    assert "0.06" not in text.splitlines()[2] and "0.17" in text.splitlines()[2]
+    assert "wait s: time the training thread was blocked on the exchange" in text
+    assert "as OD-SGD and CD-SGD, on that exchange, codec work included" in text
 
 
 # -- issue 12, items 15 and 16: one line each, outputs validated before training ----------

@@ -18,9 +18,16 @@ COLUMNS = [  # header, summary key, format
     ("time s", "wall_time_s", "{:.1f}"),
     ("compute s", "time_compute_s", "{:.2f}"),
     ("compress s", "time_compress_s", "{:.2f}"),
-    ("comm s", "time_communicate_s", "{:.2f}"),
     ("wait s", "time_wait_s", "{:.2f}"),
 ]
+#: What the time columns measure (summary.json also has ``time_communicate_s``: seconds spent
+#: waiting on collectives on any thread; it is not a column because on the training thread it
+#: is ``wait s`` itself, and the network time of a collective running behind the backward pass
+#: or a step's computation is not measured).
+TIME_LEGEND = ("time s: training wall time (set-up excluded); compute s: forward and backward; compress s: codec "
+               "work, wherever it ran; wait s: time the training thread was blocked on the exchange (its "
+               "collectives, and for a method that exchanges in the background, as OD-SGD and CD-SGD, on that "
+               "exchange, codec work included); seconds per worker, mean over the workers")
 
 
 def _cell(summary: dict[str, Any], key: str, fmt: str) -> str:
@@ -41,9 +48,9 @@ OCCASIONAL = [("skipped", "skipped_steps", "{}"), ("resumed at", "resumed_from_s
 
 
 def table(summaries: Sequence[dict[str, Any]]) -> str:
-    """A plain-text table of the runs, one row each; with the runs' ``projections``
-    (:mod:`gradzip.train.projection`) one column per (worker count, link rate), labelled
-    as projections, and a note under the table saying what they are."""
+    """A plain-text table of the runs, one row each, and what its time columns measure; with
+    the runs' ``projections`` (:mod:`gradzip.train.projection`) one column per (worker count,
+    link rate), labelled as projections, and a note under the table saying what they are."""
     columns = COLUMNS + [c for c in OCCASIONAL if any(s.get(c[1]) for s in summaries)]
     rows = [[h for h, _, _ in columns]] + [[_cell(s, k, f) for _, k, f in columns] for s in summaries]
     projected = summaries and all(s.get("projections") for s in summaries)
@@ -56,6 +63,7 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(TIME_LEGEND)
     if projected:
         first = summaries[0]["projections"][0]
         lines.append(f"proj.: PROJECTED, not measured: seconds per epoch the timeline model (gradzip bench model) "
