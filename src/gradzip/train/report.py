@@ -50,7 +50,8 @@ OCCASIONAL = [("skipped", "skipped_steps", "{}"), ("resumed at", "resumed_from_s
 def table(summaries: Sequence[dict[str, Any]]) -> str:
     """A plain-text table of the runs, one row each, and what its time columns measure; with
     the runs' ``projections`` (:mod:`gradzip.train.projection`) one column per (worker count,
-    link rate), labelled as projections, and a note under the table saying what they are."""
+    link rate), labelled as projections, and the projection's lines under the table
+    (:func:`gradzip.train.projection.legend`)."""
     columns = COLUMNS + [c for c in OCCASIONAL if any(s.get(c[1]) for s in summaries)]
     rows = [[h for h, _, _ in columns]] + [[_cell(s, k, f) for _, k, f in columns] for s in summaries]
     projected = summaries and all(s.get("projections") for s in summaries)
@@ -63,14 +64,7 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append(TIME_LEGEND)
-    if projected:
-        first = summaries[0]["projections"][0]
-        lines.append(f"proj.: PROJECTED, not measured: seconds per epoch the timeline model (gradzip bench model) "
-                     f"predicts from this run's measured compute, codec and update times and its bytes, per link "
-                     f"rate and worker count (alpha {first['alpha_s'] * 1e6:g} us); (Nx): speed-up over "
-                     f"{first['speedup_over']}")
-    return "\n".join(lines)
+    return "\n".join(lines + [TIME_LEGEND] + (projection.legend(summaries) if projected else []))
 
 
 def write(out_dir: str | Path, runs: Sequence[dict[str, Any]], *, plot: bool = True) -> Path:
