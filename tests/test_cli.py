@@ -188,6 +188,56 @@ def test_the_tables_time_columns_are_what_its_legend_says():
     assert "as OD-SGD and CD-SGD, on that exchange, codec work included" in text
 
 
+# -- issue 36, item 5: every method through the CLI with the default projection; the results
+# are written before anything derived from them -------------------------------------------------
+TINY = ["--workers", "2", "--backend", "threads", "--epochs", "1", "--batch-size", "16", "--quiet", "--no-plot",
+        "--dataset", "synthetic:n=128,test=32,shape=16,classes=4"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", sorted(__import__("gradzip").optim.METHODS))
+def test_every_algo_trains_and_is_projected_or_skipped_with_a_note(algo, tmp_path, capsys):
+    assert main(["train", "--algo", algo, *TINY, "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    out = capsys.readouterr().out
+    if summary.get("projection_skipped"):
+        assert f"{algo}: not projected: " in out and "projections" not in summary
+    else:
+        assert len(summary["projections"]) == 3 and "proj. s/epoch 1 Gbit/s x2" in out
+
+
+@pytest.mark.slow
+def test_asgd_with_worker_processes_and_the_default_projection_writes_everything(tmp_path):
+    """The reported crash: ``gradzip train --algo asgd`` on worker processes with the default
+    --bandwidth trained, then died in the projection with only config.toml written."""
+    done = run_cli("train", "--algo", "asgd", "--workers", "2", "--epochs", "1", "--quiet", "--no-plot",
+                   "--out", str(tmp_path))
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert "asgd: not projected: ASGD exchanges point to point" in done.stdout
+    assert {p.name for p in tmp_path.iterdir()} == {"config.toml", "metrics.jsonl", "summary.json"}
+    assert "projection_skipped" in json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_the_results_are_written_before_a_projection_that_fails(tmp_path, monkeypatch, capsys):
+    from gradzip.train import projection
+
+    def broken(*args):
+        raise RuntimeError("a bug in the projection")
+    monkeypatch.setattr(projection, "project_runs", broken)
+    with pytest.raises(RuntimeError, match="a bug in the projection"):
+        main(["train", "--algo", "ssgd", *TINY, "--out", str(tmp_path / "a")])
+    assert (tmp_path / "a" / "summary.json").is_file() and (tmp_path / "a" / "metrics.jsonl").is_file()
+
+    def refused(*args):
+        raise GradzipError("the summary lacks parameter_shapes")
+    monkeypatch.setattr(projection, "project_runs", refused)
+    capsys.readouterr()
+    assert main(["train", "--algo", "ssgd", *TINY, "--out", str(tmp_path / "b")]) == 0
+    captured = capsys.readouterr()
+    assert "gradzip: note: no projection: the summary lacks parameter_shapes" in captured.err
+    assert "test acc" in captured.out and (tmp_path / "b" / "summary.json").is_file()
+
+
 # -- issue 12, items 15 and 16: one line each, outputs validated before training ----------
 LONG = "x" * 300
 

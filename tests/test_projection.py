@@ -33,7 +33,7 @@ def _run(method, options, bytes_per_step, compute=0.010, compress=0.0, update=0.
 
 def _projected(runs, *args):
     """The runs' projections (``project_runs``), each run's rows."""
-    return projection.project_runs(runs, *args)
+    return [added["projections"] for added in projection.project_runs(runs, *args)]
 
 
 def test_ssgd_projection_is_the_timeline_of_its_measured_times_and_the_ring_allreduce():
@@ -116,8 +116,8 @@ def test_the_table_labels_projections_as_projections():
 
 
 def _table(runs, *args):
-    for run, rows in zip(runs, projection.project_runs(runs, *args)):
-        run["summary"]["projections"] = rows
+    for run, added in zip(runs, projection.project_runs(runs, *args)):
+        run["summary"].update(added)
     return report.table([r["summary"] for r in runs])
 
 
@@ -127,6 +127,15 @@ def test_the_projection_says_on_how_many_steps_it_rests_and_warns_of_a_short_run
     assert "CAVEAT" not in long_run
     short = _table([_run("ssgd", {}, 2 * 3 / 4 * PARAMS * 4, epochs=2, steps_per_epoch=10)], [1e9])
     assert "rests on 10 measured steps" in short and "CAVEAT: a run this short cannot measure steady state" in short
+
+
+def test_a_method_the_profile_cannot_run_is_left_out_with_a_note():
+    base, asgd = _run("ssgd", {}, 2 * 3 / 4 * PARAMS * 4), _run("asgd", {}, 2 * 3 / 4 * PARAMS * 4)
+    text = _table([base, asgd], [1e9])
+    assert "projections" not in asgd["summary"] and "point to point" in asgd["summary"]["projection_skipped"]
+    assert text.splitlines()[3].split()[-1] == "-"                    # its projected cell
+    assert "asgd: not projected: ASGD exchanges point to point" in text
+    assert not any(line.startswith("fastest") and "asgd" in line for line in text.splitlines())
 
 
 def test_compare_projects_writes_and_plots(tmp_path, capsys):

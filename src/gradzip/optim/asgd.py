@@ -430,6 +430,8 @@ class ASGD(DistributedOptimizer):
     worker is done: call it on every worker after its last step (the training loop does).
     """
 
+    collective_exchanges = False   # pushes and pulls go point to point to the server
+
     def __init__(self, params, lr, *, staleness: int | None = None, compressor: str = "none",
                  order: str = "arrival", **kwargs):
         name = type(self).__name__

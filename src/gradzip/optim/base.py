@@ -94,6 +94,10 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, EagerOptimizer):
     #: set them too): CD-SGD's ``local_lr``, the Adam methods' ``betas`` and ``eps``. Any other
     #: keyword that reaches this constructor is refused, naming the closest valid option.
     group_options: tuple[str, ...] = ()
+    #: Every exchange is a collective on the method's group, so a step can run on a group that
+    #: records its collectives (:mod:`gradzip.bench.profiling`: ``gradzip bench model`` and the
+    #: projection of a run). False for a method that talks point to point (A-SGD's server).
+    collective_exchanges: bool = True
 
     @classmethod
     def default_lr(cls, options: dict) -> float:

@@ -11,7 +11,9 @@ bytes the run sent (periodic methods: the whole run's mean). Codec time at anoth
 count is scaled as the profile's (decoding grows with ``n`` for an allgather). An epoch at
 ``n`` workers is ``training_samples // n // batch_size`` iterations (the same per-worker
 batch: weak scaling). The speed-up is over the projection of the run's plain S-SGD, or,
-without one, over S-SGD modelled with this run's compute and update times.
+without one, over S-SGD modelled with this run's compute and update times. A method the
+profile cannot run (A-SGD: :class:`~gradzip.bench.profiling.Unprofilable`) is not projected;
+its summary says why instead.
 
 These are projections, not measurements: the printed table and the plot say so; so does a
 note where the times rest on fewer than :data:`STEADY_MIN_STEPS` steps after the warm-up.
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..bench.profiling import profile_method
+from ..bench.profiling import Unprofilable, profile_method
 from ..bench.timeline import backward_period, overlapped_period, timeline
 from ..bench.units import format_rate
 from ..errors import GradzipError
@@ -90,11 +92,12 @@ def _period(summary: dict[str, Any], times: dict[str, float], n: int, bandwidth_
 
 
 def project_runs(runs: Sequence[dict[str, Any]], bandwidths_bps: Sequence[float],
-                 workers_at: Sequence[int] | None = None, alpha_s: float = ALPHA_S) -> list[list[dict[str, Any]]]:
-    """For every run (``{"summary", "history"}`` of ``gradzip train`` / ``compare``), its
-    projections: one dict per (worker count, link rate) with the projected ``epoch_s``,
-    ``iteration_s``, its phases, ``speedup`` over S-SGD and the ``measured_steps`` the times
-    rest on. ``workers_at`` defaults to each run's own count."""
+                 workers_at: Sequence[int] | None = None, alpha_s: float = ALPHA_S) -> list[dict[str, Any]]:
+    """For every run (``{"summary", "history"}`` of ``gradzip train`` / ``compare``), what its
+    projection adds to its summary: ``projections``, one dict per (worker count, link rate)
+    with the projected ``epoch_s``, ``iteration_s``, its phases, ``speedup`` over S-SGD and the
+    ``measured_steps`` the times rest on; or, for a method the profile cannot run,
+    ``projection_skipped`` (why). ``workers_at`` defaults to each run's own count."""
     if any(not (b and b > 0) for b in bandwidths_bps):
         raise GradzipError("--bandwidth for the projection needs finite rates > 0, e.g. 1gbit,10gbit")
     times = [steady_times(r["summary"]) for r in runs]
@@ -106,7 +109,10 @@ def project_runs(runs: Sequence[dict[str, Any]], bandwidths_bps: Sequence[float]
         if "parameter_shapes" not in s or "training_samples" not in s:
             raise GradzipError(f"the summary of {s.get('algo')!r} lacks parameter_shapes / training_samples "
                                "(written by an older gradzip); rerun it to project it")
-        out.append(_rows(s, own, base, bandwidths_bps, workers_at, alpha_s, cache))
+        try:
+            out.append({"projections": _rows(s, own, base, bandwidths_bps, workers_at, alpha_s, cache)})
+        except Unprofilable as exc:
+            out.append({"projection_skipped": str(exc)})
     return out
 
 
@@ -145,17 +151,20 @@ def cell(row: dict[str, Any]) -> str:
 
 
 def legend(summaries: Sequence[dict[str, Any]]) -> list[str]:
-    """The lines under the table about the projection: what the projected columns are and
-    the steps the measured times rest on (with the caveat for a run too short to measure
-    steady state)."""
+    """The lines under the table about the projection: what the projected columns are, the
+    steps the measured times rest on (with the caveat for a run too short to measure steady
+    state), and why a run was not projected."""
     projected = [s for s in summaries if s.get("projections")]
-    if not projected:
-        return []
-    first = projected[0]["projections"][0]
-    return [f"proj.: PROJECTED, not measured: seconds per epoch the timeline model (gradzip bench model) "
-            f"predicts from this run's measured compute, codec and update times and its bytes, per link "
-            f"rate and worker count (alpha {first['alpha_s'] * 1e6:g} us); (Nx): speed-up over "
-            f"{first['speedup_over']}", _basis(projected)]
+    lines = []
+    if projected:
+        first = projected[0]["projections"][0]
+        lines.append(f"proj.: PROJECTED, not measured: seconds per epoch the timeline model (gradzip bench model) "
+                     f"predicts from this run's measured compute, codec and update times and its bytes, per link "
+                     f"rate and worker count (alpha {first['alpha_s'] * 1e6:g} us); (Nx): speed-up over "
+                     f"{first['speedup_over']}")
+        lines.append(_basis(projected))
+    lines += [f"{s['algo']}: not projected: {s['projection_skipped']}" for s in summaries if s.get("projection_skipped")]
+    return lines
 
 
 def _basis(projected: Sequence[dict[str, Any]]) -> str:

@@ -50,28 +50,26 @@ OCCASIONAL = [("skipped", "skipped_steps", "{}"), ("resumed at", "resumed_from_s
 def table(summaries: Sequence[dict[str, Any]]) -> str:
     """A plain-text table of the runs, one row each, and what its time columns measure; with
     the runs' ``projections`` (:mod:`gradzip.train.projection`) one column per (worker count,
-    link rate), labelled as projections, and the projection's lines under the table
-    (:func:`gradzip.train.projection.legend`)."""
+    link rate), labelled as projections ("-" for a run not projected), and the projection's
+    lines under the table (:func:`gradzip.train.projection.legend`)."""
     columns = COLUMNS + [c for c in OCCASIONAL if any(s.get(c[1]) for s in summaries)]
     rows = [[h for h, _, _ in columns]] + [[_cell(s, k, f) for _, k, f in columns] for s in summaries]
-    projected = summaries and all(s.get("projections") for s in summaries)
-    if projected:
-        rows[0] += [projection.column(p) for p in summaries[0]["projections"]]
-        for row, s in zip(rows[1:], summaries):
-            row += [projection.cell(p) for p in s["projections"]]
-        columns = columns + [None] * len(summaries[0]["projections"])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+    heads = next((s["projections"] for s in summaries if s.get("projections")), [])
+    rows[0] += [projection.column(p) for p in heads]
+    for row, s in zip(rows[1:], summaries):
+        row += [projection.cell(p) for p in s["projections"]] if s.get("projections") else ["-"] * len(heads)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines + [TIME_LEGEND] + (projection.legend(summaries) if projected else []))
+    return "\n".join(lines + [TIME_LEGEND] + projection.legend(summaries))
 
 
 def write(out_dir: str | Path, runs: Sequence[dict[str, Any]], *, plot: bool = True) -> Path:
     """``metrics.jsonl`` (one record per evaluation, every run), ``summary.json`` (the
-    summary of a single run, or a list for several) and ``accuracy.png``, each written
-    whole or not at all (:func:`gradzip.files.write_atomically`: a full disk leaves the
-    previous file, never an empty or truncated one)."""
+    summary of a single run, or a list for several) and, with ``plot``, ``accuracy.png``,
+    each written whole or not at all (:func:`gradzip.files.write_atomically`: a full disk
+    leaves the previous file, never an empty or truncated one)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "metrics.jsonl", "".join(json.dumps(record) + "\n" for run in runs for record in run["history"]))
