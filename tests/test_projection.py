@@ -129,6 +129,25 @@ def test_the_projection_says_on_how_many_steps_it_rests_and_warns_of_a_short_run
     assert "rests on 10 measured steps" in short and "CAVEAT: a run this short cannot measure steady state" in short
 
 
+def test_one_line_per_link_rate_names_the_fastest_method_with_its_accuracy_cost():
+    """From the same projection as the columns: fewer bytes win at 10 Mbit/s, S-SGD at
+    10 Gbit/s; the accuracy cost is against the S-SGD run; a run that diverged is never named."""
+    base = _run("ssgd", {}, 2 * 3 / 4 * PARAMS * 4, accuracy=0.9)
+    sign = _run("efsgd", {"compressor": "1bit"}, 2 * 3 / 4 * PARAMS * 4 / 32, compress=0.002, accuracy=0.88)
+    sign["summary"]["algo"] = "efsgd@1bit"
+    broken = _run("bitsgd", {}, 2 * 3 / 4 * PARAMS * 4 / 64, accuracy=0.1)
+    broken["summary"]["diverged"] = True
+    lines = [line for line in _table([base, sign, broken], [1e7, 1e10]).splitlines() if line.startswith("fastest")]
+    slow_epoch = sign["summary"]["projections"][0]["epoch_s"]
+    assert lines == [
+        f"fastest at 10 Mbit/s x4: efsgd@1bit, {3 * slow_epoch:.3g} s projected for its 3 epochs, "
+        f"{sign['summary']['projections'][0]['speedup']:.2f}x S-SGD; test acc 0.8800, -0.0200 against ssgd's 0.9000 "
+        "(caveat: too short a run to measure steady state)",
+        f"fastest at 10 Gbit/s x4: ssgd, {3 * base['summary']['projections'][1]['epoch_s']:.3g} s projected for its "
+        "3 epochs, 1.00x S-SGD; test acc 0.9000, +0.0000 against ssgd's 0.9000 "
+        "(caveat: too short a run to measure steady state)"]
+
+
 def test_a_method_the_profile_cannot_run_is_left_out_with_a_note():
     base, asgd = _run("ssgd", {}, 2 * 3 / 4 * PARAMS * 4), _run("asgd", {}, 2 * 3 / 4 * PARAMS * 4)
     text = _table([base, asgd], [1e9])

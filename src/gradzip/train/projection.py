@@ -153,7 +153,8 @@ def cell(row: dict[str, Any]) -> str:
 def legend(summaries: Sequence[dict[str, Any]]) -> list[str]:
     """The lines under the table about the projection: what the projected columns are, the
     steps the measured times rest on (with the caveat for a run too short to measure steady
-    state), and why a run was not projected."""
+    state), the fastest method at each (worker count, link rate) where two or more runs are
+    projected (:func:`fastest`), and why a run was not projected."""
     projected = [s for s in summaries if s.get("projections")]
     lines = []
     if projected:
@@ -163,6 +164,8 @@ def legend(summaries: Sequence[dict[str, Any]]) -> list[str]:
                      f"rate and worker count (alpha {first['alpha_s'] * 1e6:g} us); (Nx): speed-up over "
                      f"{first['speedup_over']}")
         lines.append(_basis(projected))
+        if len(projected) > 1:
+            lines += [fastest(projected, i) for i in range(len(projected[0]["projections"]))]
     lines += [f"{s['algo']}: not projected: {s['projection_skipped']}" for s in summaries if s.get("projection_skipped")]
     return lines
 
@@ -178,3 +181,26 @@ def _basis(projected: Sequence[dict[str, Any]]) -> str:
         text += (f"; CAVEAT: a run this short cannot measure steady state (fewer than {STEADY_MIN_STEPS} steps "
                  "after the warm-up): rerun with more --epochs before relying on the projection")
     return text
+
+
+def fastest(projected: Sequence[dict[str, Any]], i: int) -> str:
+    """The line naming the method fastest to its run's accuracy at projection ``i`` (a worker
+    count and link rate): the least projected time for the run's epochs among the runs that
+    did not diverge, with its accuracy cost (final test accuracy against the S-SGD run's, or
+    the most accurate run's) and the short-run caveat."""
+    row = projected[0]["projections"][i]
+    where = f"fastest at {format_rate(row['bandwidth_bps'])} x{row['workers']}"
+    finished = [s for s in projected if not s.get("diverged") and s["projections"][i]["iteration_s"] > 0]
+    if not finished:
+        return f"{where}: none (every run diverged)"
+    best = min(finished, key=lambda s: s["epochs"] * s["projections"][i]["epoch_s"])
+    ref = next((s for s in projected if is_plain_ssgd(s)), None) or \
+        max(finished, key=lambda s: s.get("final_test_accuracy") or 0.0)
+    p = best["projections"][i]
+    speed = "" if p.get("speedup") is None else f", {p['speedup']:.2f}x S-SGD"
+    acc, ref_acc = best.get("final_test_accuracy"), ref.get("final_test_accuracy")
+    cost = "" if acc is None or ref_acc is None else \
+        f"; test acc {acc:.4f}, {acc - ref_acc:+.4f} against {ref['algo']}'s {ref_acc:.4f}"
+    caveat = " (caveat: too short a run to measure steady state)" if is_short(best) else ""
+    return (f"{where}: {best['algo']}, {best['epochs'] * p['epoch_s']:.3g} s projected for its "
+            f"{best['epochs']} epochs{speed}{cost}{caveat}")
