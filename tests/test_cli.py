@@ -188,6 +188,21 @@ def test_the_tables_time_columns_are_what_its_legend_says():
     assert "as OD-SGD and CD-SGD, on that exchange, codec work included" in text
 
 
+@pytest.mark.slow
+def test_the_command_leaves_without_finalisation_with_its_output_and_exit_code(tmp_path):
+    """``gradzip`` (:func:`gradzip.cli.run`) skips the interpreter's finalisation (seconds
+    with torch loaded; issue 36, item 9): no atexit hook runs, yet stdout, stderr and the
+    exit code are the command's."""
+    mark = tmp_path / "finalised"
+    code = (f"import atexit, pathlib; atexit.register(lambda: pathlib.Path({str(mark)!r}).write_text('x')); "
+            "from gradzip.cli import run; run()")
+    for args, rc, stream, text in [(["--help"], 0, "stdout", "usage: gradzip"),
+                                   (["train", "--epochs", "0"], 2, "stderr", "--epochs: expected an integer >= 1")]:
+        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600)
+        assert done.returncode == rc and text in getattr(done, stream), done
+    assert not mark.exists()
+
+
 # -- issue 36, item 5: every method through the CLI with the default projection; the results
 # are written before anything derived from them -------------------------------------------------
 TINY = ["--workers", "2", "--backend", "threads", "--epochs", "1", "--batch-size", "16", "--quiet", "--no-plot",

@@ -450,6 +450,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def run() -> None:
+    """The ``gradzip`` command (console script, ``python -m gradzip``): :func:`main` on the
+    command line, then out with its exit code, stdout and stderr flushed, without the
+    interpreter's finalisation: tearing down torch's modules took 2.5 to 3 s on the loaded
+    2-core machine, a tenth of a short run (docs/benchmarks/startup.md). Everything a
+    command writes is written and closed by then, and its worker processes are joined."""
+    try:
+        code = main()
+    except SystemExit as exc:   # argparse: --help, a usage error
+        code = exc.code
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 def _main(args, argv, parser) -> int:
     try:
         if args.command == "bench":
@@ -580,4 +598,4 @@ def _report(args, runs: list[dict], rates: list[float], workers_at: list[int] | 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
