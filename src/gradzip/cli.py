@@ -453,8 +453,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run() -> None:
     """The ``gradzip`` command (console script, ``python -m gradzip``): :func:`main` on the
     command line, then out with its exit code, stdout and stderr flushed, without the
-    interpreter's finalisation: tearing down torch's modules took 2.5 to 3 s on the loaded
-    2-core machine, a tenth of a short run (docs/benchmarks/startup.md). Everything a
+    interpreter's finalisation: tearing down torch's modules took 2 to 3 s on the loaded
+    2-core machine, a quarter of a short run (docs/benchmarks/startup.md). Everything a
     command writes is written and closed by then, and its worker processes are joined."""
     try:
         code = main()
