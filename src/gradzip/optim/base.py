@@ -107,7 +107,7 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
         defaults = dict(lr=float(lr), momentum=float(momentum), nesterov=bool(nesterov),
                         weight_decay=float(weight_decay), **options)
         super().__init__(params, defaults)
-        self.comm = comm if comm is not None else comm_lib.default()
+        self.comm = comm_lib.resolve(comm, name)
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.nonfinite = nonfinite
