@@ -29,15 +29,8 @@ parameters' values (:mod:`gradzip.consistency`; replicas must start equal:
 :meth:`~gradzip.optim.guard.NonFiniteGuard.codec_overflow`). Neither touches residuals,
 momentum or the step counter when it stops a step.
 
-**Missing gradients** (``params_with_grad``): every parameter of the optimizer that
-requires a gradient takes part in every step; one whose ``.grad`` is None on a worker
-counts as a zero gradient there (its ``.grad`` is set to zeros), as under
-``DistributedDataParallel(find_unused_parameters=True)``. Every worker thus exchanges the
-same tensors in the same order whatever its backward touched, with no collective to agree
-on the set. A parameter no worker touched still gets weight decay, momentum and any
-residual carried over (like DDP + ``torch.optim.SGD``, unlike ``torch.optim.SGD`` alone,
-which skips it): it stays unchanged only with ``weight_decay=0`` and no momentum / residual
-left. Parameters with ``requires_grad=False`` (frozen) never take part.
+Which parameters take part in a step (held once, dense gradients, missing ones as zeros,
+frozen ones never) is :mod:`gradzip.optim.participation`.
 """
 from __future__ import annotations
 
@@ -60,9 +53,10 @@ from ..version import __version__
 from .exchanges import ExchangeOwner
 from .guard import NonFiniteGuard
 from .options import check_group, check_hyperparameters
+from .participation import Participation
 
 
-class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer):
+class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, Participation, torch.optim.Optimizer):
     """Base of every method. ``comm=None``: the default torch.distributed group when one is
     initialised, else a world of one."""
 
@@ -231,20 +225,6 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
         if not self._verified:
             refuse_ddp_double_sync(self._all_params(), type(self).__name__)
             self.verify_consistent()
-
-    def participating(self) -> list[tuple[dict, torch.Tensor]]:
-        """``(group, param)`` for every parameter that requires a gradient, in a fixed order,
-        the same on every worker."""
-        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
-
-    def params_with_grad(self) -> list[tuple[dict, torch.Tensor]]:
-        """:meth:`participating`, with a missing ``.grad`` set to zeros first (module
-        docstring: DDP's ``find_unused_parameters`` semantics)."""
-        pairs = self.participating()
-        for _, p in pairs:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return pairs
 
     def keys(self, params: Sequence[torch.Tensor]) -> list[int]:
         """Stable per-parameter keys (its position in the optimizer) for shared seeds."""

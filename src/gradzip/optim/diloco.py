@@ -54,6 +54,7 @@ from ..trace import maybe_span
 from ..validation import is_int, is_real, require
 from .base import DistributedOptimizer
 from .options import FLOAT32_MAX, check_hyperparameters, no_momentum
+from .participation import hold_once
 from .ratios import check_period
 
 
@@ -89,6 +90,7 @@ class DiLoCo(DistributedOptimizer):
                 "outer_nesterov=True needs outer_momentum > 0 (for plain outer SGD pass outer_nesterov=False)")
         require(is_int(delay) and delay >= 0, name, f"delay (τ, in steps) must be an integer >= 0, got {delay!r}")
         require(is_real(alpha) and 0 <= alpha <= 1, name, f"alpha must be a number in [0, 1], got {alpha!r}")
+        hold_once(inner, name)
         params = [p for g in inner.param_groups for p in g["params"]]
         parts = _fragments(name, fragments, params)
         P = len(parts)

@@ -7,6 +7,7 @@ import torch
 
 from ..validation import is_real, require
 from .lars import check_common, excluded
+from .participation import require_dense
 
 
 class LAMB(torch.optim.Optimizer):
@@ -44,6 +45,8 @@ class LAMB(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for index, p in enumerate(p for g in self.param_groups for p in g["params"]):   # before any update
+            require_dense(p, "LAMB", index)
         for group in self.param_groups:
             (b1, b2), eps = group["betas"], group["eps"]
             for p in group["params"]:

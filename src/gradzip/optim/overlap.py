@@ -233,6 +233,10 @@ class GradientExchange(DistributedOptimizer):
                     "gradient before step(), after its exchange had started; accumulate micro-batches "
                     "inside `with opt.accumulate():` (the last backward outside it), or pass "
                     "overlap_backward=False")
+            if p.grad.layout != torch.strided:   # refused (check_dense), the step as if never begun
+                self._run = None
+                self._discard(run, uncount=True)
+                self.check_dense(p)
             self._feed(run, p)
             run.seen[p] = (p.grad, p.grad._version)
             self._launch_ready(run)

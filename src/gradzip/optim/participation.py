@@ -1,0 +1,121 @@
+"""Which parameters a method holds, and which take part in a step: a mixin of
+:class:`~gradzip.optim.base.DistributedOptimizer`, apart from it because it is one concept
+(the parameter set: held once, dense gradients, the same on every worker) that no box reads.
+
+**Held once**: a parameter listed twice (``EFSGD([a, a])``, tied weights in a hand-built
+list) is held once, where it is first listed, with one warning (torch warns too, and its
+optimizers update such a parameter twice): every method updates it once per step, with
+``overlap_backward`` on or off alike. A method that wraps a torch optimizer (``Compressed``,
+``DiLoCo``) holds the inner optimizer's groups once too (:func:`hold_once`).
+
+**Dense gradients**: a sparse gradient (``nn.Embedding(sparse=True)``) is refused in one
+line where it is first read (``params_with_grad``, or the gradient hook of the backward
+overlap): every exchange, codec and box here works on dense tensors.
+
+**Missing gradients** (``params_with_grad``): every parameter of the optimizer that
+requires a gradient takes part in every step; one whose ``.grad`` is None on a worker
+counts as a zero gradient there (its ``.grad`` is set to zeros), as under
+``DistributedDataParallel(find_unused_parameters=True)``. Every worker thus exchanges the
+same tensors in the same order whatever its backward touched. A parameter no worker
+touched still gets weight decay, momentum and any residual carried over (like DDP +
+``torch.optim.SGD``, unlike ``torch.optim.SGD`` alone, which skips it): it stays unchanged
+only with ``weight_decay=0`` and no momentum / residual left. Parameters with
+``requires_grad=False`` (frozen) never take part.
+
+The host class provides ``param_groups`` (torch's), ``_keys`` (parameter -> its position).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+from ..errors import GradzipError
+
+
+def held_once(params: list, who: str, where: str) -> list:
+    """``params`` (tensors, or torch's ``(name, tensor)`` pairs) with every tensor after its
+    first listing left out, warning once per list that had any (module docstring)."""
+    seen: set[int] = set()
+    out, repeated = [], []
+    for item in params:
+        tensor = item[1] if isinstance(item, tuple) and len(item) == 2 else item
+        if id(tensor) in seen:
+            repeated.append(tensor)
+            continue
+        seen.add(id(tensor))
+        out.append(item)
+    if repeated:
+        shapes = ", ".join(str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+                           for t in repeated[:3])
+        warnings.warn(f"{who}: {where}params lists {len(repeated)} parameter(s) more than once (shape "
+                      f"{shapes}{', ...' if len(repeated) > 3 else ''}); each is held once and updated once "
+                      "per step (tied weights are one parameter)", UserWarning, stacklevel=_callers_level())
+    return out
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside gradzip and torch: the line of the
+    caller's script that built the optimizer."""
+    inside = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def require_dense(p: torch.Tensor, who: str, index: int) -> None:
+    """Refuse, in one line naming ``who`` and the parameter (its position ``index``), a
+    sparse ``p.grad`` (module docstring)."""
+    if p.grad is not None and p.grad.layout != torch.strided:
+        raise GradzipError(
+            f"{who}: parameter #{index} (shape {tuple(p.shape)}) has a sparse gradient ({p.grad.layout}, e.g. from "
+            "nn.Embedding(sparse=True)); gradzip's exchanges, codecs and methods work on dense gradients: build "
+            "the layer with sparse=False")
+
+
+def hold_once(optimizer: torch.optim.Optimizer, who: str) -> None:
+    """In place: every param group of ``optimizer`` (the inner optimizer a method wraps)
+    holding each parameter once (:func:`held_once`), its ``param_names`` kept in step."""
+    for i, group in enumerate(optimizer.param_groups):
+        names = group.get("param_names")
+        items = list(zip(names, group["params"])) if names else list(group["params"])
+        kept = held_once(items, who, f"inner param_groups[{i}].")
+        if len(kept) < len(items):
+            group["params"] = [t for _, t in kept] if names else kept
+            if names:
+                group["param_names"] = [n for n, _ in kept]
+
+
+class Participation:
+    """Mixin: the held parameters (once each), the ones that take part in a step, and
+    their gradients (dense; zeros where missing)."""
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, with the group's parameters held once (:func:`held_once`)."""
+        if isinstance(param_group, dict) and not isinstance(param_group.get("params"), (torch.Tensor, set)):
+            param_group = {**param_group, "params": held_once(list(param_group["params"]), type(self).__name__,
+                                                              f"param_groups[{len(self.param_groups)}].")}
+        super().add_param_group(param_group)
+
+    def participating(self) -> list[tuple[dict, torch.Tensor]]:
+        """``(group, param)`` for every parameter that requires a gradient, in a fixed order,
+        the same on every worker."""
+        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def params_with_grad(self) -> list[tuple[dict, torch.Tensor]]:
+        """:meth:`participating`, with a missing ``.grad`` set to zeros first (module
+        docstring: DDP's ``find_unused_parameters`` semantics) and a sparse one refused."""
+        pairs = self.participating()
+        for _, p in pairs:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+            else:
+                self.check_dense(p)
+        return pairs
+
+    def check_dense(self, p: torch.Tensor) -> None:
+        """Refuse, in one line, a sparse gradient of ``p`` (module docstring)."""
+        require_dense(p, type(self).__name__, self._keys[p])
