@@ -1,6 +1,8 @@
 """Which parameters a method holds and which take part in a step (gradzip.optim.participation;
 issue 35): a parameter listed twice is held and updated once, with the backward overlap on
-or off alike (item 4); a sparse gradient is refused in one line (item 12)."""
+or off alike (item 4); a parameter frozen on some workers only is named on every worker
+before anything is mixed or aborts (item 5); a sparse gradient is refused in one line
+(item 12)."""
 from __future__ import annotations
 
 import warnings
@@ -9,8 +11,10 @@ import pytest
 import torch
 
 import cases
+import cases_optim
 import gradzip
 from gradzip.errors import GradzipError
+from gradzip.launch import run_processes
 from gradzip.optim import METHODS
 
 
@@ -98,3 +102,62 @@ def test_the_plain_optimizers_refuse_a_sparse_gradient_in_one_line(optimizer):
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(GradzipError, match=rf"{optimizer.__name__}: parameter #0 .* sparse gradient .* sparse=False"):
         opt.step()
+
+
+# -- the same set on every worker (item 5) ---------------------------------------------------
+SYNCHRONOUS = [m for m in sorted(cases.SHORT_RUNS) if m != "asgd"]
+RUNS = [(m, o) for m in SYNCHRONOUS for o in _with_overlap(m)]
+
+
+@pytest.mark.parametrize("changes, named", [
+    (cases_optim.SWAPPED, "'frozen parameters' differs — rank 0: [1]; rank 1: [0]"),
+    (cases_optim.ONE_SIDED, "'frozen parameters' differs — rank 0: [0]; rank 1: []"),
+], ids=["swapped-same-shapes", "one-sided-other-counts"])
+def test_a_set_changed_on_some_ranks_only_is_named_on_every_rank_nothing_updated(changes, named):
+    """Issue 35 item 5: rank 0 freezing B while rank 1 froze A (same shapes) averaged their
+    gradients together; different counts were a raw RuntimeError (threads) or a SIGABRT
+    (gloo). Now every method stops on every rank, at the first step that exchanges the
+    set, naming each rank's frozen parameters, before that step changed anything."""
+    outs = gradzip.simulate(2, lambda c: cases_optim.freezing_runs(c, changes, RUNS))
+    for rank_out in outs:
+        assert set(rank_out) == set(RUNS)
+        for run, out in rank_out.items():
+            assert "refused" in out, f"{run} trained on: {out}"
+            assert named in out["refused"] and "\n" not in out["refused"], (run, out["refused"])
+            assert out["untouched"], run
+
+
+def test_a_set_changed_alike_on_every_rank_trains_on_and_the_overlap_changes_no_bit():
+    """Freezing B on every rank before step 2 and unfreezing it before step 4 is a change
+    the workers agree on: every method trains on, B stays as it was while frozen, and the
+    backward overlap (which exchanges such a step again over the new set) gives the bits of
+    ``overlap_backward=False``."""
+    outs = gradzip.simulate(2, lambda c: cases_optim.freezing_runs(c, cases_optim.ALIKE, RUNS))
+    for rank_out in outs:
+        for (method, overlap), out in rank_out.items():
+            assert "params" in out, f"{method} overlap_backward={overlap}: {out}"
+            after_1, after_3 = out["B while frozen"]
+            assert torch.equal(after_1, after_3), method
+            if overlap:
+                cases.assert_bitwise_equal(out["params"], rank_out[(method, False)]["params"], method)
+
+
+def test_asgd_refuses_a_set_changed_after_it_was_built_in_one_line():
+    """A-SGD's server holds the parameters that took part when it was built (no collective
+    per step to agree on another set): a change is refused on the worker that made it."""
+    outs = gradzip.simulate(2, lambda c: cases_optim.freezing_runs(c, cases_optim.ALIKE, [("asgd", None)]))
+    for rank_out in outs:
+        out = rank_out[("asgd", None)]
+        assert out["step"] == 2 and out["untouched"]
+        assert "parameter(s) #1 were frozen or unfrozen (requires_grad) after the optimizer was built" in out["refused"]
+
+
+@pytest.mark.slow
+def test_a_set_changed_on_one_gloo_rank_is_named_instead_of_aborting():
+    """On gloo, collectives of different sizes abort the process (SIGABRT): the agreement
+    comes before them, on the backward overlap's path and on the one-call path."""
+    runs = [("efsgd", True), ("efsgd", False), ("powersgd", None)]
+    for rank_out in run_processes(2, cases_optim.freezing_runs, cases_optim.ONE_SIDED, runs):
+        for run, out in rank_out.items():
+            assert "'frozen parameters' differs — rank 0: [0]; rank 1: []" in out.get("refused", ""), (run, out)
+            assert out["untouched"], run

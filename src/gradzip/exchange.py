@@ -571,10 +571,10 @@ def _two_phase_finish(psync: PSync, bucket: _TwoPhaseBucket, out: list, errors: 
     s = torch.empty(packed[-1][1] if packed else 0, dtype=bucket.dtype, device=bucket.device)
     codec.aggregate_slices(received, packed, s, bucket.templates(rank))
     keys = [bucket.keys[k] for k in mine]
-    for key, (a, b) in zip(keys, packed):   # none held before a slice's first exchange (or after a reset)
-        old = psync.server_errors.errors.get((key, rank))
-        if old is not None:
-            s[a:b].add_(old)
+    for key, (a, b) in zip(keys, packed):   # none held before a slice's first exchange (or after a reset),
+        old = psync.server_errors.errors.get((key, rank))   # nor for a tensor whose size changed under its key
+        if old is not None and old.numel() == b - a:        # (1-bit LAMB's flat tensor, after a change of the
+            s[a:b].add_(old)                                # parameters taking part)
     e = torch.empty_like(s)
     back = codec.compress_slices(s, packed, [tp.phase2_seed(psync.seed, bucket.step, key, rank) for key in keys], e)
     for key, (a, b) in zip(keys, packed):

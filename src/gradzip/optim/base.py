@@ -147,7 +147,8 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, Participation, torch.o
         refuse DDP double communication and compare settings across workers
         (:meth:`verify_consistent`); list the parameters that take part
         (:meth:`params_with_grad`: missing gradients become zeros); check every worker's
-        gradients for NaN/Inf (``nonfinite``); count the step (from 1).
+        gradients for NaN/Inf (``nonfinite``); agree on the set across workers where this
+        step exchanges it (:meth:`agree`); count the step (from 1).
 
         Returns ``(loss, pairs, params, skipped)``: ``pairs`` the ``(group, param)`` of
         :meth:`params_with_grad`, ``params`` their parameters. ``skipped``: the workers
@@ -162,7 +163,10 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, Participation, torch.o
         self.verify_once()
         pairs = self.params_with_grad()
         params = [p for _, p in pairs]
-        if self.nonfinite != "off" and not self.gradients_finite(params):
+        first_bad = self.first_bad_gradient(params)     # "raise": raised here, before anything is sent
+        if self.nonfinite == "skip" or self.exchanges_at(self.steps + 1):   # the same set on every worker
+            first_bad = max(row[0] for row in self.agree([first_bad], pairs))
+        if first_bad >= 0:                                  # "skip": every worker skips this step
             self.skipped_steps += 1
             return loss, pairs, params, True
         self.steps += 1

@@ -135,6 +135,12 @@ class DiLoCo(DistributedOptimizer):
             return self.codec_overflow(overflow, loss)
         return loss
 
+    def exchanges_at(self, step: int) -> bool:
+        """The steps a fragment's exchange starts (the set's agreement:
+        :mod:`gradzip.optim.participation`)."""
+        r, h = step % self.H, self.H // self.fragment_count
+        return any(r == ((f + 1) * h - self.delay) % self.H for f in range(self.fragment_count))
+
     def _start(self, f: int) -> None:
         """``Δ_i,p = θ̂_p − x_i,p`` (+ ``e_i``) into PSync, left in flight."""
         params = [p for p in self._fragments[f] if p.requires_grad]

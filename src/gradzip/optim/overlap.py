@@ -243,19 +243,27 @@ class GradientExchange(DistributedOptimizer):
 
     def _current_run(self) -> _Run:
         if self._run is None:
+            verifying = not self._verified
             self.verify_once()   # before the first collective of this optimizer
-            pairs = self.participating()
-            if self._plan is None or self._plan.key != _plan_key(pairs, self.bucket_bytes):
-                self._plan = _Plan(pairs, self.bucket_bytes)
+            if self._plan is None or verifying:   # else the set last agreed on (a change: step() exchanges again)
+                self._replan(self.participating())
             self._run = self._new_run()
         return self._run
+
+    def _replan(self, pairs: list) -> None:
+        """Buckets over ``pairs``, a set the workers agree on (the settings check, or
+        :meth:`agree`); kept where it is the plan's already."""
+        if self._plan is None or self._plan.key != _plan_key(pairs, self.bucket_bytes):
+            self._plan = _Plan(pairs, self.bucket_bytes)
 
     def _new_run(self) -> _Run:
         self.start_undo_log()
         return _Run(self._plan, self.steps + 1, [(x.bytes_sent, x.payload_bytes) for x in self._exchanges])
 
     def _feed(self, run: _Run, p: torch.Tensor) -> None:
-        if self.nonfinite != "off" and not self.gradients_checked_by_exchange() and first_nonfinite([p.grad]) >= 0:
+        if not p.requires_grad:                  # frozen since the plan: never applied (the step exchanges again)
+            run.inputs[p] = torch.zeros_like(p)
+        elif self.nonfinite != "off" and not self.gradients_checked_by_exchange() and first_nonfinite([p.grad]) >= 0:
             run.poisoned = run.poisoned or self.nonfinite == "raise"
             run.bad.add(self._keys[p])
             run.inputs[p] = torch.zeros_like(p)  # never applied: the step raises or is skipped
@@ -316,19 +324,21 @@ class GradientExchange(DistributedOptimizer):
             first_bad = min((i for i, p in enumerate(params) if self._keys[p] in run.bad), default=-1)
         if self.nonfinite == "raise" and first_bad >= 0:  # what was sent stays counted
             self.restore_replaced()
-            self.gradients_finite(params)        # raises NonFiniteGradient, naming rank and parameter
+            self.first_bad_gradient(params)      # raises NonFiniteGradient, naming rank and parameter
         self._feed_rest(run)                     # every bucket launched before the agreement
-        flags = torch.tensor([[first_bad, int(stale)]])
-        if self.comm.world_size > 1:             # the one control collective of the step
-            began = time.perf_counter()          # behind the buckets: it waits for their traffic
-            flags = self.comm.allgather_control(flags).reshape(-1, 2)
+        moved = _plan_key(pairs, self.bucket_bytes) != run.plan.key   # the set changed since the plan
+        began = time.perf_counter()              # the one control collective of the step (and the set's
+        flags = self.agree([first_bad, int(stale or moved)], pairs,   # agreement), behind the buckets:
+                           cleanup=lambda: self._discard(run, uncount=True))   # it waits for their traffic
+        if self.comm.world_size > 1:
             self._exchanges[0].count_wait(began, time.perf_counter())
-        if int(flags[:, 0].max()) >= 0:          # "skip": every worker skips this step
+        if max(row[0] for row in flags) >= 0:    # "skip": every worker skips this step
             self._discard(run, uncount=True)
             self.skipped_steps += 1
             return loss, run, True
-        if int(flags[:, 1].max()) > 0:           # a gradient changed after its hook: all exchange again
-            self._discard(run, uncount=False)  # the traffic happened: it stays counted
+        if max(row[1] for row in flags) > 0:     # a gradient changed after its hook, or the (agreed) set
+            self._discard(run, uncount=False)    # since the plan: all exchange again; the traffic stays counted
+            self._replan(pairs)
             run = self._new_run()
             run.pairs = pairs
             self._feed_rest(run)

@@ -22,16 +22,33 @@ touched still gets weight decay, momentum and any residual carried over (like DD
 only with ``weight_decay=0`` and no momentum / residual left. Parameters with
 ``requires_grad=False`` (frozen) never take part.
 
-The host class provides ``param_groups`` (torch's), ``_keys`` (parameter -> its position).
+**The same set on every worker**: which parameters take part can change mid-run
+(``requires_grad_(False)`` to freeze a layer, ``True`` to unfreeze it), and every worker
+must change it alike, at the same step, or their exchanges would average different tensors
+together (same shapes) or fail inside the collective (different ones). So the workers
+agree on it (:meth:`~Participation.agree`) before any step's exchange of these tensors
+starts: a digest of the set (recomputed only when the set changes) rides in the step's
+control allgather, 8 bytes per worker: the one the step makes anyway (the backward
+overlap's, ``nonfinite="skip"``'s), else one of its own on every step that exchanges
+(:meth:`~Participation.exchanges_at`; a method with periods only on those steps). If the
+digests differ, every worker raises :class:`gradzip.consistency.InconsistentWorkers` naming
+each rank's frozen parameters, nothing updated. (A-SGD pushes to a server that holds the
+parameter list it was built with: it checks its own set against that, no collective.)
+
+The host class provides ``comm``, ``param_groups`` (torch's), ``_keys`` (parameter -> its
+position).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import warnings
+from typing import Callable
 
 import torch
 
+from .. import consistency
 from ..errors import GradzipError
 
 
@@ -90,8 +107,10 @@ def hold_once(optimizer: torch.optim.Optimizer, who: str) -> None:
 
 
 class Participation:
-    """Mixin: the held parameters (once each), the ones that take part in a step, and
-    their gradients (dense; zeros where missing)."""
+    """Mixin: the held parameters (once each), the ones that take part in a step, their
+    gradients (dense; zeros where missing), and the workers' agreement on that set."""
+
+    _set_digest: tuple = ((), 0)   # (keys of the set, its digest): recomputed when the keys change
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, with the group's parameters held once (:func:`held_once`)."""
@@ -119,3 +138,47 @@ class Participation:
     def check_dense(self, p: torch.Tensor) -> None:
         """Refuse, in one line, a sparse gradient of ``p`` (module docstring)."""
         require_dense(p, type(self).__name__, self._keys[p])
+
+    # -- the same set on every worker ---------------------------------------------------------
+    def exchanges_at(self, step: int) -> bool:
+        """Whether step ``step`` (from 1) exchanges the parameters that take part, so the
+        workers agree on them first (module docstring): every step here; a method that
+        exchanges on some steps only says which."""
+        return True
+
+    def set_digest(self, pairs: list) -> int:
+        """A 63-bit digest of which held parameters take part (``pairs``, ``(group, param)``),
+        recomputed only when that set changes."""
+        keys = tuple(self._keys[p] for _, p in pairs)
+        if keys != self._set_digest[0]:
+            blob = repr((len(self._keys), keys)).encode()
+            self._set_digest = (keys, int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") >> 1)
+        return self._set_digest[1]
+
+    def agree(self, flags: list[int], pairs: list, cleanup: Callable[[], None] | None = None) -> list[list[int]]:
+        """Every worker's ``flags`` (one row per rank), gathered with the digest of the set
+        of ``pairs`` in one control allgather (world of one: this worker's, no collective).
+        Digests that differ: ``cleanup()`` first (e.g. wait for exchanges already launched),
+        then :class:`gradzip.consistency.InconsistentWorkers` on every worker, naming each
+        rank's frozen parameters. Collective: every worker calls it at the same point."""
+        if self.comm.world_size == 1:
+            return [list(flags)]
+        rows = self.comm.allgather_control(torch.tensor([*flags, self.set_digest(pairs)], dtype=torch.int64))
+        rows = rows.reshape(self.comm.world_size, -1).tolist()
+        if len({row[-1] for row in rows}) > 1:
+            if cleanup is not None:
+                cleanup()
+            self._name_the_difference()
+        return [row[:-1] for row in rows]
+
+    def _name_the_difference(self) -> None:
+        name, held = type(self).__name__, [p for g in self.param_groups for p in g["params"]]
+        step = getattr(self, "steps", 0) + 1
+        fields = {"frozen parameters": [i for i, p in enumerate(held) if not p.requires_grad],
+                  "parameters held": len(held)}
+        fix = ("Freeze or unfreeze parameters (requires_grad) alike on every worker, before the same step; "
+               "nothing was updated.")
+        consistency.verify(self.comm, fields, what=f"{name} parameters taking part in step {step}",
+                           fixes={"": fix})
+        raise consistency.InconsistentWorkers(
+            f"workers run with different {name} parameters taking part in step {step} (their digests differ). {fix}")
