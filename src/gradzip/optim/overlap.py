@@ -30,11 +30,13 @@ composition (≈ 1 ulp, as any change of ``bucket_bytes``).
 * one backward per step: a gradient that accumulates again before ``step()`` raises
   :class:`GradzipError`; accumulate over micro-batches inside ``with opt.accumulate():``
   (hooks idle, like DDP's ``no_sync``), the last backward outside it;
-* a gradient changed between backward and ``step()`` (clipping, editing by hand; seen by its
-  tensor or version counter): the exchange already started from the old one. The control
-  allgather tells every worker; all discard it and exchange again from the current
-  gradients (exact; twice the traffic, counted: ``overlap_backward=False`` if you clip every
-  step);
+* a gradient changed between backward and ``step()`` (clipping, editing by hand, also through
+  ``p.grad.data`` or outside torch; seen by its tensor, its version counter or a fingerprint
+  of its values, :mod:`gradzip.fingerprint`): the exchange already started from the old one.
+  The control allgather tells every worker; all discard it and exchange again from the
+  current gradients (exact; twice the traffic, counted: ``overlap_backward=False`` if you
+  clip every step). The fingerprint costs two passes over each gradient in its hook and two
+  at ``step()``, about four ``sum()`` calls;
 * hyper-parameters (lr, momentum, weight decay) are read when the gradient is ready: an LR
   scheduler stepped after ``step()`` (the usual place) acts on the next step, as without hooks.
 
@@ -59,6 +61,7 @@ import torch
 
 from ..errors import GradzipError
 from ..exchange import Pending
+from ..fingerprint import fingerprint
 from ..nonfinite import NonFiniteAggregate, first_nonfinite
 from ..validation import require
 from .base import DistributedOptimizer
@@ -96,7 +99,7 @@ class _Run:
         self.counters = counters                           # every exchange's byte counters before it
         self.pairs: list[tuple[dict, torch.Tensor]] = []   # the step's (group, param), set by step()
         self.inputs: dict[torch.Tensor, torch.Tensor] = {}
-        self.seen: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # hooked: (grad, version)
+        self.seen: dict[torch.Tensor, tuple] = {}  # hooked: (grad, its version, its fingerprint)
         self.missing = [len(b) for b in plan.buckets]      # members not fed yet, per bucket
         self.launched: list[list[tuple[list, Pending]]] = []   # per bucket: (members, pending) per exchange
         self.poisoned = False                              # "raise": a non-finite gradient; launch no more
@@ -238,7 +241,7 @@ class GradientExchange(DistributedOptimizer):
                 self._discard(run, uncount=True)
                 self.check_dense(p)
             self._feed(run, p)
-            run.seen[p] = (p.grad, p.grad._version)
+            run.seen[p] = (p.grad, p.grad._version, fingerprint(p.grad))
             self._launch_ready(run)
 
     def _current_run(self) -> _Run:
@@ -313,7 +316,7 @@ class GradientExchange(DistributedOptimizer):
         self._run = None                         # this step consumes it, whatever happens
         pairs = run.pairs = self.params_with_grad()   # a missing gradient becomes zeros
         params = [p for _, p in pairs]
-        stale = any(p.grad is not grad or p.grad._version != version for p, (grad, version) in run.seen.items())
+        stale = _changed_since_hooks(run)
         if stale:                                # a non-finite gradient a hook saw may be replaced since
             run.poisoned = False
         else:                                    # the hooks checked theirs; feeding checks the rest
@@ -359,6 +362,20 @@ class GradientExchange(DistributedOptimizer):
         if overflows:
             raise min(overflows, key=lambda e: e.index)
         return results
+
+
+def _changed_since_hooks(run: _Run) -> bool:
+    """Whether a gradient the hooks fed changed since: another tensor, its version counter,
+    or its values (:func:`gradzip.fingerprint.fingerprint`: edits through ``.data``, or
+    outside torch, that no version counter sees); one comparison per device."""
+    if any(p.grad is not grad or p.grad._version != version for p, (grad, version, _) in run.seen.items()):
+        return True
+    then: dict = {}
+    now: dict = {}
+    for p, (_, _, taken) in run.seen.items():
+        then.setdefault(taken.device, []).append(taken)
+        now.setdefault(taken.device, []).append(fingerprint(p.grad))
+    return any(not torch.equal(torch.cat(then[d]), torch.cat(now[d])) for d in then)
 
 
 def _remove_hooks(handles: list) -> None:
