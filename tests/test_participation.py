@@ -161,3 +161,114 @@ def test_a_set_changed_on_one_gloo_rank_is_named_instead_of_aborting():
         for run, out in rank_out.items():
             assert "'frozen parameters' differs — rank 0: [0]; rank 1: []" in out.get("refused", ""), (run, out)
             assert out["untouched"], run
+
+
+# -- complex parameters (item 6) ----------------------------------------------------------------
+#: The methods whose box reads real entries (their ``complex_parameters`` is False).
+COMPLEX_REFUSED = ["asgd", "dgc", "onebitadam", "onebitlamb", "powersgd", "zerooneadam"]
+COMPLEX_TAKEN = [m for m in sorted(cases.SHORT_RUNS) if m not in COMPLEX_REFUSED]
+
+
+class ComplexModel(torch.nn.Module):
+    """A complex weight ``z`` (3 x 2) and a real bias; ``real_view=True``: the same model with
+    ``z`` held as a real parameter of shape (3, 2, 2), used through ``torch.view_as_complex``
+    (what torch's optimizers do with a complex parameter inside)."""
+
+    def __init__(self, real_view: bool):
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+        z = torch.randn(3, 2, 2, generator=g) * 0.5
+        self.z = torch.nn.Parameter(z if real_view else torch.view_as_complex(z))
+        self.bias = torch.nn.Parameter(torch.randn(2, generator=g))
+
+    def forward(self, x):
+        z = self.z if self.z.is_complex() else torch.view_as_complex(self.z)
+        h = x[:, :3].to(z.dtype) @ z
+        return h.real + 0.5 * h.imag + self.bias
+
+
+def train_complex(comm, method: str, real_view: bool, overlap, steps: int = 5):
+    model = ComplexModel(real_view)
+    extra = {} if overlap is None else {"overlap_backward": overlap}
+    opt = METHODS[method](model.parameters(), comm=comm, lr=0.05, **cases.SHORT_RUNS[method], **extra)
+    for t in range(1, steps + 1):
+        x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    if hasattr(opt, "close"):
+        opt.close()
+    z = model.z.detach()
+    return [torch.view_as_real(z) if z.is_complex() else z, model.bias.detach()]
+
+
+@pytest.mark.parametrize("method", COMPLEX_TAKEN)
+def test_a_complex_parameter_trains_as_its_real_view(method):
+    """Issue 35 item 6: a complex parameter went wrong silently (the imaginary part dropped)
+    or raised raw errors; a method whose box allows it now gives, on 2 workers and either
+    path, the numbers of the real view (torch's own treatment of complex parameters): bit
+    for bit where its box only scales and adds (EF-SGD, BIT-SGD, local SGD, the torch
+    optimizers inside Compressed), to float rounding where it adds with a factor
+    (``add_(x, alpha=)`` rounds the complex product differently from two real ones)."""
+    for overlap in _with_overlap(method):
+        pairs = gradzip.simulate(2, lambda c: (train_complex(c, method, False, overlap),
+                                               train_complex(c, method, True, overlap)))
+        for as_complex, as_real in pairs:
+            for a, b in zip(as_complex, as_real):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"{method} overlap_backward={overlap}")
+
+
+def test_which_methods_take_complex_parameters_is_a_class_attribute():
+    assert [m for m in sorted(METHODS) if not METHODS[m].complex_parameters] == COMPLEX_REFUSED
+
+
+@pytest.mark.parametrize("method", COMPLEX_REFUSED)
+def test_a_method_whose_box_reads_real_entries_refuses_a_complex_parameter_in_one_line(method):
+    with pytest.raises(GradzipError) as error:
+        METHODS[method](ComplexModel(real_view=False).parameters(), lr=0.05)
+    message = str(error.value)
+    assert "\n" not in message and "parameter #0 (shape (3, 2)) is torch.complex64" in message
+    assert "torch.view_as_complex" in message
+
+
+def test_the_plain_lamb_and_lars_take_a_complex_parameter_as_torch_adam_does():
+    """LAMB dropped the imaginary part of v = g² (``0.99684-0j`` where Adam's rule gives
+    ``0.999-0.001j``); LAMB and LARS now equal themselves on the real view."""
+    for optimizer in (gradzip.optim.LAMB, gradzip.optim.LARS):
+        finals = []
+        for real_view in (False, True):
+            model = ComplexModel(real_view)
+            opt = optimizer(model.parameters(), lr=0.01, weight_decay=0.01, exclude_1d=False)
+            for t in range(1, 4):
+                x, y = cases.regression_batch(t, 0, 1)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            z = model.z.detach()
+            finals.append(torch.view_as_real(z) if z.is_complex() else z)
+        torch.testing.assert_close(finals[0], finals[1], rtol=1e-6, atol=1e-7, msg=optimizer.__name__)
+
+
+def test_a_nan_in_the_imaginary_part_is_seen():
+    from gradzip.nonfinite import first_nonfinite
+    assert first_nonfinite([torch.ones(2, dtype=torch.complex64),
+                            torch.tensor([1 + 1j, complex(0.0, float("nan"))])]) == 1
+
+
+@pytest.mark.parametrize("n, options", [(3, {"transport": "twophase"}), (4, {"hierarchy": 2}),
+                                        (3, {"transport": "allgather", "compressor": "sign"})],
+                         ids=["twophase", "hierarchy", "allgather"])
+def test_every_transport_carries_a_complex_tensor_as_its_real_view(n, options):
+    def run(comm, real_view):
+        model = ComplexModel(real_view)
+        opt = gradzip.optim.EFSGD(model.parameters(), comm=comm, lr=0.05,
+                                  **{"compressor": "2bit:threshold=0.05", **options})
+        for t in range(1, 4):
+            x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        z = model.z.detach()
+        return torch.view_as_real(z) if z.is_complex() else z
+    for a, b in gradzip.simulate(n, lambda c: (run(c, False), run(c, True))):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -33,7 +33,7 @@ import torch
 
 from .comm import Group
 from .errors import GradzipError
-from .exchange import DEFAULT_BUCKET_BYTES, PSync, Result, Timings
+from .exchange import DEFAULT_BUCKET_BYTES, PSync, Result, Timings, real_views, with_complex
 from .validation import is_int
 
 INTRA_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -154,6 +154,7 @@ class HierarchicalPSync(PSync):
     def start(self, tensors: Sequence[torch.Tensor], step: int, *,
               keys: Sequence[int] | None = None, residual: bool = True) -> _HierPending:
         """Reduce-scatter inside the node (waited for), then start the PSync across nodes."""
+        tensors, complex_at = real_views(tensors)
         keys = list(range(len(tensors)) if keys is None else keys)
         k, node = self.workers_per_node, self.node_comm
         dtype = INTRA_DTYPES[self.intra]
@@ -185,7 +186,8 @@ class HierarchicalPSync(PSync):
         if self.cross_comm.world_size > 1:
             inner = self.inner.start(shards, step, keys=keys, residual=residual)
             self._take_inner_timings()
-        return _HierPending(self, list(tensors), shards, inner, residual, node.bytes_sent - before)
+        return with_complex(_HierPending(self, list(tensors), shards, inner, residual, node.bytes_sent - before),
+                            complex_at)
 
     def _finish_hier(self, pending: _HierPending) -> Result:
         k, node = self.workers_per_node, self.node_comm

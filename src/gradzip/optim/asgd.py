@@ -409,6 +409,8 @@ class ASGD(DistributedOptimizer):
     worker is done: call it on every worker after its last step (the training loop does).
     """
 
+    complex_parameters = False   # its server updates real entries (optim.participation)
+
     def __init__(self, params, lr, *, staleness: int | None = None, compressor: str = "none",
                  order: str = "arrival", **kwargs):
         name = type(self).__name__

@@ -176,7 +176,7 @@ class DiLoCo(DistributedOptimizer):
     def _received(self) -> list[torch.Tensor]:
         """The in-flight exchange's aggregates (waiting for them the first time)."""
         fragment, params, pending = self._inflight
-        if isinstance(pending, Pending):   # PSync counts the wait (Timings.wait_s)
+        if not isinstance(pending, list):   # in flight (PSync counts the wait: Timings.wait_s)
             pending = pending.wait().aggregate
             self._inflight = (fragment, params, pending)
         return pending

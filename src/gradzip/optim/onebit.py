@@ -77,6 +77,8 @@ def _norm(t: torch.Tensor) -> float:
 class _CompressedAdaptive(DistributedOptimizer):
     """What 1-bit Adam, 0/1 Adam and 1-bit LAMB share (module docstring)."""
 
+    complex_parameters = False   # their moments (v = g²) read real entries (optim.participation)
+
     @classmethod
     def default_lr(cls, options: dict) -> float:
         return 1e-3   # Adam's (Kingma & Ba); 0.1, momentum SGD's, diverges on digits

@@ -8,6 +8,16 @@ optimizers update such a parameter twice): every method updates it once per step
 ``overlap_backward`` on or off alike. A method that wraps a torch optimizer (``Compressed``,
 ``DiLoCo``) holds the inner optimizer's groups once too (:func:`hold_once`).
 
+**Complex parameters** are taken as torch's optimizers take them, as their real views: the
+exchange (:mod:`gradzip.exchange`) sends ``torch.view_as_real`` of every complex tensor, and
+a method whose box is real-linear in its inputs (momentum, weight decay, error feedback,
+model averaging, a torch optimizer inside) gives the numbers of the same model with a real
+parameter of shape ``(..., 2)`` used through ``torch.view_as_complex`` (to float rounding:
+a complex ``add_(x, alpha=a)`` rounds its product differently from the real one). A method whose box
+reads the entries otherwise (DGC's selection, PowerSGD's matrices, A-SGD's server, the
+1-bit Adam / LAMB moments) refuses complex parameters at construction, in one line
+(``complex_parameters = False``).
+
 **Dense gradients**: a sparse gradient (``nn.Embedding(sparse=True)``) is refused in one
 line where it is first read (``params_with_grad``, or the gradient hook of the backward
 overlap): every exchange, codec and box here works on dense tensors.
@@ -110,14 +120,31 @@ class Participation:
     """Mixin: the held parameters (once each), the ones that take part in a step, their
     gradients (dense; zeros where missing), and the workers' agreement on that set."""
 
+    #: This method's box takes a complex parameter as its real view (module docstring);
+    #: False: refused at construction.
+    complex_parameters: bool = True
     _set_digest: tuple = ((), 0)   # (keys of the set, its digest): recomputed when the keys change
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's, with the group's parameters held once (:func:`held_once`)."""
+        """torch's, with the group's parameters held once (:func:`held_once`), complex ones
+        refused where this method does not take them (:attr:`complex_parameters`)."""
         if isinstance(param_group, dict) and not isinstance(param_group.get("params"), (torch.Tensor, set)):
             param_group = {**param_group, "params": held_once(list(param_group["params"]), type(self).__name__,
                                                               f"param_groups[{len(self.param_groups)}].")}
         super().add_param_group(param_group)
+        if not self.complex_parameters:
+            self._refuse_complex(self.param_groups[-1]["params"])
+
+    def _refuse_complex(self, params: list) -> None:
+        held = sum(len(g["params"]) for g in self.param_groups) - len(params)
+        for i, p in enumerate(params):
+            if p.is_complex():
+                self.param_groups.pop()
+                name = type(self).__name__
+                raise GradzipError(
+                    f"{name}: parameter #{held + i} (shape {tuple(p.shape)}) is {p.dtype}, and {name}'s box reads "
+                    "real entries; train its real view instead (a real parameter of shape (..., 2) used through "
+                    "torch.view_as_complex), or use a method that takes complex parameters (S-SGD, EF-SGD, ...)")
 
     def participating(self) -> list[tuple[dict, torch.Tensor]]:
         """``(group, param)`` for every parameter that requires a gradient, in a fixed order,
