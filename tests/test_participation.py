@@ -23,13 +23,9 @@ def _with_overlap(method: str) -> list:
     return [True, False] if METHODS[method].overlaps_backward else [None]
 
 
-def train_listed(comm, method: str, twice: bool, overlap, steps: int = 4):
-    """``steps`` steps of ``method`` on the tiny model, its first weight and last bias listed
-    a second time at the end of the parameter list when ``twice``. Final parameters."""
-    model = cases.tiny_model()
-    params = list(model.parameters())
-    if twice:
-        params += [params[0], params[3]]
+def _train(comm, model, params: list, method: str, overlap, steps: int) -> None:
+    """``steps`` steps of ``method`` (``cases.SHORT_RUNS`` options; ``overlap``: its
+    ``overlap_backward``, None: unset) over ``params`` of ``model``, on the regression task."""
     extra = {} if overlap is None else {"overlap_backward": overlap}
     opt = METHODS[method](params, comm=comm, lr=0.05, **cases.SHORT_RUNS[method], **extra)
     for t in range(1, steps + 1):
@@ -39,6 +35,14 @@ def train_listed(comm, method: str, twice: bool, overlap, steps: int = 4):
         opt.step()
     if hasattr(opt, "close"):
         opt.close()
+
+
+def train_listed(comm, method: str, twice: bool, overlap, steps: int = 4):
+    """The tiny model, its first weight and last bias listed a second time at the end of the
+    parameter list when ``twice`` (:func:`_train`). Final parameters."""
+    model = cases.tiny_model()
+    params = list(model.parameters())
+    _train(comm, model, params + [params[0], params[3]] if twice else params, method, overlap, steps)
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -189,15 +193,7 @@ class ComplexModel(torch.nn.Module):
 
 def train_complex(comm, method: str, real_view: bool, overlap, steps: int = 5):
     model = ComplexModel(real_view)
-    extra = {} if overlap is None else {"overlap_backward": overlap}
-    opt = METHODS[method](model.parameters(), comm=comm, lr=0.05, **cases.SHORT_RUNS[method], **extra)
-    for t in range(1, steps + 1):
-        x, y = cases.regression_batch(t, comm.rank, comm.world_size)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    if hasattr(opt, "close"):
-        opt.close()
+    _train(comm, model, list(model.parameters()), method, overlap, steps)
     z = model.z.detach()
     return [torch.view_as_real(z) if z.is_complex() else z, model.bias.detach()]
 
