@@ -37,13 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import grid
-from benchmarks.docs_section import DOC, replace_section
+from benchmarks.docs_section import DOCS, replace_section
 
 import gradzip
 from gradzip.bench import emulated
 from gradzip.train import datasets, models
 
-ADAPTIVE_DOC = DOC.parent / "adaptive.md"
+ADAPTIVE_DOC = DOCS / "adaptive.md"
 BETAS = (0.9, 0.98)
 TITLES = {"accuracy": "Adaptive optimizers on the transformer task",
           "speed": "Adaptive optimizers: time per step on 1 Gbit/s links"}

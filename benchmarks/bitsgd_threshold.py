@@ -3,7 +3,7 @@
 MXNet compares its threshold (0.5) with batch-*summed* gradients; gradzip quantizes mean
 gradients (docs/algorithms.md §codec: 2bit), so its default must be chosen for that
 scale. This sweep trains BIT-SGD at several thresholds next to S-SGD on the same task and
-prints a markdown table (and writes it into docs/benchmarks.md with --write).
+prints a markdown table (and writes it into docs/benchmarks/accuracy.md with --write).
 
     python -m benchmarks.bitsgd_threshold --workers 4 --epochs 10
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.docs_section import replace_section
+from benchmarks.docs_section import PAGES, replace_section
 
 import gradzip  # noqa: E402
 from gradzip.train.config import RunConfig  # noqa: E402
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--momenta", type=float, nargs="+", default=[0.0, 0.9])
     ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true", help="update docs/benchmarks/accuracy.md")
     args = ap.parse_args()
 
     rows = []
@@ -60,7 +60,7 @@ def main() -> None:
             f"batch 32 per worker, lr {args.lr}, seeds 0..{args.seeds - 1}).\n\n{table}\n")
     print(text)
     if args.write:
-        replace_section("BIT-SGD threshold on mean gradients", text)
+        replace_section("BIT-SGD threshold on mean gradients", text, PAGES / "accuracy.md")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.docs_section import replace_section
+from benchmarks.docs_section import PAGES, replace_section
 
 LABELS = {"ssgd": "S-SGD", "bitsgd": "BIT-SGD", "odsgd": "OD-SGD", "cdsgd": "CD-SGD k=5"}
 
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--model", default="resnet18:width=32")
     ap.add_argument("--steps", default="10", help="a multiple of k = 5: whole periods")
     ap.add_argument("--threads", default="1", help="torch intra-op threads per worker (the exchange thread "
-                    "and the training thread share the cores: see docs/benchmarks.md)")
+                    "and the training thread share the cores: see docs/benchmarks/cdsgd.md)")
     ap.add_argument("--out", default="runs/cdsgd-net")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
@@ -84,7 +84,7 @@ def main() -> None:
             "within the same run.\n\n" + tables(results) + "\n")
     print(text)
     if args.write:
-        replace_section("CD-SGD speed on the emulated network", text)
+        replace_section("CD-SGD speed on the emulated network", text, PAGES / "cdsgd.md")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.docs_section import replace_section
+from benchmarks.docs_section import PAGES, replace_section
 
 import torch  # noqa: E402
 
@@ -55,7 +55,7 @@ def main() -> None:
             + "\n".join(rows) + "\n")
     print(text)
     if args.write:
-        replace_section("CD-SGD: warm-up and local learning rate", text)
+        replace_section("CD-SGD: warm-up and local learning rate", text, PAGES / "cdsgd.md")
 
 
 if __name__ == "__main__":

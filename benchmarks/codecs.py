@@ -20,7 +20,7 @@ Reported:
 
 Usage::
 
-    python -m benchmarks.codecs --sizes 1000000 16000000 --repeat 7 --threads 1 --out docs/benchmarks.md
+    python -m benchmarks.codecs --sizes 1000000 16000000 --repeat 7 --threads 1 --out docs/benchmarks/codecs.md
 
 Without ``--out`` the markdown is printed; with it, the "## Codecs" section of that file
 is replaced (or appended, or the file created).

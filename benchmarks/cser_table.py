@@ -15,7 +15,7 @@ capped at ``--max-H`` (32, two epochs) so that short runs still synchronise.
 
 Every finished run is appended to ``--results`` (JSON lines) at once, and a rerun with the
 same file skips the runs already there, so an interrupted table resumes; ``--write`` puts
-the table into docs/cser.md (between markers) and a pointer into docs/benchmarks.md.
+the table into docs/cser.md (between markers) and a pointer into docs/benchmarks/accuracy.md.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.docs_section import replace_marked, replace_section
+from benchmarks.docs_section import PAGES, replace_marked, replace_section
 
 import gradzip  # noqa: E402
 from gradzip.optim.ratios import codec_for_ratio  # noqa: E402
@@ -186,7 +186,7 @@ def main() -> None:
     ap.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "mnist-5k"))
     ap.add_argument("--results", default="runs/cser_table.jsonl", help="JSON lines, appended per run (resume)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--write", action="store_true", help="update docs/cser.md and docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true", help="update docs/cser.md and docs/benchmarks/accuracy.md")
     ap.add_argument("--report-only", action="store_true", help="print/write the table from --results, run nothing")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -233,7 +233,7 @@ def main() -> None:
         replace_section("CSER accuracy table", (
             "The small-scale reproduction of the CSER paper's accuracy table (SGD, EF-SGD, QSparse-local-SGD, "
             "CSEA, CSER, CSER-PL at R_C = 1, 16, 256, 1024; 8 workers, LeNet on MNIST-5k) is in "
-            f"[cser.md](cser.md), produced by `{cmd.strip()}`."))
+            f"[cser.md](../cser.md), produced by `{cmd.strip()}`."), PAGES / "accuracy.md")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.docs_section import replace_section
+from benchmarks.docs_section import PAGES, replace_section
 
 import gradzip  # noqa: E402
 from gradzip.train import datasets as data  # noqa: E402
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--dgc-warmup-epochs", type=int, default=2)
     ap.add_argument("--powersgd-start-epochs", type=int, default=1)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true", help="update docs/benchmarks/accuracy.md")
     args = ap.parse_args()
 
     train_size = len(data.load(args.dataset, args.data_dir).train_x)
@@ -107,7 +107,7 @@ def main() -> None:
             f"{table}\n")
     print(text)
     if args.write:
-        replace_section("DGC and PowerSGD accuracy vs S-SGD (mnist-5k, LeNet)", text)
+        replace_section("DGC and PowerSGD accuracy vs S-SGD (mnist-5k, LeNet)", text, PAGES / "accuracy.md")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ is shared, so rounds alternate the methods and the median is reported):
   from a strided 1% sample, refined into [0.8k, 1.3k]);
 * ``dgc codec``: the whole ``dgc`` compress (selection, trimming to k, values, padding).
 
-It prints a markdown table (``--write``: into docs/benchmarks.md).
+It prints a markdown table (``--write``: into docs/benchmarks/codecs.md).
 
     python -m benchmarks.dgc_threshold --threads 1 2 --write
 """
@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.docs_section import replace_section
+from benchmarks.docs_section import PAGES, replace_section
 
 import torch  # noqa: E402
 
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01])
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median reported)")
-    ap.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true", help="update docs/benchmarks/codecs.md")
     args = ap.parse_args()
 
     rows = []
@@ -91,7 +91,7 @@ def main() -> None:
             f"{table}\n")
     print(text)
     if args.write:
-        replace_section("DGC threshold selection vs torch.topk", text)
+        replace_section("DGC threshold selection vs torch.topk", text, PAGES / "codecs.md")
 
 
 if __name__ == "__main__":

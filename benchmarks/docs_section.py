@@ -1,15 +1,18 @@
-"""The one writer of generated text in docs/: a ``## heading`` section of a markdown file
-(docs/benchmarks.md by default), or the text between two marker lines, leaving the rest
-of the file alone. Every script in benchmarks/ writes through it."""
+"""The one writer of generated text in docs/: a ``## heading`` section of a markdown file,
+or the text between two marker lines, leaving the rest of the file alone. Every script in
+benchmarks/ writes through it, into its topic's page under ``docs/benchmarks/`` (``PAGES``;
+the index is ``docs/benchmarks/README.md``) or into a page of ``docs/`` (``DOCS``)."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = DOCS / "benchmarks"
 
 
-def replace_section(heading: str, body: str, doc: Path = DOC) -> None:
+def replace_section(heading: str, body: str, doc: Path) -> None:
     """Replace (or append) the section ``## heading`` of ``doc`` with ``body``."""
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     block = f"## {heading}\n\n{body.strip()}\n"
@@ -22,13 +25,19 @@ def replace_section(heading: str, body: str, doc: Path = DOC) -> None:
     doc.write_text(text.rstrip() + "\n")
 
 
-def replace_marked(begin: str, end: str, body: str, doc: Path, title: str = "# Benchmarks") -> None:
-    """Replace the text between the lines ``begin`` and ``end`` of ``doc`` with ``body``
-    (appending the pair, or creating ``doc`` under ``title``, when missing)."""
-    text = doc.read_text() if doc.exists() else f"{title}\n\n{begin}\n{end}\n"
+def with_marked(text: str, begin: str, end: str, body: str) -> str:
+    """``text`` with the lines between ``begin`` and ``end`` replaced by ``body`` (the pair
+    appended at the end when missing)."""
     if begin not in text:
         text = text.rstrip() + f"\n\n{begin}\n{end}\n"
     pre, rest = text.split(begin, 1)
     post = rest.split(end, 1)[1]
+    return pre + begin + "\n" + body + end + post
+
+
+def replace_marked(begin: str, end: str, body: str, doc: Path, title: str = "# Benchmarks") -> None:
+    """Replace the text between the lines ``begin`` and ``end`` of ``doc`` with ``body``
+    (appending the pair, or creating ``doc`` under ``title``, when missing)."""
+    text = doc.read_text() if doc.exists() else f"{title}\n\n{begin}\n{end}\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(pre + begin + "\n" + body + end + post)
+    doc.write_text(with_marked(text, begin, end, body))

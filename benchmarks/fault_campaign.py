@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.docs_section import replace_section
+from benchmarks.docs_section import DOCS, replace_section
 from benchmarks.faults import kill_during
 from gradzip.cli import main as gradzip_main
 from gradzip.train import checkpoint
@@ -30,7 +30,7 @@ from gradzip.train import checkpoint
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from checkpoint_diff import differences  # noqa: E402  (test tooling, not shipped)
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
+DOC = DOCS / "reliability.md"
 METHODS = ["efsgd", "cdsgd", "powersgd", "cser", "dgc", "localsgd"]
 
 

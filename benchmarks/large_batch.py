@@ -21,7 +21,7 @@ import sys
 import time
 
 from benchmarks import grid
-from benchmarks.docs_section import replace_section, DOC
+from benchmarks.docs_section import DOCS, replace_section
 
 import gradzip
 from gradzip.nonfinite import NonFiniteGradient
@@ -29,7 +29,7 @@ from gradzip.optim import scaled_lr
 from gradzip.train.config import RunConfig
 from gradzip.train.loop import run_many
 
-LARGE_BATCH_DOC = DOC.parent / "large_batch.md"
+LARGE_BATCH_DOC = DOCS / "large_batch.md"
 
 
 def configs(args, per_worker: int) -> list[RunConfig]:

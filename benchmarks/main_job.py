@@ -13,12 +13,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.docs_section import replace_section
+from benchmarks.docs_section import PAGES, replace_section
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true", help="update docs/benchmarks/main-job.md")
     ap.add_argument("extra", nargs="*", help="extra flags for gradzip compare")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as out:
@@ -34,7 +34,7 @@ def main() -> None:
             f"`python -m benchmarks.main_job --write`. Its printed table:\n\n```\n{printed}\n```\n")
     print(text)
     if args.write:
-        replace_section("Main job wall time", text)
+        replace_section("Main job wall time", text, PAGES / "main-job.md")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""The emulated-network and timeline-model sections of docs/benchmarks.md, with their plots.
+"""The emulated-network and timeline-model sections of docs/benchmarks/, with their plots.
 
 Takes the flags of ``gradzip bench net`` / ``gradzip bench model`` (it runs the same
 library code and prints the same tables), plus
 
-* ``--write``: replace the matching ``## ...`` sections of docs/benchmarks.md;
+* ``--write``: replace the matching ``## ...`` section: ``net`` in emulated-network.md, ``model``
+  in timeline-model.md (``--measured``) and projections.md (projections);
 * ``--plots PREFIX`` (model): where the PNGs go (default docs/bench).
 
 Run from the checkout root::
@@ -29,17 +30,20 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
 
-from benchmarks.docs_section import DOC, replace_section  # noqa: E402
+from benchmarks.docs_section import PAGES, replace_section  # noqa: E402
 from gradzip.bench import cli, tables, timeline  # noqa: E402
 from gradzip.errors import GradzipError  # noqa: E402
 
 NET_HEADING = "Emulated network: time per iteration"
 VALIDATION_HEADING = "Timeline model: predicted vs measured"
 PROJECTION_HEADING = "Timeline model: projection to large clusters"
+NET_PAGE, VALIDATION_PAGE, PROJECTION_PAGE = (PAGES / name for name in
+                                              ("emulated-network.md", "timeline-model.md", "projections.md"))
 
 
 def _rel(path: str) -> str:
-    return os.path.relpath(Path(path).resolve(), DOC.parent)
+    """A plot's path as the pages under docs/benchmarks/ link it."""
+    return os.path.relpath(Path(path).resolve(), PAGES)
 
 
 def _check_summary(records) -> str:
@@ -93,12 +97,12 @@ one worker.
 
 Noise: {tables.noise_line(result)} Every worker has one intra-op thread, but 4 workers share
 2 cores here, with other jobs, so compute times at 4 workers are inflated and vary; the
-model below is fed the compute times measured in these same runs. The kernel here has no
+timeline model (timeline-model.md) is fed the compute times measured in these same runs. The kernel here has no
 `sch_netem` (`CONFIG_NET_SCH_NETEM` unset), so these runs have no added latency;
 `--latency-ms` works where netem exists and otherwise stops with that message.
 """
-    replace_section(NET_HEADING, body)
-    print(f"updated section '{NET_HEADING}' of {DOC}")
+    replace_section(NET_HEADING, body, NET_PAGE)
+    print(f"updated section '{NET_HEADING}' of {NET_PAGE}")
 
 
 def write_model_sections(result: dict[str, Any]) -> None:
@@ -109,8 +113,8 @@ def write_model_sections(result: dict[str, Any]) -> None:
         rows = result["validation"]
         within = sum(abs(r["error"]) <= timeline.TOLERANCE for r in rows)
         worst = max((abs(r["error"]) for r in rows), default=0.0)
-        body = f"""The timeline model (`gradzip.bench.timeline`) beside the emulated runs of the section
-above. The model takes the local work of each step from the run itself (the slowest
+        body = f"""The timeline model (`gradzip.bench.timeline`) beside the emulated runs of
+[emulated-network.md](emulated-network.md). The model takes the local work of each step from the run itself (the slowest
 worker's compute + codec + update, mean over steps) and adds the alpha-beta network time
 of the collectives the method issues (ring allreduce `2(n-1)α + 2(n-1)/n·S/B`, ring
 allgather `(n-1)α + (n-1)·S/B`, α = {result['validation_alpha_s'] * 1e6:g} µs per message step, B = the link
@@ -135,8 +139,8 @@ Produced by:
 
 ![predicted vs measured]({_rel(result['validation_plot'])})
 """
-        replace_section(VALIDATION_HEADING, body)
-        print(f"updated section '{VALIDATION_HEADING}' of {DOC}")
+        replace_section(VALIDATION_HEADING, body, VALIDATION_PAGE)
+        print(f"updated section '{VALIDATION_HEADING}' of {VALIDATION_PAGE}")
     if "projection" in result:
         ps = result["projection_settings"]
         rows = result["projection"]
@@ -192,8 +196,8 @@ Predicted iteration time and speedup over the first method:
             f"{PROJECTION_HEADING}, codec and update free" if ps["codec_scale"] == 0
             else f"{PROJECTION_HEADING}, local work x {ps['codec_scale']:g}")
         heading += f", {k} workers per node" if k > 1 else ""
-        replace_section(heading, body)
-        print(f"updated section '{heading}' of {DOC}")
+        replace_section(heading, body, PROJECTION_PAGE)
+        print(f"updated section '{heading}' of {PROJECTION_PAGE}")
 
 
 # ----------------------------------------------------------------------------- plots
@@ -282,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_model_arguments(model)
     model.add_argument("--plots", default="docs/bench", help="PNG path prefix (default: %(default)s)")
     for p in (net, model):
-        p.add_argument("--write", action="store_true", help="update the matching sections of docs/benchmarks.md")
+        p.add_argument("--write", action="store_true", help="update the matching sections of docs/benchmarks/")
     args = parser.parse_args(argv)
     command = "python -m benchmarks.network " + " ".join(argv)
     try:

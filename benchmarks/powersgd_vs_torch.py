@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.docs_section import replace_section
+from benchmarks.docs_section import PAGES, replace_section
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -139,7 +139,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--probe", type=int, default=3, help="unmodified PyTorch runs with several buckets")
-    ap.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true", help="update docs/benchmarks/step-vs-ddp.md")
     args = ap.parse_args()
 
     from gradzip.launch import WorkerError, run_processes
@@ -185,7 +185,7 @@ def main() -> None:
             "there is this run's noise level.\n\n" + "\n\n".join(sections) + "\n")
     print(text)
     if args.write:
-        replace_section("PowerSGD: gradzip DDP hook vs PyTorch's powerSGD_hook", text)
+        replace_section("PowerSGD: gradzip DDP hook vs PyTorch's powerSGD_hook", text, PAGES / "step-vs-ddp.md")
 
 
 if __name__ == "__main__":

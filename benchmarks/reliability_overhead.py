@@ -16,9 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.docs_section import replace_section
+from benchmarks.docs_section import DOCS, replace_section
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
+DOC = DOCS / "reliability.md"
 POLICIES = ("off", "raise", "skip")
 
 #: What the table measures (written above it into docs/reliability.md, "Overheads").

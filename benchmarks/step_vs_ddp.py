@@ -33,7 +33,7 @@ Two network settings (``--network``, comma-separated): ``loopback`` (the workers
 127.0.0.1, :func:`gradzip.launch.run_processes`) and a rate such as ``1gbit``: each
 worker in a network namespace of its own with a tc-shaped link of that rate to a switch
 (:class:`gradzip.bench.netns.Topology`; needs root). ``--write`` replaces the section
-"Step time against PyTorch DDP" of docs/benchmarks.md; without it the table is only printed.
+"Step time against PyTorch DDP" of docs/benchmarks/step-vs-ddp.md; without it the table is only printed.
 Run from the checkout root on an idle machine::
 
     sudo .venv/bin/python -m benchmarks.step_vs_ddp --network loopback,1gbit --rounds 7 --steps 10 --write
@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.docs_section import replace_section
+from benchmarks.docs_section import PAGES, ROOT, replace_section
 from gradzip.bench import emulated, netns
 from gradzip.bench.units import format_rate, parse_rate
 from gradzip.comm import allreduce_wire_bytes, init_from_env
@@ -67,7 +67,7 @@ from gradzip.optim import CDSGD, SSGD, BitSGD, EFSGD
 from gradzip.train import models
 
 HEADING = "Step time against PyTorch DDP"
-ROOT = Path(__file__).resolve().parents[1]
+PAGE = PAGES / "step-vs-ddp.md"
 #: The variants (:func:`build`), in the default order; the first given is the ratios' base.
 VARIANTS = ("ddp", "ddp-fp16", "ssgd", "ssgd-unguarded", "efsgd-topk1%", "bitsgd", "cdsgd")
 SHAPE = (3, 32, 32)
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated subset, the first is the ratios' base (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the workers are given up")
     parser.add_argument("--json", help="also write the results to this JSON file")
-    parser.add_argument("--write", action="store_true", help=f"replace the section '{HEADING}' of docs/benchmarks.md")
+    parser.add_argument("--write", action="store_true", help=f"replace the section '{HEADING}' of {PAGE.relative_to(ROOT)}")
     args = parser.parse_args(argv)
     command = "python -m benchmarks.step_vs_ddp " + " ".join(argv)
     try:
@@ -331,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     text = section(results, args, command)
     print(text)
     if args.write:
-        replace_section(HEADING, text)
-        print(f"updated section '{HEADING}' of docs/benchmarks.md", file=sys.stderr)
+        replace_section(HEADING, text, PAGE)
+        print(f"updated section '{HEADING}' of {PAGE.relative_to(ROOT)}", file=sys.stderr)
     if args.json:
         try:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

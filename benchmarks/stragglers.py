@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.docs_section import replace_section
+from benchmarks.docs_section import DOCS, replace_section
 
 import torch  # noqa: E402
 
@@ -33,7 +33,7 @@ from gradzip import stragglers  # noqa: E402
 from gradzip.train.config import RunConfig  # noqa: E402
 from gradzip.train.loop import run_many  # noqa: E402
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "stragglers.md"
+DOC = DOCS / "stragglers.md"
 
 
 def measured_wait(K: int, spec: str | None, steps: int, seed: int = 0) -> float:

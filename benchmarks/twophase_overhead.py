@@ -2,7 +2,7 @@
 31 tensors (``transformer`` on ``modadd:p=31``, 104k parameters) with N thread workers
 (gradzip.simulate), this checkout against a reference copy of the package (default: the
 ``main`` branch, extracted with ``git archive``), side by side in one run, rounds
-alternating between the two (docs/benchmarks.md, "Two-phase exchange: local work"):
+alternating between the two (docs/benchmarks/transports-and-nodes.md, "Two-phase exchange: local work"):
 
 * ms per exchange of one PSync two-phase exchange of the 31 tensors, per codec;
 * ms per ``step()`` of 1-bit Adam and 0/1 Adam in their compressed stage (their default

@@ -1,6 +1,6 @@
 """The cross-node phases of the hierarchical exchange on a shared node uplink: whole
-messages against the same bytes in rounds (docs/benchmarks.md, "Two-phase across nodes:
-whole messages on a shared uplink").
+messages against the same bytes in rounds (docs/benchmarks/transports-and-nodes.md, "Two-phase
+across nodes: whole messages on a shared uplink").
 
 Why it exists: the model validation's hierarchical grid measured ``ssgd[twophase]`` (the
 fp32 codec through two-phase across nodes) 1.4x slower than the timeline model, and than
@@ -40,10 +40,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.docs_section import replace_section
+from benchmarks.docs_section import PAGES, ROOT, replace_section
 
-ROOT = Path(__file__).resolve().parent.parent
 HEADING = "Two-phase across nodes: whole messages on a shared uplink"
+PAGE = PAGES / "transports-and-nodes.md"
 WORKERS, PER_NODE = 4, 2
 
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", default="4,16,64", help="round counts of the split phases")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--shard-bytes", type=int, default=3_159_060)
-    parser.add_argument("--write", action="store_true", help=f"write the section '{HEADING}' of docs/benchmarks.md")
+    parser.add_argument("--write", action="store_true", help=f"write the section '{HEADING}' of {PAGE.relative_to(ROOT)}")
     args = parser.parse_args(argv)
     args.rounds = parse_ints(args.rounds, "rounds", 2)
     results = {}
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(results, args, command)
     print(text)
     if args.write:
-        replace_section(HEADING, text)
+        replace_section(HEADING, text, PAGE)
     return 0
 
 

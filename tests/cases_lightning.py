@@ -90,8 +90,9 @@ def main(out: str) -> None:
     result["hook_bytes"] = trainer.strategy.hook_state.bytes_sent
     ckpt = os.path.join(out, "hook.ckpt")
     fit(hook_strategy(), "sgd", 1, ckpt_out=ckpt)
-    resumed, _ = fit(hook_strategy(), "sgd", 2, ckpt_in=ckpt)
+    resumed, trainer = fit(hook_strategy(), "sgd", 2, ckpt_in=ckpt)
     result["hook"] = (straight, resumed)
+    result["hook_resumed_counters"] = (trainer.strategy.hook_state.iter, trainer.strategy.hook_state.bytes_sent)
 
     straight, trainer = fit(GradzipStrategy(), "efsgd", 2, accumulate=2)
     result["gradzip_steps"] = trainer.optimizers[0].steps

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 # Worker processes are spawned: keep them from oversubscribing the two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -15,3 +16,13 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture()
+def world_of_one(tmp_path):
+    """A real gloo group of one process (DDP needs a process group), torn down after."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -264,3 +264,55 @@ def test_a_codec_overflow_is_refused_before_the_push(nonfinite):
 def test_transport_and_hierarchy_are_refused(option):
     with pytest.raises(GradzipError, match="point to point to the parameter server"):
         ASGD(torch.nn.Linear(2, 1).parameters(), lr=0.1, **option)
+
+
+def _nan_on_rank_1(comm, errors: dict, options: dict, catch: bool):
+    """Five steps; rank 1's third gradient is NaN (``nonfinite="raise"``). Each rank's error
+    is recorded in ``errors``; with ``catch`` rank 1 swallows its own and returns."""
+    p = torch.nn.Parameter(torch.zeros(5))
+    opt = ASGD([p], lr=0.5, comm=comm, **options)
+    try:
+        for t in range(5):
+            p.grad = _grad(comm.rank, t)
+            if comm.rank == 1 and t == 2:
+                p.grad[0] = float("nan")
+            opt.step()
+    except BaseException as exc:
+        errors[comm.rank] = exc
+        if not (catch and comm.rank == 1):
+            raise
+        return None
+    opt.close()
+    return opt.clock
+
+
+def _wait_for(errors: dict, ranks, hang_guard_s: float = 120.0) -> None:
+    """Until every rank of ``ranks`` recorded its error (simulate() returns GRACE_S after the
+    first failure; a peer still waiting then records its own a moment later)."""
+    give_up = time.monotonic() + hang_guard_s
+    while not set(ranks) <= set(errors) and time.monotonic() < give_up:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("options", [dict(order="round_robin"), dict(staleness=0)])
+def test_a_peer_waiting_on_the_server_learns_at_once_that_a_worker_failed(options):
+    """Issue 35 item 8: rank 1 stops on a NaN before its push; rank 0, whose pull waits for
+    that push (round_robin's turn, or the SSP bound), is released at once with a PeerFailure
+    naming rank 1 and its NonFiniteGradient, not after the whole timeout ("waited 60 s for
+    rank(s) 1 to push"); simulate() raises the NaN, the root cause."""
+    errors: dict = {}
+    with pytest.raises(NonFiniteGradient, match="on rank 1"):
+        gradzip.simulate(2, lambda comm: _nan_on_rank_1(comm, errors, options, catch=False), timeout_s=60)
+    _wait_for(errors, (0, 1))
+    peer = errors.get(0)
+    assert isinstance(peer, gradzip.comm.PeerFailure), peer
+    assert peer.lost == (1,) and "peer rank 1 failed (NonFiniteGradient: ASGD step 3" in str(peer), peer
+
+
+@pytest.mark.parametrize("options", [dict(order="round_robin"), dict(staleness=0)])
+def test_a_worker_whose_function_returned_holds_no_one_back(options):
+    """A worker function that returns (here: having caught its own error) pushes no more,
+    as if it had called close(): the server stops waiting for it and the others finish."""
+    errors: dict = {}
+    clocks = gradzip.simulate(2, lambda comm: _nan_on_rank_1(comm, errors, options, catch=True), timeout_s=60)
+    assert clocks == [5, None] and set(errors) == {1}

@@ -31,6 +31,8 @@ def run_cli(*args):
     (["train", "--algo", "bitsgd", "--threshold", "-1"], "threshold must be > 0"),
     (["train", "--checkpoint-every", "10"], "--checkpoint-every needs a directory"),
     (["train", "--resume", "a", "--checkpoint-dir", "b"], "give --checkpoint-dir the same directory"),
+    (["train", "--resume", "a", "--keep-checkpoints", "1"], "--keep-checkpoints: expected an integer >= 2"),
+    (["train", "--checkpoint-dir", "a", "--start-over-if-damaged"], "--start-over-if-damaged says what --resume"),
     (["train", "--nonfinite", "ignore"], "invalid choice"),
     (["train", "--timeout", "0"], "--timeout: expected seconds > 0"),
     (["train", "--out", "/proc/version/x"], "--out /proc/version/x: cannot create"),
@@ -245,3 +247,52 @@ def test_lr_defaults_to_the_methods_own(argv, expected):
     """Without --lr each method takes its own default (momentum SGD's 0.1 diverged 1-bit /
     0/1 Adam and AdamW on digits); a given --lr applies to every method."""
     assert [cfg.lr for cfg in _configs(build_parser().parse_args(argv))] == expected
+
+
+def _disk_fills_while_writing(monkeypatch, names):
+    """Writes to files whose name contains one of ``names`` fail half-way with ENOSPC, as
+    on a full disk (the first half reaches the file)."""
+    import builtins
+    import errno
+    import io
+
+    real_open = io.open
+
+    def open_(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if "w" in mode and any(n in Path(str(file)).name for n in names):
+            write = f.write
+
+            def half(data):
+                write(data[:len(data) // 2])
+                f.flush()
+                raise OSError(errno.ENOSPC, "No space left on device", str(file))
+            f.write = half
+        return f
+    monkeypatch.setattr(io, "open", open_)
+    monkeypatch.setattr(builtins, "open", open_)
+
+
+def _outputs(root, steps):
+    """A run's outputs (summary.json, metrics.jsonl), a trace and a settings file in ``root``."""
+    from gradzip import trace
+    from gradzip.train import config_file, report
+
+    report.write(root, [{"summary": {"algo": "ssgd", "steps": steps},
+                         "history": [{"epoch": e, "train_loss": 1 / e} for e in range(1, steps + 1)]}], plot=False)
+    trace.write(root / "t.json", [[{"name": "x", "ph": "X", "ts": 1.0, "dur": float(steps), "pid": 0, "tid": 0}]])
+    config_file.write(root / "config.toml", {"command": "train", "epochs": steps})
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", "t.json", "config.toml"])
+def test_an_output_that_cannot_be_written_keeps_the_previous_file_whole(tmp_path, monkeypatch, name):
+    _outputs(tmp_path, 2)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    _disk_fills_while_writing(monkeypatch, (name,))
+    with pytest.raises((OSError, GradzipError), match=f"{name}.*No space left|No space left.*{name}") as info:
+        _outputs(tmp_path, 5)
+    if isinstance(info.value, OSError):
+        assert info.value.filename == str(tmp_path / name)   # the file, not its temporary
+    monkeypatch.undo()
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert after[name] == before[name] and set(after) == set(before)   # whole, and no temporary left

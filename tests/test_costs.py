@@ -2,7 +2,6 @@
 bytes per transport against values computed by hand from the spec's boxes."""
 import pytest
 
-from gradzip import twophase
 from gradzip.bench import costs, profiling, timeline
 from gradzip.compressors import build
 from gradzip.errors import GradzipError
@@ -16,60 +15,21 @@ def test_slices_are_tensor_splits():
     assert costs.slice_sizes(8, 1) == [8]
 
 
-def test_summand_width_is_the_narrowest_exact_one():
-    """2bit / sign codes: int8 up to 127 workers, int16 up to 32767, none above; fp32 as is;
-    topk does not sum."""
-    for spec in ("2bit", "sign"):
-        c = build(spec)
-        assert [costs.summand_width(c, n) for n in (2, 127, 128, 256, 32767, 32768)] == [1, 1, 2, 2, 2, None]
-    assert costs.summand_width(build("none"), 256) == 4
-    assert costs.summand_width(build("fp16"), 256) == 2
-    assert costs.summand_width(build("topk:ratio=0.01"), 4) is None
-
-
-def test_exact_route_picks_the_fewer_ring_bytes():
-    """2bit, d = 1000 (packet 250 B): n=4 allreduce 2·3/4·1000 = 1500 > allgather 3·250 = 750;
-    n=8: 1750 = 1750, a tie goes to allreduce; n=200: int16, 2·199/200·2000 = 3980 < 199·250."""
-    c = build("2bit")
-    assert costs.exact_route(c, (1000,), 4) == ("allgather", 250)
-    assert costs.exact_route(c, (1000,), 8) == ("allreduce", 1000)
-    assert costs.exact_route(c, (1000,), 200) == ("allreduce", 2000)
-    assert costs.exact_route(build("topk:ratio=0.01"), (1000,), 4) == ("allgather", 60)  # 10 · (4 + 2)
-
-
-def test_twophase_bytes_by_hand():
-    """Spec box: phase 1 sends slice j's packet to each peer j, phase 2 allgathers the
-    recompressed slices. 2bit, d = 1000, n = 4: slices of 250 -> 63-byte packets:
-    3·63 = 189 each phase (flat packet 250: 2·3/4·250 = 375 ≈ 378). topk 1%: ⌈2.5⌉ = 3
-    entries · (4 B value + 1 B uint8 index: a slice of 250 entries) = 15 per slice: 45
-    each phase. d = 10, n = 4 (slices 3,3,2,2), 2bit:
-    packets 1,1,1,1 -> 3 and 3; fp32 'none' d = 10: 12,12,8,8: the busiest sender is
-    worker 0 (longest slice): 12+8+8 = 28 to its peers, then its slice to each: 3·12 = 36
-    (no padding; PSync's own count, gradzip.twophase.wire_bytes, agrees)."""
-    assert costs.twophase_bytes(build("2bit"), [(1000,)], 4) == (189, 189)
-    assert costs.twophase_bytes(build("topk:ratio=0.01"), [(1000,)], 4) == (45, 45)
-    assert costs.twophase_bytes(build("2bit"), [(10,)], 4) == (3, 3)
-    assert costs.twophase_bytes(build("none"), [(10,)], 4) == (28, 36)
-    assert sum(costs.twophase_bytes(build("none"), [(10,)], 4)) == max(
-        twophase.wire_bytes(twophase.Sizer(build("none")), 10, 4, r) for r in range(4))
-    # two tensors in one bucket: one message per peer holding both slices (d = 4: 4,4,4,4)
-    assert costs.twophase_bytes(build("none"), [(10,), (4,)], 4) == (28 + 12, 36 + 12)
-    assert costs.twophase_bytes(build("2bit"), [(1000,)], 1) == (0, 0)
-
-
 def test_transport_times_by_hand():
     """Seconds: all-to-all (n-1)·alpha + bytes/B, ring allgather (n-1)·alpha + bytes/B,
-    ring allreduce 2(n-1)·alpha + 2(n-1)/n·S/B."""
+    ring allreduce 2(n-1)·alpha + 2(n-1)/n·S/B. 2bit d = 1000, n = 4: two-phase slices of
+    250 -> 63-byte packets, 3·63 = 189 each phase (the mean over workers: 378)."""
     c = build("2bit")
-    two = costs.twophase_cost(c, [(1000,)], 4, B, ALPHA)
+    two = costs.exchange_cost("twophase", c, [(1000,)], 4, B, ALPHA)
     assert two.transport == "twophase" and two.wire_bytes == 378
     assert two.seconds == pytest.approx(3 * ALPHA + 189 / B + 3 * ALPHA + 189 / B)
-    exact = costs.exact_cost(c, [(1000,)], 4, B, ALPHA)
+    exact = costs.exchange_cost("exact", c, [(1000,)], 4, B, ALPHA)
     assert exact.transport == "allgather" and exact.wire_bytes == 750
     assert exact.seconds == pytest.approx(3 * ALPHA + 750 / B)
-    none = costs.exact_cost(build("none"), [(1000,)], 4, B, ALPHA)
+    none = costs.exchange_cost("exact", build("none"), [(1000,)], 4, B, ALPHA)
     assert none.transport == "allreduce" and none.wire_bytes == 6000
     assert none.seconds == pytest.approx(6 * ALPHA + 6000 / B)
+    assert costs.allreduce_time(6000 * 4 // 6, 4, B, ALPHA) == pytest.approx(none.seconds)
 
 
 def test_auto_takes_twophase_only_at_half_the_exact_cost():
@@ -77,10 +37,10 @@ def test_auto_takes_twophase_only_at_half_the_exact_cost():
     ≈ 2·63/64·250000 B: a quarter, so auto takes it; at n = 2 two-phase moves the same
     bytes as the allgather in more messages: auto stays exact."""
     c = build("2bit")
-    big = costs.auto_cost(c, [(1_000_000,)], 64, B, ALPHA)
+    big = costs.exchange_cost("auto", c, [(1_000_000,)], 64, B, ALPHA)
     assert big.transport == "twophase"
-    assert big.seconds == costs.twophase_cost(c, [(1_000_000,)], 64, B, ALPHA).seconds
-    small = costs.auto_cost(c, [(1_000_000,)], 2, B, ALPHA)
+    assert big.seconds == costs.exchange_cost("twophase", c, [(1_000_000,)], 64, B, ALPHA).seconds
+    small = costs.exchange_cost("auto", c, [(1_000_000,)], 2, B, ALPHA)
     assert small.transport == "allgather"
     with pytest.raises(GradzipError, match="unknown transport"):
         costs.exchange_cost("carrier-pigeon", c, [(4,)], 2, B, ALPHA)
@@ -106,8 +66,8 @@ def test_hierarchical_cost_by_hand():
 
 def test_profile_prices_the_recorded_exchanges_per_transport():
     """The profile notes EF-SGD's PSync exchange (codec, shapes, its collectives); priced
-    as 'exact' it costs what the recorded collectives cost, as 'twophase' what
-    twophase_cost says; predict() reports the transport used and scales the codec time."""
+    as 'exact' it costs what the recorded collectives cost, as 'twophase' what its
+    two-phase plan costs; predict() reports the transport used and scales the codec time."""
     shapes = [(64, 32), (32,)]
     prof = profiling.profile_method("efsgd", {"compressor": "topk:ratio=0.1"}, shapes, 4, steps=1)
     assert [(e.codec, sorted(e.shapes)) for e in prof.exchanges[0]] == [("topk:ratio=0.1", sorted(shapes))]
@@ -115,7 +75,7 @@ def test_profile_prices_the_recorded_exchanges_per_transport():
     assert exact["seconds"] == pytest.approx(prof.comm_time(B, ALPHA))
     assert exact["wire_bytes"] == prof.wire_bytes_per_step and exact["transports"] == ["allgather"]
     two = prof.comm_cost(B, ALPHA, "twophase")
-    expected = costs.twophase_cost(build("topk:ratio=0.1"), shapes, 4, B, ALPHA)
+    expected = costs.exchange_cost("twophase", build("topk:ratio=0.1"), shapes, 4, B, ALPHA)
     assert two["seconds"] == pytest.approx(expected.seconds) and two["wire_bytes"] == expected.wire_bytes
     p = timeline.predict(prof, 0.1, B, ALPHA, transport="twophase")
     assert p["uses"] == ["twophase"] and p["communicate"] == pytest.approx(expected.seconds)

@@ -8,6 +8,7 @@ instance continues identically (while losing the hook state does not).
 """
 import dataclasses
 import pickle
+import types
 
 import pytest
 import torch
@@ -159,6 +160,22 @@ def test_hook_checkpoint_loads_with_torch_load_defaults(fixes, case):
         assert res["keys"]
         for a, b in zip(res["straight"], res["resumed"]):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("make", [lambda: gradzip.ddp.hook("topk:ratio=0.5"), lambda: gradzip.ddp.PowerSGDState()])
+def test_hook_states_resume_every_counter_they_report(make):
+    """issue 36 item 3: iter, skipped_steps and bytes_sent are in the state and in a pickle,
+    so a resumed run counts on from them (bytes_sent counted only the resumed part)."""
+    state = make()
+    state.iter, state.skipped_steps = 5, 1
+    state._comm = types.SimpleNamespace(bytes_sent=14232)   # what the first run's group sent
+    resumed = make()
+    resumed.load_state_dict(state.state_dict())
+    assert (resumed.iter, resumed.skipped_steps, resumed.bytes_sent) == (5, 1, 14232)
+    resumed._comm = types.SimpleNamespace(bytes_sent=100)   # the resumed run's group counts from 0
+    assert resumed.bytes_sent == 14332
+    assert resumed.state_dict()["bytes_sent"] == 14332
+    assert pickle.loads(pickle.dumps(state)).bytes_sent == 14232
 
 
 def test_powersgd_state_dict_is_tensors_and_plain_values(tmp_path):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import gradzip
+from gradzip.planner import exact_route
 from gradzip.compressors import build
 from gradzip.exchange import PSync, mix_seed
 from gradzip.launch import run_processes
@@ -66,7 +67,7 @@ def test_2bit_collective_choice_follows_wire_sizes(n, expected):
 
     def fn(comm):
         psync = PSync(comm, "2bit:threshold=0.5")
-        route, _ = psync.route(psync.compressor.compress(torch.randn(d)))
+        route = psync.routes([torch.randn(d)])[0]
         res = psync([torch.randn(d)], 1)
         return route, res.bytes_sent
 
@@ -130,17 +131,30 @@ def test_mix_seed_is_stable_and_sensitive():
 # -- issue 13: the route is sized without building the summand -----------------------------
 @pytest.mark.parametrize("spec, n, builds", [("2bit", 2, 0), ("2bit", 8, 1), ("sign", 4, 0),
                                              ("sign", 16, 1), ("none", 2, 1)])
-def test_route_builds_the_summand_only_when_allreduce_wins(spec, n, builds):
+def test_exchange_builds_the_summand_only_when_allreduce_wins(spec, n, builds):
+    """The plan sizes routes from the shapes (gradzip.planner.Sizer); an exchange then builds
+    a summand only for a tensor routed to the allreduce."""
     codec = build(spec)
     calls = []
     summand = codec.summand
-    object.__setattr__(codec, "summand", lambda packet, world: calls.append(1) or summand(packet, world))
-    psync = gradzip.PSync(gradzip.comm.make_group(n)[0], codec)
-    kind, flat = psync.route(codec.compress(torch.randn(1000)))
-    assert len(calls) == builds
-    assert kind == ("allreduce" if builds else "allgather")
-    if builds:
-        assert flat[0].dtype == codec.sum_dtype(n, torch.float32)
+    object.__setattr__(codec, "summand", lambda packet, world: calls.append(packet) or summand(packet, world))
+    t = torch.randn(1000)
+    expected = ("allreduce", codec.sum_dtype(n)) if builds else ("allgather", torch.uint8)
+    assert exact_route(codec, (1000,), n)[:2] == expected
+    barrier = threading.Barrier(n)
+
+    def fn(comm):
+        psync = gradzip.PSync(comm, codec)
+        route = psync.routes([t])[0]       # planned (and sized) before the count starts
+        barrier.wait()
+        if comm.rank == 0:
+            del calls[:]
+        barrier.wait()
+        psync([t], 1, residual=False)
+        return route
+
+    assert gradzip.simulate(n, fn) == ["allreduce" if builds else "allgather"] * n
+    assert len(calls) == n * builds
 
 
 def test_count_wait_counts_blocked_time_as_communication_on_the_owner_thread_only():

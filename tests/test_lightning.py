@@ -36,6 +36,8 @@ def test_the_hook_strategy_compresses_on_cpu_and_resumes_exactly(results):
     for res in results:
         assert res["lightning_ddp_hook_steps"] == 0          # Lightning's DDPStrategy skipped the hook
         assert res["hook_steps"] == 8 and res["hook_bytes"] > 0
+        # issue 36 item 3: the resumed run reports the whole run's counters, not the part after the resume
+        assert res["hook_resumed_counters"] == (res["hook_steps"], res["hook_bytes"])
         straight, resumed = res["hook"]
         assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
     assert all(torch.equal(a, b) for a, b in zip(results[0]["hook"][0], results[1]["hook"][0]))
@@ -73,3 +75,47 @@ def test_the_gradzip_strategy_refuses_a_torch_optimizer_and_the_hook_strategy_a_
     strategy._check_optimizers()
     with pytest.raises(gradzip.GradzipError, match="CodecState"):
         DDPHookStrategy(object())
+
+
+def test_the_strategies_refuse_a_misspelled_option():
+    """issue 36 item 1: DDPStrategy hands unknown keywords to DDP unchecked, and without a
+    DDP wrapper (GradzipStrategy) nothing read them."""
+    from gradzip.lightning import DDPHookStrategy, GradzipStrategy
+
+    with pytest.raises(gradzip.GradzipError, match=r"unknown option 'process_group_backnd' \(did you mean "
+                                                   r"'process_group_backend'\?\)"):
+        GradzipStrategy(process_group_backnd="gloo")
+    with pytest.raises(gradzip.GradzipError, match=r"'find_unused_paramters' \(did you mean 'find_unused_parameters'"):
+        DDPHookStrategy(gradzip.ddp.hook("topk:ratio=0.5"), find_unused_paramters=True)
+    GradzipStrategy(process_group_backend="gloo")
+    DDPHookStrategy(gradzip.ddp.hook("topk:ratio=0.5"), bucket_cap_mb=1)   # a DDP option passes on
+
+
+def test_a_gradzip_optimizer_inside_lightnings_ddp_is_told_to_use_gradzip_strategy(world_of_one):
+    """issue 36 item 8: DDP around a LightningModule (DDPHookStrategy's, with its hook) and a
+    gradzip optimizer: the DoubleCommunication names GradzipStrategy, the Lightning fix, not
+    DDP's noop_hook; the same optimizer beside a plain module's DDP still gets noop_hook."""
+    import lightning.pytorch as pl
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gradzip.ddp
+    from gradzip.double_sync import DoubleCommunication
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.body(x)
+
+    for module, fix, other in ((Net(), "strategy=gradzip.lightning.GradzipStrategy()", "noop_hook"),
+                               (torch.nn.Linear(4, 2), "noop_hook", "GradzipStrategy")):
+        ddp = DistributedDataParallel(module)
+        ddp.register_comm_hook(gradzip.ddp.hook("topk:ratio=0.5", model=ddp), gradzip.ddp.codec_hook)
+        opt = gradzip.optim.EFSGD(module.parameters(), lr=0.1, compressor="topk:ratio=0.5", overlap_backward=False)
+        ddp(torch.ones(3, 4)).sum().backward()
+        with pytest.raises(DoubleCommunication) as exc:
+            opt.step()
+        text = str(exc.value)
+        assert fix in text and other not in text and "\n" not in text, text

@@ -87,9 +87,10 @@ def car(ys, es, codec, server=None):
     """The spec's CAR, every worker at once: ``ys[j][l]``, ``es[j][l]`` (None = 0) ->
     (aggregate per worker and tensor, new worker errors ``(y + e) − sent``). ``server``
     None: PSync's exact transport (``mean_j C(y_j + e_j)``); a dict: the two-phase rule
-    ("Transports of PSync"), slices ``tensor_split(d, n)`` compressed on their own, the
-    server error ``E[(l, j)]`` kept in the dict. One worker: no compression, errors
-    unchanged."""
+    ("Transports of PSync"): the tensors are one bucket (they are small), concatenated in
+    launch order (descending key: the last tensor first), its slices ``tensor_split(d, n)``
+    compressed on their own, the server error ``E[j]`` kept in the dict. One worker: no
+    compression, errors unchanged."""
     n = len(ys)
     if n == 1:
         return [[y.clone() for y in ys[0]]], es
@@ -99,25 +100,24 @@ def car(ys, es, codec, server=None):
         cs = [[C(p) for p in pj] for pj in ps]
         mean = [sum(cs[j][l] for j in range(n)) / n for l in range(len(ys[0]))]
         return [[a.clone() for a in mean] for _ in range(n)], [[p - c for p, c in zip(pj, cj)] for pj, cj in zip(ps, cs)]
-    sent = [[None] * len(ys[0]) for _ in range(n)]
-    aggregate = []
-    for l in range(len(ys[0])):
-        parts = [[C(s) if s.numel() else s.clone() for s in torch.tensor_split(ps[i][l].reshape(-1), n)]
-                 for i in range(n)]
-        for i in range(n):
-            sent[i][l] = torch.cat(parts[i]).reshape(ps[i][l].shape)
-        back = []
-        for j in range(n):
-            if parts[0][j].numel() == 0:
-                back.append(parts[0][j])
-                continue
-            s_j = sum(parts[i][j] for i in range(n)) / n + server.get((l, j), 0.0)
-            c_j = C(s_j)
-            server[(l, j)] = s_j - c_j
-            back.append(c_j)
-        aggregate.append(torch.cat(back).reshape(ps[0][l].shape))
-    return [[a.clone() for a in aggregate] for _ in range(n)], \
-        [[p - c for p, c in zip(pj, cj)] for pj, cj in zip(ps, sent)]
+    order = list(reversed(range(len(ys[0]))))
+    sizes = [ps[0][l].numel() for l in order]
+    flat = [torch.cat([ps[i][l].reshape(-1) for l in order]) for i in range(n)]
+    parts = [[C(s) if s.numel() else s.clone() for s in torch.tensor_split(flat[i], n)] for i in range(n)]
+    back = []
+    for j in range(n):
+        if parts[0][j].numel() == 0:
+            back.append(parts[0][j])
+            continue
+        s_j = sum(parts[i][j] for i in range(n)) / n + server.get(j, 0.0)
+        c_j = C(s_j)
+        server[j] = s_j - c_j
+        back.append(c_j)
+    unflat = lambda v: {l: piece for l, piece in zip(order, torch.split(v, sizes))}
+    aggregate = unflat(torch.cat(back))
+    sent = [unflat(torch.cat(parts[i])) for i in range(n)]
+    return [[aggregate[l].reshape(ps[0][l].shape).clone() for l in range(len(ys[0]))] for _ in range(n)], \
+        [[p - sent[i][l].reshape(p.shape) for l, p in enumerate(pj)] for i, pj in enumerate(ps)]
 
 
 def adam_dir(m, v, x, wd, c=(1.0, 1.0)):

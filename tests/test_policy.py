@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip
@@ -80,16 +79,6 @@ def test_a_method_with_a_policy_equals_its_codecs_applied_tensor_by_tensor():
         assert all(torch.equal(a, b) for a, b in zip(policy_params, split_params))
         assert sent[3] < sent[0] < sent[4]
         assert codecs == ["none", "randblock:ratio=0.5", "topk:ratio=0.5"]
-
-
-@pytest.fixture()
-def world_of_one(tmp_path):
-    """A real gloo group of one process (DDP needs a process group), torn down after."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_hook_takes_a_policy_by_parameter_name_and_a_dense_warm_up(world_of_one):

@@ -56,3 +56,37 @@ def test_every_method_has_accumulate_so_the_readme_loop_works_for_any_of_them():
         model(torch.ones(1, 4)).sum().backward()
         opt.step()
         assert opt.steps == 1, cls.__name__
+
+
+def readme_library_use() -> str:
+    text = README.read_text()
+    return re.search(r"```python\n(.*?)```", text[text.index("## Library use"):], re.S).group(1)
+
+
+def test_the_readme_library_use_runs_as_written_with_a_model_per_simulated_worker(capsys):
+    """issue 36 item 6: the simulate example builds a model per worker (broadcast from rank
+    0); as drawn before, one model shared by the workers hung 300 s or crashed."""
+    exec(compile(readme_library_use(), "README.md", "exec"), {"__name__": "readme"})
+    sent = eval(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(sent) == 4 and len(set(sent)) == 1 and sent[0] > 0
+
+
+def test_workers_of_one_simulate_sharing_a_model_get_one_line_error():
+    """The README example as drawn before: every worker's optimizer over one shared model.
+    A one-line GradzipError naming the fix, not a hang (a PeerFailure after the timeout) or
+    a crash."""
+    import torch
+
+    model = torch.nn.Linear(10, 2)
+
+    def worker(comm):
+        opt = gradzip.optim.SSGD(model.parameters(), lr=0.1, comm=comm, compressor="qsgd")
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 10)).square().mean().backward()
+            opt.step()
+    with pytest.raises(gradzip.GradzipError) as exc:
+        gradzip.simulate(4, worker, timeout_s=120)
+    text = str(exc.value)
+    assert re.match(r"SSGD: rank [0-3] was given a tensor of shape \((2, 10|2,)\) that rank [0-3] updates too", text)
+    assert "broadcast_parameters(model, comm=comm)" in text and "\n" not in text

@@ -1,7 +1,7 @@
 """The two-phase compressed allreduce (gradzip.twophase, PSync transport="twophase"):
-against a numpy reference of the spec's rule, identity = allreduce, conservation, bytes
-= the formula, resume with server errors, the auto rule, all_to_all and the int16 2bit
-summand."""
+against a numpy reference of the spec's rule (slices of each bucket of the plan), identity
+= allreduce, conservation, bytes = the formula, resume with server errors, the auto rule,
+all_to_all and the int16 2bit summand."""
 import copy
 import math
 
@@ -11,7 +11,7 @@ import torch
 
 import gradzip
 from gradzip import kernels
-from gradzip import twophase as tp
+from gradzip import planner as tp
 from gradzip.bench.profiling import RecordingGroup
 from gradzip.comm import make_group, simulate
 from gradzip.compressors import build
@@ -54,9 +54,23 @@ def np_aggregate(codec, decoded):
     return (total / np.float32(len(decoded))).astype(np.float32)
 
 
+def np_buckets(sizes, bucket_bytes):
+    """The plan's buckets, held out: tensor positions in launch order (descending key; the
+    keys are the positions here), cut greedily at ``bucket_bytes`` of float32 elements."""
+    buckets, filled = [], 0
+    for k in reversed(range(len(sizes))):
+        if not buckets or (buckets[-1] and filled + 4 * sizes[k] > bucket_bytes):
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(k)
+        filled += 4 * sizes[k]
+    return buckets
+
+
 def np_two_phase(codec, inputs, server):
-    """One two-phase exchange of one tensor: inputs[i] (flat) per worker; server: slice j ->
-    E_j (updated in place). Returns (aggregate, residuals)."""
+    """One two-phase exchange of one bucket: inputs[i] (its tensors flattened and
+    concatenated) per worker; server: slice j -> E_j (updated in place). Returns
+    (aggregate, residuals)."""
     n, d = len(inputs), len(inputs[0])
     bounds = tp.slice_bounds(d, n)
     assert [b - a for a, b in bounds] == [len(s) for s in np.array_split(np.arange(d), n)]
@@ -80,8 +94,8 @@ def _inputs(rank, step):
     return [torch.randn(d, generator=g) for d in SIZES]
 
 
-def _run_psync(comm, codec, steps=3):
-    psync = PSync(comm, codec, transport="twophase")
+def _run_psync(comm, codec, steps=3, bucket_bytes=4 << 20):
+    psync = PSync(comm, codec, transport="twophase", bucket_bytes=bucket_bytes)
     outs = []
     for step in range(1, steps + 1):
         r = psync(_inputs(comm.rank, step), step)
@@ -89,26 +103,40 @@ def _run_psync(comm, codec, steps=3):
     return outs
 
 
-def _check_against_reference(results, codec, n, steps=3):
-    servers = [{} for _ in SIZES]
+def _check_against_reference(results, codec, n, steps=3, bucket_bytes=4 << 20):
+    buckets = np_buckets(SIZES, bucket_bytes)
+    servers = [{} for _ in buckets]
     for step in range(1, steps + 1):
         per_worker = [[t.numpy() for t in _inputs(r, step)] for r in range(n)]
-        for k in range(len(SIZES)):
-            agg, res = np_two_phase(codec, [per_worker[r][k] for r in range(n)], servers[k])
-            for r in range(n):
-                got_agg, got_res = results[r][step - 1][0][k], results[r][step - 1][1][k]
-                np.testing.assert_allclose(got_agg.numpy(), agg, rtol=1e-5, atol=1e-6)
-                np.testing.assert_allclose(got_res.numpy(), res[r], rtol=1e-5, atol=1e-6)
+        for members, server in zip(buckets, servers):
+            agg, res = np_two_phase(codec, [np.concatenate([per_worker[r][k] for k in members]) for r in range(n)],
+                                    server)
+            at = 0
+            for k in members:
+                for r in range(n):
+                    got_agg, got_res = results[r][step - 1][0][k], results[r][step - 1][1][k]
+                    np.testing.assert_allclose(got_agg.numpy(), agg[at:at + SIZES[k]], rtol=1e-5, atol=1e-6)
+                    np.testing.assert_allclose(got_res.numpy(), res[r][at:at + SIZES[k]], rtol=1e-5, atol=1e-6)
+                at += SIZES[k]
 
 
 CODECS = {"2bit": f"2bit:threshold={T}", "1bit": "1bit", "sign": "sign", "topk": "topk:ratio=0.3"}
 
 
+@pytest.mark.parametrize("bucket_bytes", [4 << 20, 80])   # one bucket; [30], [13, 5, 1]
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("codec", list(CODECS))
-def test_two_phase_matches_the_numpy_reference_on_threads(codec, n):
-    results = simulate(n, lambda comm: _run_psync(comm, CODECS[codec]))
-    _check_against_reference(results, codec, n)
+def test_two_phase_matches_the_numpy_reference_on_threads(codec, n, bucket_bytes):
+    results = simulate(n, lambda comm: _run_psync(comm, CODECS[codec], bucket_bytes=bucket_bytes))
+    _check_against_reference(results, codec, n, bucket_bytes=bucket_bytes)
+
+
+def test_the_reference_buckets_are_the_plans():
+    assert np_buckets(SIZES, 80) == [[3], [2, 1, 0]] and np_buckets(SIZES, 4 << 20) == [[3, 2, 1, 0]]
+    for bucket_bytes in (80, 4 << 20, 1):
+        order, plan = PSync(make_group(2)[0], "1bit", transport="twophase",
+                            bucket_bytes=bucket_bytes).exchange_plan([torch.zeros(d) for d in SIZES])
+        assert [[order[i] for i in b.tensors] for b in plan.buckets] == np_buckets(SIZES, bucket_bytes)
 
 
 def gloo_two_phase(comm):
@@ -138,28 +166,27 @@ def test_identity_two_phase_equals_allreduce_bitwise_and_conserves():
 
 
 def test_conservation_worker_and_server_errors():
-    """For every worker: sent + worker error = input; for every slice: what comes back +
-    the server error = the averaged decoded slice (codec 1bit, 3 workers)."""
+    """For every worker: sent + worker error = input; for every slice of the bucket: what
+    comes back + the server error = the averaged decoded slice (codec 1bit, 3 workers; one
+    bucket, launch order 3, 2, 1, 0, its key 3)."""
     n, codec = 3, build("1bit")
+    order = [3, 2, 1, 0]
 
     def run(comm):
         psync = PSync(comm, codec, transport="twophase")
         ts = _inputs(comm.rank, 1)
         r = psync(ts, 1)
-        return ts, r, dict(psync.server_errors.errors)
+        return torch.cat([ts[k] for k in order]), r, dict(psync.server_errors.errors)
 
     out = simulate(n, run)
-    for k, d in enumerate(SIZES):
-        bounds = tp.slice_bounds(d, n)
-        for rank, (ts, r, _) in enumerate(out):
-            sent = torch.cat([codec.decompress(codec.compress(ts[k][a:b])) for a, b in bounds if b > a])
-            torch.testing.assert_close(sent + r.residual[k], ts[k], rtol=0, atol=1e-6)
-        for j, (a, b) in enumerate(bounds):
-            if a == b:
-                continue
-            mean = sum(codec.decompress(codec.compress(out[i][0][k][a:b])) for i in range(n)) / n
-            back = out[0][1].aggregate[k][a:b]
-            torch.testing.assert_close(back + out[j][2][(k, j)], mean, rtol=0, atol=1e-6)
+    bounds = tp.slice_bounds(sum(SIZES), n)
+    for rank, (v, r, _) in enumerate(out):
+        sent = torch.cat([codec.decompress(codec.compress(v[a:b])) for a, b in bounds if b > a])
+        torch.testing.assert_close(sent + torch.cat([r.residual[k] for k in order]), v, rtol=0, atol=1e-6)
+    back = torch.cat([out[0][1].aggregate[k] for k in order])
+    for j, (a, b) in enumerate(bounds):
+        mean = sum(codec.decompress(codec.compress(out[i][0][a:b])) for i in range(n)) / n
+        torch.testing.assert_close(back[a:b] + out[j][2][(3, j)], mean, rtol=0, atol=1e-6)
 
 
 # -- bytes ---------------------------------------------------------------------------------
@@ -176,21 +203,22 @@ def test_measured_bytes_equal_the_formula(codec, transport):
     def run(comm):
         psync = PSync(comm, c, transport=transport, bucket_bytes=1)
         ts = _inputs(comm.rank, 1)
-        return psync(ts, 1).bytes_sent, comm.bytes_sent, psync.plan(ts)
+        return psync(ts, 1).bytes_sent, comm.bytes_sent, psync.routes(ts), psync.exchange_plan(ts)[1]
 
-    sizer = tp.Sizer(c)
-    for rank, (sent, counted, plan) in enumerate(simulate(n, run)):
+    packet = lambda m: c.compress(torch.zeros(m)).nbytes if m else 0   # an empty slice is not sent
+    for rank, (sent, counted, routes, plan) in enumerate(simulate(n, run)):
         expected = 0
-        for d, kind in zip(SIZES, plan):
+        for d, kind in zip(SIZES, routes):   # one tensor a bucket (bucket_bytes=1)
             if kind == "twophase":
-                expected += tp.wire_bytes(sizer, d, n, rank)
+                slices = [packet(b - a) for a, b in tp.slice_bounds(d, n)]
+                expected += sum(s for j, s in enumerate(slices) if j != rank) + (n - 1) * slices[rank]
             elif kind == "allreduce":
-                expected += 2 * (n - 1) * d * 1 // n     # int8 codes, one tensor a bucket here
+                expected += 2 * (n - 1) * d * 1 // n     # int8 codes
             else:
-                expected += (n - 1) * sizer(d)
-        assert sent == counted == expected
+                expected += (n - 1) * packet(d)
+        assert sent == counted == expected == plan.bytes_for(rank)
         if transport != "auto":
-            assert set(plan) == {transport}
+            assert set(routes) == {transport}
 
 
 def test_bytes_per_worker_stay_flat_in_n():
@@ -254,11 +282,11 @@ def test_without_the_server_errors_the_resume_differs():
 # -- auto, settings, options ---------------------------------------------------------------
 def test_auto_is_exact_for_small_jobs_and_packet_summing_codecs():
     big = [(4000, 1000)]
-    assert PSync(make_group(2)[0], "1bit").plan(big) == ["allgather"]
-    assert PSync(make_group(8)[0], "1bit").plan(big) == ["twophase"]
-    assert PSync(make_group(8)[0], "2bit").plan(big) == ["twophase"]
+    assert PSync(make_group(2)[0], "1bit").routes(big) == ["allgather"]
+    assert PSync(make_group(8)[0], "1bit").routes(big) == ["twophase"]
+    assert PSync(make_group(8)[0], "2bit").routes(big) == ["twophase"]
     for codec in ("none", "fp16", "randomk:ratio=0.01"):
-        assert PSync(make_group(64)[0], codec).plan(big) == ["allreduce"]
+        assert PSync(make_group(64)[0], codec).routes(big) == ["allreduce"]
 
 
 def test_transport_is_a_common_option_checked_and_compared():
@@ -406,7 +434,7 @@ def _sign_int16_vote():
 @pytest.mark.parametrize("name", ["efsgd-1bit", "bitsgd", "ssgd-sign"])
 def test_two_phase_during_backward_equals_two_phase_in_step(name):
     """Hooked (several buckets launched during backward) = overlap off (one PSync call),
-    bit for bit: the two-phase rule is per tensor, bucketing changes no number."""
+    bit for bit: both execute the one plan (launch order, buckets) of the exchange."""
     import cases
     import cases_overlap
 
@@ -470,7 +498,7 @@ def test_twophase_refuses_codecs_whose_choices_come_from_the_seed(codec):
     comm = make_group(2)[0]
     with pytest.raises(GradzipError, match="use transport='auto' or 'allreduce'"):
         PSync(comm, codec, transport="twophase")
-    assert PSync(make_group(64)[0], codec).plan([torch.zeros(1 << 20)]) == ["allreduce"]
+    assert PSync(make_group(64)[0], codec).routes([torch.zeros(1 << 20)]) == ["allreduce"]
 
 
 @pytest.mark.parametrize("codec", ["none", "2bit", "1bit", "topk:ratio=0.1"])
@@ -479,14 +507,16 @@ def test_sizer_sizes_half_precision_as_sent(codec):
     bytes equal ``wire_bytes`` with that dtype (``none``: 2 bytes an element, not float32's 4)."""
     n, c = 4, build(codec)
     sizer = tp.Sizer(c)
-    assert sizer(10, torch.bfloat16) == c.compress(torch.zeros(10, dtype=torch.bfloat16)).nbytes
+    packet = lambda m: c.compress(torch.zeros(m, dtype=torch.bfloat16)).nbytes
+    assert sizer.packet((10,), torch.bfloat16) == packet(10)
     if codec == "none":
-        assert (sizer(10, torch.bfloat16), sizer(10)) == (20, 40)
+        assert (sizer.packet((10,), torch.bfloat16), sizer.packet((10,))) == (20, 40)
 
     def run(comm):
         psync = PSync(comm, c, transport="twophase")
         ts = [t.to(torch.bfloat16) for t in _inputs(comm.rank, 1)]
         return psync(ts, 1).bytes_sent
 
+    slices = [packet(b - a) for a, b in tp.slice_bounds(sum(SIZES), n)]   # one bucket
     for rank, sent in enumerate(simulate(n, run)):
-        assert sent == sum(tp.wire_bytes(sizer, d, n, rank, torch.bfloat16) for d in SIZES)
+        assert sent == sum(s for j, s in enumerate(slices) if j != rank) + (n - 1) * slices[rank]

@@ -4,7 +4,7 @@ A training step allocates tensors of the gradients' size (aggregates, residuals,
 and frees them a step later. glibc's ``malloc`` serves anything above 32 MB (and, by its
 dynamic threshold, often less) straight from ``mmap`` and returns it to the system on
 ``free``, so every step touches fresh pages: a 64 MB tensor costs its page faults, worth
-about a tenth of a copy into a reused buffer on the development machine (docs/benchmarks.md,
+about a tenth of a copy into a reused buffer on the development machine (docs/benchmarks/step-vs-ddp.md,
 "Step time against PyTorch DDP", measured both ways). ``MALLOC_MMAP_THRESHOLD_`` and
 ``MALLOC_TRIM_THRESHOLD_`` keep such blocks in the heap for the next step instead.
 

@@ -58,6 +58,7 @@ def _checked(kind, test, what):
 
 
 positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1")
+at_least_two = _checked(int, lambda v: v >= checkpoint.MIN_KEEP, f"an integer >= {checkpoint.MIN_KEEP}")
 # Written so that NaN fails every test (every comparison with NaN is False). The upper bound
 # is float32's largest value: the models train in float32, where anything above is inf.
 non_negative = _checked(float, lambda v: 0 <= v <= FLOAT32_MAX, "a number >= 0 and finite (<= 3.4e38)")
@@ -86,7 +87,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "0.01 for LAMB (their trust ratios scale it), 0.001 for 1-bit / 0/1 Adam, "
                         "1-bit LAMB, AdamW and DiLoCo's AdamW)")
     g.add_argument("--momentum", type=fraction, default=0.0,
-                   help="default: %(default)s (BIT-SGD with momentum 0.9 at lr 0.1 is unstable: docs/benchmarks.md)")
+                   help="default: %(default)s (BIT-SGD with momentum 0.9 at lr 0.1 is unstable: docs/benchmarks/accuracy.md)")
     g.add_argument("--nesterov", action="store_true")
     g.add_argument("--weight-decay", type=non_negative, default=0.0)
     g.add_argument("--seed", type=seed_int, default=0)
@@ -112,7 +113,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--round-bytes", type=positive_int, default=None,
                    help="two-phase: send each all-to-all in rounds of at most this many bytes per message "
                         "(default: whole messages); on slow links that several workers share, e.g. 131072 "
-                        "(docs/benchmarks.md, \"Two-phase across nodes\")")
+                        "(docs/benchmarks/transports-and-nodes.md, \"Two-phase across nodes\")")
     w = p.add_argument_group("workers")
     w.add_argument("--workers", type=positive_int, default=None,
                    help="worker count (default: 1 for train, 4 for compare; under torchrun: its world)")
@@ -135,7 +136,15 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="continue from the newest checkpoint in DIR that verifies on every worker, bit "
                         "for bit, and keep writing checkpoints there; starts from scratch if DIR holds "
                         "none or does not exist (so the same command serves torchrun --max-restarts); "
-                        "refuses a step-... directory and a directory of other files")
+                        "a file that fails verification is moved aside (renamed *.rejected-TIME, never "
+                        "deleted) and an older step taken; refuses, naming the file, when no step "
+                        "verifies, and a step-... directory or a directory of other files")
+    r.add_argument("--keep-checkpoints", type=at_least_two, default=2, metavar="K",
+                   help="steps of checkpoints each worker keeps: the newest K (default: %(default)s, the "
+                        "newest and one to resume from if it is damaged)")
+    r.add_argument(checkpoint.START_OVER, action="store_true",
+                   help="with --resume: when no checkpointed step verifies on every worker, start from "
+                        "scratch instead of refusing (the files that fail are kept, renamed)")
     r.add_argument("--workers-per-node", type=int, default=None, metavar="K",
                    help="hierarchical exchange: K workers per node (ranks node-major, as torchrun numbers "
                         "them); fp32 reduce-scatter inside a node, the codec across nodes (default: flat)")
@@ -269,7 +278,8 @@ def _file_safe(label: str) -> str:
 
 
 def _checkpointing(args) -> dict[str, Any]:
-    """``--checkpoint-dir`` / ``--checkpoint-every`` / ``--resume`` as RunConfig fields."""
+    """``--checkpoint-dir`` / ``--checkpoint-every`` / ``--resume`` / ``--keep-checkpoints`` /
+    ``--start-over-if-damaged`` as RunConfig fields."""
     if args.resume and args.checkpoint_dir and Path(args.resume) != Path(args.checkpoint_dir):
         raise GradzipError("--resume DIR continues writing checkpoints into DIR; give --checkpoint-dir "
                            "the same directory or leave it out")
@@ -278,8 +288,12 @@ def _checkpointing(args) -> dict[str, Any]:
         raise GradzipError("--checkpoint-every needs a directory: add --checkpoint-dir DIR (or --resume DIR)")
     if directory and os.path.isfile(directory):  # (train: checked with its contents in _configs)
         raise GradzipError(f"checkpoint directory {directory} exists and is not a directory")
+    if args.start_over_if_damaged and not args.resume:
+        raise GradzipError(f"{checkpoint.START_OVER} says what --resume DIR does when no checkpoint verifies: "
+                           "add --resume DIR, or leave it out")
     return {"checkpoint_dir": directory, "checkpoint_every": args.checkpoint_every or 0,
-            "resume": bool(args.resume)}
+            "resume": bool(args.resume), "keep_checkpoints": args.keep_checkpoints,
+            "start_over": args.start_over_if_damaged}
 
 
 def _statable(path: str, flag: str) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -63,20 +63,36 @@ def describe_difference(everyone: list[dict[str, str]], what: str = "configurati
     fixes = fixes or {}
     # fields with their own fix (e.g. parameter values) come after the plain settings: a
     # different shape or codec is the cause to name, not the values that follow from it
-    names = sorted(set().union(*everyone), key=lambda n: (any(n.startswith(p) for p in fixes), n))
-    for name in names:
-        values = [w.get(name, "<not set>") for w in everyone]
-        if len(set(values)) > 1:
-            by_value: dict[str, list[int]] = {}
-            for rank, value in enumerate(values):
-                by_value.setdefault(value, []).append(rank)
-            listed = "; ".join(f"{_ranks(r)}: {v}" for v, r in by_value.items())
-            others = sum(1 for n in names if len({w.get(n, '<not set>') for w in everyone}) > 1) - 1
-            more = f" (and {others} more field{'s' * (others > 1)})" if others else ""
-            fix = next((text for prefix, text in fixes.items() if name.startswith(prefix)),
-                       "Start every worker with the same settings and gradzip version.")
-            return f"workers run with different {what}: {name!r} differs{more} — {listed}. {fix}"
-    return f"workers run with different {what} (digests differ)"
+    names = differing(everyone, later=lambda n: any(n.startswith(p) for p in fixes))
+    if not names:
+        return f"workers run with different {what} (digests differ)"
+    name = names[0]
+    by_value: dict[str, list[int]] = {}
+    for rank, w in enumerate(everyone):
+        by_value.setdefault(w.get(name, NOT_SET), []).append(rank)
+    listed = "; ".join(f"{_ranks(r)}: {v}" for v, r in by_value.items())
+    fix = next((text for prefix, text in fixes.items() if name.startswith(prefix)),
+               "Start every worker with the same settings and gradzip version.")
+    return f"workers run with different {what}: {name!r} differs{more_fields(names)} — {listed}. {fix}"
+
+
+#: How a field one side lacks is shown.
+NOT_SET = "<not set>"
+
+
+def differing(everyone: list[Mapping[str, Any]], later: Callable[[str], bool] | None = None) -> list[str]:
+    """The fields whose values differ among ``everyone`` (a field one lacks differs), in
+    the order to name them: sorted, the fields for which ``later(name)`` holds after the
+    others (what follows from another setting comes after the setting that caused it)."""
+    names = set().union(*everyone)
+    changed = [n for n in names if any(w.get(n, NOT_SET) != everyone[0].get(n, NOT_SET) for w in everyone)]
+    return sorted(changed, key=lambda n: (bool(later and later(n)), n))
+
+
+def more_fields(names: list[str]) -> str:
+    """`` (and N more fields)`` after the first of ``names``; empty for one."""
+    others = len(names) - 1
+    return f" (and {others} more field{'s' * (others > 1)})" if others else ""
 
 
 def _ranks(ranks: list[int]) -> str:

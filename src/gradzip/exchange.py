@@ -6,29 +6,31 @@ exchange the packets, and each gets back ``mean_j C(v_j)`` (or the codec's own a
 e.g. the majority vote of ``sign``) and its local residual ``r_i = v_i - C(v_i)``. Methods
 with error memory use both (``v'_i = mean_j C(v_j) + r_i``); the others only the aggregate.
 
-Transport (never changes the numbers a method sees):
+PSync executes a plan (:func:`plan`, :mod:`gradzip.planner`): the tensors in launch order
+(descending key, ≈ the order backward delivers gradients), cut into buckets of up to
+``bucket_bytes`` of their own bytes, each on its route. :meth:`PSync.exchange_plan` is the
+plan of an exchange; ``describe()`` reports it, ``bench.costs`` prices it.
 
-* Compression is per tensor (layer-wise). Random choices use a seed derived from
-  ``(seed, step, tensor key)``, plus the rank for codecs whose randomness is private
-  (QSGD, TernGrad), so random-k / random-block pick the same coordinates on every worker.
-* Collective choice, per tensor: allreduce of the codec's summand when packets sum in
-  compressed form, else allgather of the packets, whichever puts fewer bytes on the wire
-  for this world size (ring costs, ``gradzip.comm.base``); ties go to allreduce. E.g.
-  ``2bit``: allgather of packed codes ((n-1)·d/4) below 8 workers, int8 allreduce
-  (2(n-1)/n·d) from 8 on (exact for n <= 127; int16 up to 32767).
-* ``transport=`` (:data:`gradzip.twophase.TRANSPORTS`): ``"allreduce"`` / ``"allgather"``
-  pin the collective; ``"twophase"`` sends every tensor through the two-phase compressed
-  allreduce of :mod:`gradzip.twophase` (per-slice compression and a server error: it
-  changes the numbers); ``"auto"`` (default) takes the cheapest exact collective per tensor
-  and two-phase only where the model says it costs at most half (``twophase.choose``).
-  ``plan()`` says which, per tensor; the server errors are in ``state_dict()``.
-* Small tensors are flattened into buckets of up to ``bucket_bytes`` per collective: one
-  buffer per summand dtype for allreduce, raw bytes for allgather. Decoding is per tensor
-  again. With integer summands, or on the in-process group, bucketing changes no bit; a
-  float sum inside a real collective may associate differently (≈1 ulp).
+* Compression on the exact transports is per tensor (layer-wise). Random choices use a seed
+  derived from ``(seed, step, tensor key)``, plus the rank for codecs whose randomness is
+  private (QSGD, TernGrad), so random-k / random-block pick the same coordinates on every
+  worker.
+* Routes: the allreduce of the codec's summand when packets sum in compressed form, else
+  the allgather of the packets, whichever puts fewer bytes on the wire for this world size
+  (ties go to allreduce); e.g. ``2bit``: allgather of packed codes ((n-1)·d/4) below 8
+  workers, int8 allreduce (2(n-1)/n·d) from 8 on (int16 from 128). ``transport=``
+  (:data:`TRANSPORTS`): ``"allreduce"`` / ``"allgather"`` pin the collective;
+  ``"twophase"`` sends every bucket through the two-phase compressed allreduce of
+  :mod:`gradzip.twophase` (slices of the bucket, a server error: it changes the numbers);
+  ``"auto"`` (default) takes the exact routes and two-phase only where the link model says
+  it costs at most half (``link``; :data:`gradzip.planner.DEFAULT_LINK` when None).
+* One collective per bucket and route: one buffer per summand dtype for allreduce, raw bytes
+  for allgather. Decoding is per tensor again. With integer summands, or on the in-process
+  group, bucketing changes no bit on the exact transports; a float sum inside a real
+  collective may associate differently (≈1 ulp).
 
-``start()`` compresses and launches the collectives asynchronously and returns a
-:class:`Pending`; ``Pending.wait()`` decodes. ``__call__`` does both.
+``start()`` compresses and launches the collectives asynchronously, bucket by bucket, and
+returns a :class:`Pending`; ``Pending.wait()`` decodes. ``__call__`` does both.
 
 Complex tensors travel as their real views (``torch.view_as_real``: float, last dimension
 2), as torch's optimizers treat complex parameters: every codec, transport, seed and
@@ -77,13 +79,16 @@ from typing import Sequence
 import torch
 
 from . import seeds
-from .comm import Group, Work, allgather_wire_bytes, allreduce_wire_bytes
-from .compressors import Compressor, Packet, PerTensor, Slices, build
+from .comm import Group, Work
+from .compressors import Compressor, Packet, PerTensor, build
 from .errors import GradzipError
 from .nonfinite import NonFiniteAggregate, first_nonfinite
-from . import twophase as tp
+from .planner import (DEFAULT_BUCKET_BYTES, DEFAULT_LINK, TRANSPORTS, Bucket, Link, Plan, as_link,
+                      check_transport, plan)
+from .twophase import ServerErrors, TwoPhase, check_round_bytes, phase2_seed
 
-DEFAULT_BUCKET_BYTES = 4 << 20
+__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_LINK", "TRANSPORTS", "Link", "Pending", "Plan", "PSync", "Result",
+           "Timings", "mix_seed", "plan"]
 
 #: The codecs' seed derivation (:func:`gradzip.seeds.mix`), under the name callers know.
 mix_seed = seeds.mix
@@ -118,16 +123,22 @@ class Result:
 
 @dataclass
 class _Bucket:
+    """An exact bucket in flight: one collective over its members' summands or packets."""
+
     kind: str                      # "allreduce" or "allgather"
-    dtype: torch.dtype             # of the flat buffer (uint8 for allgather)
-    device: torch.device
-    members: list[int] = field(default_factory=list)   # tensor positions
-    sizes: list[int] = field(default_factory=list)     # buffer elements per member
-    parts: list[torch.Tensor] = field(default_factory=list)
-    nbytes: int = 0
-    work: Work | None = None
+    members: list[int]             # tensor positions
+    sizes: list[int]               # buffer elements per member
+    work: Work
     buffer: torch.Tensor | None = None  # the flat buffer sent, when it is a reusable one
-    private: bool = False          # a part shares memory with an input: never sent in place
+
+
+@dataclass
+class _TwoPhaseBucket:
+    """A two-phase bucket in flight: its members (positions, shapes) and its exchange."""
+
+    members: list[int]
+    shapes: list[torch.Size]
+    exchange: TwoPhase
 
 
 @dataclass
@@ -135,14 +146,13 @@ class Pending:
     """An exchange in flight; ``wait()`` returns its :class:`Result`."""
 
     psync: "PSync"
-    packets: list[Packet]
+    packets: list[Packet | None]                   # per tensor (None: two-phase)
     buckets: list[_Bucket]
     residual: list[torch.Tensor] | None
     packet_bytes: int
-    step: int = 0
     keys: Sequence[int] = ()
     recyclable: list[bool] = field(default_factory=list)  # packet i's wire is not its input
-    twophase: list = field(default_factory=list)   # [_TwoPhaseBucket]: its tensors' packets[i] are None
+    twophase: list[_TwoPhaseBucket] = field(default_factory=list)
     codecs: list = field(default_factory=list)     # packet i's codec (None: two-phase)
     reuse_aggregates: bool = False                 # PSync.reuse_aggregates when it started
     _result: Result | None = field(default=None, repr=False)
@@ -197,16 +207,20 @@ def with_complex(pending, at: list[int]):
 
 
 class PSync:
-    """Compress → exchange → decode for one worker (see the module docstring)."""
+    """Compress → exchange → decode for one worker, along the exchange's plan (see the
+    module docstring)."""
 
     def __init__(self, comm: Group, compressor: "str | Compressor | None" = "none", *,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_finite: bool = False,
-                 transport: str = "auto", allow_twophase: bool = True, round_bytes: int | None = None):
+                 transport: str = "auto", allow_twophase: bool = True, round_bytes: int | None = None,
+                 link: "str | Link | None" = None):
         self.comm = comm
-        self.transport = tp.check_transport(transport)
+        self.transport = check_transport(transport)
         #: two-phase: each phase's all-to-all in rounds of at most this many bytes per message
         #: (None: whole messages); see :func:`gradzip.twophase.rounds`
-        self.round_bytes = tp.check_round_bytes(round_bytes)
+        self.round_bytes = check_round_bytes(round_bytes)
+        #: the link ``auto`` prices transports on (:func:`gradzip.planner.as_link`)
+        self.link = as_link(link)
         # False: "auto" stays exact (a method that reads the packets, e.g. DGC's selection)
         self.allow_twophase = bool(allow_twophase)
         if transport == "twophase" and not allow_twophase:
@@ -233,10 +247,8 @@ class PSync:
                                "(the allreduce is already flat in the number of workers) and its choices come from "
                                "the shared seed, which two-phase's second compression changes; use transport='auto' "
                                "or 'allreduce'")
-        self.server_errors = tp.ServerErrors()   # the two-phase E_j (gradzip.twophase)
-        self._sizer = None if isinstance(self.compressor, PerTensor) else tp.Sizer(self.compressor)
+        self.server_errors = ServerErrors()   # the two-phase E_j (gradzip.twophase)
         self._plans: dict = {}
-        self._layouts: dict = {}      # two-phase: numels of a bucket -> tp.Layout
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.timings = Timings()
@@ -271,67 +283,72 @@ class PSync:
     def load_state_dict(self, state: dict) -> None:
         self.server_errors.load_state_dict(state.get("server_errors", {}))
 
-    def plan(self, tensors: Sequence) -> list[str]:
-        """The transport of each tensor (or shape; float32 assumed for shapes) of one
-        exchange: the pinned one, or ``auto``'s per-bucket choice (``twophase.choose``);
-        the same on every worker."""
-        specs = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (tuple(t), torch.float32)
-                      for t in tensors)
-        if specs not in self._plans:
-            if self.transport != "auto":
-                self._plans[specs] = [self.transport] * len(specs)
-            elif self._sizer is None:   # a PerTensor policy: each packet routed by its own codec
-                self._plans[specs] = ["auto"] * len(specs)
-            else:
-                self._plans[specs] = tp.choose(self.compressor, self._sizer, specs, self.comm.world_size,
-                                               self.bucket_bytes, twophase=self.allow_twophase)
-        return list(self._plans[specs])
+    # -- the plan -----------------------------------------------------------------------
+    def exchange_plan(self, tensors: Sequence, keys: Sequence[int] | None = None) -> tuple[list[int], Plan]:
+        """The plan of an exchange of ``tensors`` (tensors, or shapes: float32) with ``keys``
+        (default: their positions), and its order: the positions of the tensors in launch
+        order (descending key). The same on every worker; cached."""
+        keys = list(range(len(tensors))) if keys is None else list(keys)
+        specs = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (tuple(t), torch.float32)
+                 for t in tensors]
+        specs = [(shape + (2,), dtype.to_real()) if dtype.is_complex else (shape, dtype)   # their real views
+                 for shape, dtype in specs]
+        cached = (tuple(specs), tuple(keys))
+        if cached not in self._plans:
+            order = sorted(range(len(specs)), key=lambda i: -keys[i])
+            codecs = [self.codec_for(keys[i], torch.empty(specs[i][0], dtype=specs[i][1], device="meta"))
+                      for i in order]
+            self._plans[cached] = order, self._plan([specs[i] for i in order], codecs)
+        return self._plans[cached]
+
+    def _plan(self, specs, codecs) -> Plan:
+        return plan([s for s, _ in specs], codecs, self.comm.world_size, transport=self.transport,
+                    bucket_bytes=self.bucket_bytes, link=self.link, dtypes=[d for _, d in specs],
+                    twophase=self.allow_twophase)
+
+    def routes(self, tensors: Sequence, keys: Sequence[int] | None = None) -> list[str]:
+        """The route of each tensor (or shape) of an exchange, in the order given."""
+        order, p = self.exchange_plan(tensors, keys)
+        out = [""] * len(order)
+        for route, i in zip(p.routes(), order):
+            out[i] = route
+        return out
 
     # -- the public calls ---------------------------------------------------------------
     def __call__(self, tensors: Sequence[torch.Tensor], step: int, *,
                  keys: Sequence[int] | None = None, residual: bool = True) -> Result:
         return self.start(tensors, step, keys=keys, residual=residual).wait()
 
-    def start(self, tensors: Sequence[torch.Tensor], step: int, *,
-              keys: Sequence[int] | None = None, residual: bool = True) -> Pending:
-        """Compress ``tensors`` and launch their collectives; ``keys`` identify each tensor
-        across steps (default: its position) for the shared random seeds."""
+    def start(self, tensors: Sequence[torch.Tensor], step: int, *, keys: Sequence[int] | None = None,
+              residual: bool = True, plan: Plan | None = None) -> Pending:
+        """Compress ``tensors`` and launch their collectives, bucket by bucket of the
+        exchange's plan; ``keys`` identify each tensor across steps (default: its position)
+        for the shared random seeds and the launch order. ``plan``: a plan of these tensors
+        in the order given (``Plan.select`` of the exchange's plan: a bucket launched on its
+        own, as the backward hooks do)."""
         tensors, complex_at = real_views(tensors)
-        keys = range(len(tensors)) if keys is None else keys
+        keys = list(range(len(tensors)) if keys is None else keys)
         began = time.perf_counter()
-        keys = list(keys)
-        codecs = [self.codec_for(key, t) for key, t in zip(keys, tensors)]
-        plan = self.plan(tensors)
-        two = [i for i, kind in enumerate(plan) if kind == "twophase"]
-        exact = [i for i, kind in enumerate(plan) if kind != "twophase"]
+        if plan is None:
+            order, plan = self.exchange_plan(tensors, keys)
+        else:
+            order = list(range(len(tensors)))
         residuals = [None] * len(tensors) if residual else None
-        packets: list = [None] * len(tensors)
-        spares = self._take_spares([tensors[i] for i in exact], [keys[i] for i in exact])
-        for i, old in zip(exact, spares):
-            t, key, codec = tensors[i], keys[i], codecs[i]
-            if residual:  # one fused pass where the codec has one (Compressor.compress_residual)
-                residuals[i] = self._residual_buffer(key, t)
-                packets[i] = codec.compress_residual(t.detach(), self._seed(step, key, codec), residuals[i], reuse=old)
+        pending = Pending(self, [None] * len(tensors), [], residuals, 0, keys, [False] * len(tensors),
+                          codecs=[None] * len(tensors), reuse_aggregates=self.reuse_aggregates)
+        for bucket in plan.buckets:
+            members = [order[i] for i in bucket.tensors]
+            if bucket.route == "twophase":
+                pending.twophase.append(self._start_twophase(tensors, members, keys, step, residuals))
+                pending.packet_bytes += pending.twophase[-1].exchange.sent.wire.numel()
             else:
-                packets[i] = codec.compress(t.detach(), self._seed(step, key, codec), reuse=old)
-        recyclable = [p is not None and _storages(p.wire.values()).isdisjoint(_storages([t]))
-                      for p, t in zip(packets, tensors)]
-        buckets = self._launch(packets, codecs, plan if self.transport != "auto" else ["auto"] * len(plan),
-                               tensors)
-        payload = sum(p.nbytes for p in packets if p is not None)
-        twophase = []
-        if two:
-            twophase = _two_phase_start(self, [tensors[i] for i in two], two, [keys[i] for i in two], step,
-                                        residuals)
-            payload += sum(b.payload for b in twophase)
-        self.payload_bytes += payload
+                self._start_exact(bucket, members, tensors, keys, step, pending)
+        self.payload_bytes += pending.packet_bytes
         ended = time.perf_counter()
         self._add_compress(ended - began)
         if self.tracer is not None:
-            self.tracer.add("compress", began, ended, bytes=payload)
-        return with_complex(Pending(self, packets, buckets, residuals, payload, step, keys, recyclable, twophase,
-                                    [c if p is not None else None for c, p in zip(codecs, packets)],
-                                    self.reuse_aggregates), complex_at)
+            self.tracer.add("compress", began, ended, bytes=pending.packet_bytes)
+        return with_complex(pending, complex_at)
 
     @property
     def guards_inputs(self) -> bool:
@@ -355,7 +372,56 @@ class PSync:
             codec = self._codecs[cached] = policy.resolve(self.names.get(key), tensor)
         return codec
 
-    # -- internals ------------------------------------------------------------------------
+    # -- internals: starting a bucket -------------------------------------------------------
+    def _start_exact(self, bucket: Bucket, members: list[int], tensors, keys, step: int, pending: Pending) -> None:
+        """Compress the bucket's tensors (their residuals too, when asked) and launch its
+        collective: the members' summands (allreduce) or raw packets (allgather), back to back."""
+        n = self.comm.world_size
+        spares = self._take_spares([tensors[i] for i in members], [keys[i] for i in members])
+        parts, sizes, private = [], [], False
+        for i, old in zip(members, spares):
+            t, key = tensors[i], keys[i]
+            codec = pending.codecs[i] = self.codec_for(key, t)
+            if pending.residual is not None:  # one fused pass where the codec has one (Compressor.compress_residual)
+                pending.residual[i] = self._residual_buffer(key, t)
+                packet = codec.compress_residual(t.detach(), self._seed(step, key, codec), pending.residual[i],
+                                                 reuse=old)
+            else:
+                packet = codec.compress(t.detach(), self._seed(step, key, codec), reuse=old)
+            pending.packets[i] = packet
+            pending.recyclable[i] = _storages(packet.wire.values()).isdisjoint(_storages([t]))
+            pending.packet_bytes += packet.nbytes
+            if bucket.route == "allreduce":
+                flat = [codec.summand(packet, n).reshape(-1)]
+                private = private or not _storages(flat).isdisjoint(_storages([t]))
+            else:
+                flat = [w.reshape(-1).view(torch.uint8) for w in packet.wire.values()]
+            parts.extend(flat)
+            sizes.append(sum(f.numel() for f in flat))
+        device = tensors[members[0]].device
+        buffer, reusable = self._bucket_buffer(bucket.route, bucket.dtype, device, parts, private)
+        collective = self.comm.allreduce if bucket.route == "allreduce" else self.comm.allgather
+        work = collective(buffer, async_op=True)
+        self.bytes_sent += work.nbytes
+        pending.buckets.append(_Bucket(bucket.route, members, sizes, work, buffer if reusable else None))
+
+    def _start_twophase(self, tensors, members: list[int], keys, step: int, residuals) -> _TwoPhaseBucket:
+        """Phase 1 of a two-phase bucket (:class:`gradzip.twophase.TwoPhase`); the residual of
+        each member is its part of the bucket's residual."""
+        flats = [tensors[i].detach().reshape(-1) for i in members]
+        x = torch.cat(flats) if len(flats) > 1 else flats[0]
+        r = None if residuals is None else torch.empty_like(x)
+        key = keys[members[0]]
+        exchange = TwoPhase.start(self.compressor, self.comm, x, key, step, self._seed(step, key), r,
+                                  self.round_bytes)
+        self.bytes_sent += exchange.work.nbytes
+        if r is not None:
+            at = 0
+            for i, f in zip(members, flats):
+                residuals[i] = r[at:at + f.numel()].view(tensors[i].shape)
+                at += f.numel()
+        return _TwoPhaseBucket(members, [tensors[i].shape for i in members], exchange)
+
     def _take_spares(self, tensors: Sequence[torch.Tensor], keys: list) -> list[Packet | None]:
         """The waited packet of each key, where its shape and dtype match (else None)."""
         with self._lock:
@@ -374,100 +440,30 @@ class PSync:
             return spare
         return torch.empty_like(t, memory_format=torch.contiguous_format)
 
-    def _release(self, pending: Pending, out: list[torch.Tensor]) -> None:
-        """After ``wait()``: keep its packets and bucket buffers for the next ``start()``,
-        except what a returned aggregate shares memory with, unless the exchange was started
-        with :attr:`reuse_aggregates` (module docstring: memory)."""
-        pinned = set() if pending.reuse_aggregates else _storages(t for t in out if t is not None)
-        with self._lock:
-            for key, packet, ok in zip(pending.keys, pending.packets, pending.recyclable):
-                if ok and packet is not None and _storages(packet.wire.values()).isdisjoint(pinned):
-                    self._spare_packets[key] = packet
-            for bucket in pending.buckets:
-                buf = bucket.buffer
-                if buf is not None and _storages([buf]).isdisjoint(pinned):
-                    spare = self._spare_buffers.setdefault((bucket.kind, buf.dtype, buf.device, buf.numel()), [])
-                    if len(spare) < 2:
-                        spare.append(buf)
-
-    def _bucket_buffer(self, bucket: _Bucket, parts: list[torch.Tensor]) -> torch.Tensor:
-        """The flat buffer a bucket sends: its one part as it is, or the parts copied into a
-        spare buffer of this size (a new one when none is spare); a ``private`` bucket (a part
-        is an input's memory, e.g. ``none``'s summand) is always copied: a collective may
-        write into what it sends."""
-        if len(parts) == 1 and not bucket.private:
-            return parts[0]
+    def _bucket_buffer(self, kind: str, dtype: torch.dtype, device: torch.device, parts: list[torch.Tensor],
+                       private: bool) -> tuple[torch.Tensor, bool]:
+        """The flat buffer a bucket sends, and whether it is one of PSync's own (reusable):
+        its one part as it is, or the parts copied into a spare buffer of this size (a new
+        one when none is spare); a ``private`` bucket (a part is an input's memory, e.g.
+        ``none``'s summand) is always copied: a collective may write into what it sends."""
+        if len(parts) == 1 and not private:
+            return parts[0], False
         if not parts:
-            return torch.empty(0, dtype=bucket.dtype, device=bucket.device)
+            return torch.empty(0, dtype=dtype, device=device), False
         numel = sum(p.numel() for p in parts)
         with self._lock:
-            spare = self._spare_buffers.get((bucket.kind, bucket.dtype, bucket.device, numel))
+            spare = self._spare_buffers.get((kind, dtype, device, numel))
             buf = spare.pop() if spare else None
         if buf is None:
-            buf = torch.empty(numel, dtype=bucket.dtype, device=bucket.device)
-        bucket.buffer = buf.copy_(parts[0]) if len(parts) == 1 else torch.cat(parts, out=buf)
-        return buf
-
-    def _twophase_layout(self, numels: tuple[int, ...]) -> tp.Layout:
-        """The slices of a two-phase bucket of tensors of ``numels`` entries (cached)."""
-        layout = self._layouts.get(numels)
-        if layout is None:
-            layout = self._layouts[numels] = tp.Layout(numels, self.comm.world_size)
-        return layout
+            buf = torch.empty(numel, dtype=dtype, device=device)
+        return (buf.copy_(parts[0]) if len(parts) == 1 else torch.cat(parts, out=buf)), True
 
     def _seed(self, step: int, key: int, codec: Compressor | None = None) -> int:
         if (codec or self.compressor).shared_randomness:
             return mix_seed(self.seed, step, key)
         return mix_seed(self.seed, step, key, self.comm.rank + 1)
 
-    def route(self, packet: Packet, pinned: str = "auto",
-              codec: Compressor | None = None) -> tuple[str, list[torch.Tensor]]:
-        """The collective for one packet (made by ``codec``, default: the PSync's) and the
-        flat tensors it contributes: the codec's summand for allreduce, the raw bytes of its
-        wire tensors for allgather, whichever puts fewer bytes on the wire for this world
-        size (ties: allreduce), or the ``pinned`` one."""
-        codec, n = codec or self.compressor, self.comm.world_size
-        sum_dtype = codec.sum_dtype(n, packet.dtype)
-        if sum_dtype is not None and pinned == "allreduce":
-            return "allreduce", [codec.summand(packet, n).reshape(-1)]
-        if sum_dtype is not None and pinned != "allgather":
-            # sized without building the summand where the codec can (an int8 per entry for 2bit)
-            numel, summand = codec.summand_numel(packet, n), None
-            if numel is None:
-                summand = codec.summand(packet, n).reshape(-1)
-                numel = summand.numel()
-            if allreduce_wire_bytes(numel * _itemsize(sum_dtype), n) <= allgather_wire_bytes(packet.nbytes, n):
-                return "allreduce", [summand if summand is not None else codec.summand(packet, n).reshape(-1)]
-        return "allgather", [w.reshape(-1).view(torch.uint8) for w in packet.wire.values()]
-
-    def _launch(self, packets: list[Packet | None], codecs: list[Compressor],
-                plan: list[str], tensors: Sequence[torch.Tensor]) -> list[_Bucket]:
-        open_buckets: dict[tuple, _Bucket] = {}
-        buckets: list[_Bucket] = []
-        for i, packet in enumerate(packets):
-            if packet is None:   # two-phase (gradzip.twophase)
-                continue
-            kind, flat = self.route(packet, plan[i], codecs[i])
-            key = (kind, flat[0].dtype, flat[0].device) if flat else (kind, torch.uint8, _device(packet))
-            nbytes = sum(f.numel() * f.element_size() for f in flat)
-            bucket = open_buckets.get(key)
-            if bucket is None or (bucket.nbytes + nbytes > self.bucket_bytes and bucket.members):
-                bucket = open_buckets[key] = _Bucket(kind, key[1], key[2])
-                buckets.append(bucket)
-            bucket.members.append(i)
-            bucket.private = bucket.private or (kind == "allreduce" and not _storages(flat).isdisjoint(
-                _storages([tensors[i]])))
-            bucket.sizes.append(sum(f.numel() for f in flat))
-            bucket.parts.extend(flat)
-            bucket.nbytes += nbytes
-        for bucket in buckets:
-            buffer = self._bucket_buffer(bucket, bucket.parts)
-            bucket.parts = []
-            collective = self.comm.allreduce if bucket.kind == "allreduce" else self.comm.allgather
-            bucket.work = collective(buffer, async_op=True)
-            self.bytes_sent += bucket.work.nbytes
-        return buckets
-
+    # -- internals: finishing --------------------------------------------------------------
     def count_wait(self, began: float, ended: float) -> None:
         """Count ``[began, ended]`` (perf_counter) as time blocked on this exchange's network:
         a method's own small collective issued behind its buckets (gloo runs a group's
@@ -488,7 +484,7 @@ class PSync:
         out: list[torch.Tensor | None] = [None] * len(pending.packets)
         sent, errors = 0, {}
         for tb in pending.twophase:
-            sent += _two_phase_finish(self, tb, out, errors)
+            sent += self._finish_twophase(tb, pending.keys, out, errors)
         for bucket in pending.buckets:
             began = time.perf_counter()
             gathered = bucket.work.wait()
@@ -503,8 +499,7 @@ class PSync:
             for i, size in zip(bucket.members, bucket.sizes):
                 packet, codec = pending.packets[i], pending.codecs[i]
                 if bucket.kind == "allreduce":
-                    total = gathered[offset:offset + size]
-                    out[i] = codec.from_sum(total, packet, n)
+                    out[i] = codec.from_sum(gathered[offset:offset + size], packet, n)
                 else:
                     chunk = gathered.reshape(n, -1)[:, offset:offset + size]
                     out[i] = codec.aggregate([packet.from_raw(row) for row in chunk])
@@ -525,122 +520,39 @@ class PSync:
         self._release(pending, out)
         return Result(out, pending.residual, sent, pending.packet_bytes)
 
+    def _finish_twophase(self, tb: _TwoPhaseBucket, keys, out: list, errors: dict) -> int:
+        """Phase 2 of a two-phase bucket; its members' aggregates into ``out``, its new
+        server error into ``errors``. Returns the bytes both rounds sent."""
+        ex, rank = tb.exchange, self.comm.rank
+        flat, error, nbytes = ex.finish(self.server_errors.errors.get((ex.key, rank)),
+                                        phase2_seed(self.seed, ex.step, ex.key, rank), self.count_wait,
+                                        self._add_compress)
+        self.bytes_sent += nbytes - ex.work.nbytes   # phase 1 was counted when it started
+        if error is not None:
+            errors[(ex.key, rank)] = error
+        at = 0
+        for i, shape in zip(tb.members, tb.shapes):
+            out[i] = flat[at:at + shape.numel()].view(shape)
+            at += shape.numel()
+        return nbytes
+
+    def _release(self, pending: Pending, out: list[torch.Tensor]) -> None:
+        """After ``wait()``: keep its packets and bucket buffers for the next ``start()``,
+        except what a returned aggregate shares memory with, unless the exchange was started
+        with :attr:`reuse_aggregates` (module docstring: memory)."""
+        pinned = set() if pending.reuse_aggregates else _storages(t for t in out if t is not None)
+        with self._lock:
+            for key, packet, ok in zip(pending.keys, pending.packets, pending.recyclable):
+                if ok and packet is not None and _storages(packet.wire.values()).isdisjoint(pinned):
+                    self._spare_packets[key] = packet
+            for bucket in pending.buckets:
+                buf = bucket.buffer
+                if buf is not None and _storages([buf]).isdisjoint(pinned):
+                    spare = self._spare_buffers.setdefault((bucket.kind, buf.dtype, buf.device, buf.numel()), [])
+                    if len(spare) < 2:
+                        spare.append(buf)
+
 
 def _storages(tensors) -> set[int]:
     """The storages ``tensors`` live in (two tensors share memory iff these sets meet)."""
     return {t.untyped_storage().data_ptr() for t in tensors}
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _device(packet: Packet) -> torch.device:
-    for t in packet.wire.values():
-        return t.device
-    return torch.device("cpu")
-
-
-@dataclass
-class _TwoPhaseBucket:
-    """Two-phase tensors launched together (one dtype and device): one all-to-all message
-    per peer, every slice of them compressed by one codec call (``twophase.Layout``)."""
-
-    positions: list[int]                 # in the exchange's tensor list
-    keys: list[int]
-    shapes: list[torch.Size]
-    dtype: torch.dtype
-    device: torch.device
-    step: int
-    payload: int                         # the packets' bytes (as predicted, then as made)
-    layout: tp.Layout | None = None
-    sent: Slices | None = None           # phase 1's packets, destination by destination
-    sizes: list[int] = field(default_factory=list)   # bytes of phase 1's message to each peer
-    work: Work | None = None
-
-    def templates(self, j: int) -> list[Packet] | None:
-        """This worker's own packets of the slices for destination ``j`` (the layout of every
-        packet of those slices: ``Compressor.aggregate_slices``), None from a fused codec."""
-        packets, first = self.sent.packets, self.layout.first
-        return None if packets is None else packets[first[j]:first[j + 1]]
-
-
-def _two_phase_start(psync: PSync, tensors, positions, keys, step, residuals) -> list[_TwoPhaseBucket]:
-    """Phase 1 (gradzip.twophase): compress every slice (residual into ``residuals``) and
-    launch one all-to-all per bucket of up to ``bucket_bytes`` of packets."""
-    codec, comm = psync.compressor, psync.comm
-    n, rank = comm.world_size, comm.rank
-    buckets: list[_TwoPhaseBucket] = []
-    members: list[list[torch.Tensor]] = []
-    current = None
-    for t, pos, key in zip(tensors, positions, keys):
-        nbytes = psync._sizer.slices(t.numel(), n, t.dtype)   # sized before compressing
-        if (current is None or current.dtype != t.dtype or current.device != t.device
-                or (current.payload + nbytes > psync.bucket_bytes and current.positions)):
-            current = _TwoPhaseBucket([], [], [], t.dtype, t.device, step, 0)
-            buckets.append(current)
-            members.append([])
-        current.positions.append(pos)
-        current.keys.append(key)
-        current.shapes.append(t.shape)
-        current.payload += nbytes
-        members[-1].append(t.detach().reshape(-1))
-    for bucket, flats in zip(buckets, members):
-        layout = bucket.layout = psync._twophase_layout(tuple(f.numel() for f in flats))
-        x = torch.cat(flats) if len(flats) > 1 else flats[0]
-        r = None if residuals is None else torch.empty(layout.total, dtype=bucket.dtype, device=bucket.device)
-        bases = [psync._seed(step, key) for key in bucket.keys]
-        seeds = [tp.phase1_seed(bases[k], j) for j in range(n) for k in layout.members[j]]
-        bucket.sent = codec.compress_slices(x, layout.bounds, seeds, r)
-        if r is not None:
-            for pos, shape, a, f in zip(bucket.positions, bucket.shapes, layout.offsets, flats):
-                residuals[pos] = r[a:a + f.numel()].view(shape)
-        nbytes = bucket.sent.nbytes
-        bucket.sizes = [sum(nbytes[layout.first[j]:layout.first[j + 1]]) for j in range(n)]
-        bucket.payload = sum(bucket.sizes)
-        messages = list(torch.split(bucket.sent.wire, bucket.sizes))
-        bucket.work = comm.all_to_all(messages, [bucket.sizes[rank]] * n, async_op=True,
-                                      rounds=tp.rounds(bucket.sizes, bucket.sent.wire, psync.round_bytes))
-        psync.bytes_sent += bucket.work.nbytes
-    return buckets
-
-
-def _two_phase_finish(psync: PSync, bucket: _TwoPhaseBucket, out: list, errors: dict) -> int:
-    """Phase 2: decode + aggregate this worker's slices, add the server error, compress
-    again (the new server error into ``errors``), send to every peer; then decode every
-    slice into ``out``. Returns the bytes sent by both rounds."""
-    codec, comm, layout = psync.compressor, psync.comm, bucket.layout
-    n, rank = comm.world_size, comm.rank
-    began = time.perf_counter()
-    received = bucket.work.wait()
-    decoding = time.perf_counter()
-    psync.count_wait(began, decoding)
-    sent = bucket.work.nbytes
-    mine, packed = layout.members[rank], layout.packed[rank]
-    s = torch.empty(packed[-1][1] if packed else 0, dtype=bucket.dtype, device=bucket.device)
-    codec.aggregate_slices(received, packed, s, bucket.templates(rank))
-    keys = [bucket.keys[k] for k in mine]
-    for key, (a, b) in zip(keys, packed):   # none held before a slice's first exchange (or after a reset),
-        old = psync.server_errors.errors.get((key, rank))   # nor for a tensor whose size changed under its key
-        if old is not None and old.numel() == b - a:        # (1-bit LAMB's flat tensor, after a change of the
-            s[a:b].add_(old)                                # parameters taking part)
-    e = torch.empty_like(s)
-    back = codec.compress_slices(s, packed, [tp.phase2_seed(psync.seed, bucket.step, key, rank) for key in keys], e)
-    for key, (a, b) in zip(keys, packed):
-        errors[(key, rank)] = e[a:b]
-    compressed = time.perf_counter()
-    psync._add_compress(compressed - decoding)
-    work = comm.all_to_all([back.wire] * n, bucket.sizes, async_op=True,
-                           rounds=tp.rounds(bucket.sizes, back.wire, psync.round_bytes))
-    psync.bytes_sent += work.nbytes
-    sent += work.nbytes
-    gathered = work.wait()
-    decoding = time.perf_counter()
-    psync.count_wait(compressed, decoding)
-    flat = torch.empty(layout.total, dtype=bucket.dtype, device=bucket.device)
-    for j in range(n):
-        codec.decode_slices(gathered[j], layout.blocks[j], flat, bucket.templates(j))
-    for pos, shape, a in zip(bucket.positions, bucket.shapes, layout.offsets):
-        out[pos] = flat[a:a + shape.numel()].view(shape)
-    psync._add_compress(time.perf_counter() - decoding)
-    return sent

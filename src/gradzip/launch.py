@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from . import allocator
 from .comm import init_from_env
 from .comm.base import DEFAULT_TIMEOUT_S, PeerFailure, check_timeout, check_world_size
-from .comm.liveness import announce_failure
+from .comm.liveness import announce_failure, record_launch
 from .errors import GradzipError
 
 #: Seconds the other workers get to finish after one failed, before they are terminated.
@@ -90,13 +90,23 @@ _ORPHANED = 70
 PARENT_POLL_S = 1.0
 
 
+def worker_threads(world_size: int) -> int:
+    """Torch's intra-op thread count in each of ``world_size`` local workers: the
+    ``OMP_NUM_THREADS`` the launcher was given (as torchrun does; it changes the numbers,
+    docs/reliability.md "Determinism"), else an equal share of the machine's cores."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) >= 1:
+        return int(given)
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 def _worker(rank: int, world_size: int, port: int, agent_store: bool, timeout_s: float, results,
             fn, args, parent_pid: int) -> None:
     die_with_parent(parent_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       TORCHELASTIC_USE_AGENT_STORE=str(agent_store))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(worker_threads(world_size))
     try:
         group = init_from_env(timeout_s=timeout_s)
         out = fn(group, *args)
@@ -136,8 +146,10 @@ def run_processes(world_size: int, fn: Callable[..., Any], *args: Any,
                                                fn, args, os.getpid()),
                          name=f"gradzip-rank{r}", daemon=False) for r in range(world_size)]
     with _environment(allocator.worker_env()):   # read by the spawned interpreters
-        for p in procs:
+        for r, p in enumerate(procs):
             p.start()
+            if store is not None:   # a worker that never reaches the rendezvous is then named with its state
+                record_launch(store, r, p.pid)
     outputs: dict[int, Any] = {}
     reports: dict[int, tuple[BaseException | None, str]] = {}  # rank -> (exception, traceback)
     deaths: dict[int, int] = {}  # rank -> exit code, for workers gone without reporting

@@ -14,20 +14,24 @@ hook residuals and (local SGD, CSER, ...) model replicas differ per rank, and a 
 rank 0's alone drifts. Both strategies gather every rank's state into the checkpoint
 (``checkpoint["gradzip"]["ranks"][r]``: the hook state, every optimizer's state, and the
 module's weights where an optimizer's replicas differ) and each rank restores its own, so
-``trainer.fit(model, ckpt_path=...)`` continues bit for bit. Resume with the world size that
-saved it.
+``trainer.fit(model, ckpt_path=...)`` continues bit for bit from a checkpoint taken at an
+epoch's end; from one taken mid-epoch it does not (Lightning restarts a plain data loader
+from the epoch's start, with plain DDP too). Resume with the world size that saved it.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from .ddp import CodecState, PowerSGDState, codec_hook, powersgd_hook
+from .ddp import CodecState, PowerSGDState
 from .errors import GradzipError
 from .optim import DistributedOptimizer
 from .replicas import broadcast_parameters
+from .validation import constructor_options, refuse_unknown_options
 
 try:
     from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -46,6 +50,15 @@ def _gather(obj: Any) -> list:
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def _check_options(cls: type, kwargs: dict) -> None:
+    """Refuse a keyword that neither the strategy (``DDPStrategy``'s included) nor
+    ``DistributedDataParallel`` takes: ``DDPStrategy`` passes the rest on to DDP unchecked,
+    and under :class:`GradzipStrategy`, which builds no DDP, nothing would read it."""
+    ddp = [n for n in inspect.signature(DistributedDataParallel.__init__).parameters if n not in ("self", "module")]
+    valid = constructor_options(cls) + ddp
+    refuse_unknown_options(cls.__name__, [k for k in kwargs if k not in valid], valid)
 
 
 def _mine(checkpoint: dict) -> dict | None:
@@ -89,10 +102,11 @@ class DDPHookStrategy(_PerRank, DDPStrategy):
     ``Trainer(strategy=DDPHookStrategy(gradzip.ddp.hook("topk:ratio=0.01")))``.
 
     ``state``: a :class:`gradzip.ddp.CodecState` (``gradzip.ddp.hook(...)``) or
-    :class:`gradzip.ddp.PowerSGDState`; ``hook``: default :func:`~gradzip.ddp.codec_hook` or
-    :func:`~gradzip.ddp.powersgd_hook` by the state's type. The state is bound to the
+    :class:`gradzip.ddp.PowerSGDState`; ``hook``: default the state's own (``state.comm_hook``:
+    :func:`~gradzip.ddp.codec_hook` or :func:`~gradzip.ddp.powersgd_hook`). The state is bound to the
     LightningModule (keys and names by ``named_parameters()``) unless it already is, and is
-    saved and restored per rank with every checkpoint. ``kwargs``: ``DDPStrategy``'s."""
+    saved and restored per rank with every checkpoint. ``kwargs``: ``DDPStrategy``'s (an unknown
+    one is refused, naming the closest)."""
 
     def __init__(self, state: "CodecState | PowerSGDState", hook: Callable | None = None, **kwargs: Any):
         if not isinstance(state, (CodecState, PowerSGDState)):
@@ -101,7 +115,8 @@ class DDPHookStrategy(_PerRank, DDPStrategy):
         if "ddp_comm_hook" in kwargs or "ddp_comm_state" in kwargs:
             raise GradzipError("DDPHookStrategy: pass the hook state as its first argument (and hook=), "
                                "not ddp_comm_state / ddp_comm_hook")
-        hook = hook or (powersgd_hook if isinstance(state, PowerSGDState) else codec_hook)
+        _check_options(type(self), kwargs)
+        hook = hook or state.comm_hook
         super().__init__(ddp_comm_state=state, ddp_comm_hook=hook, **kwargs)
         self.hook_state = state
 
@@ -127,7 +142,11 @@ class GradzipStrategy(_PerRank, DDPStrategy):
     every rank's optimizer state (and module weights where replicas differ), each rank
     restoring its own. Evaluate with :func:`gradzip.evaluation_model` (the workers' average
     for local SGD / CSER, the global model for CD-SGD). ``kwargs``: ``DDPStrategy``'s
-    (those about the DDP wrapper have no effect)."""
+    (those about the DDP wrapper have no effect; an unknown one is refused)."""
+
+    def __init__(self, **kwargs: Any):
+        _check_options(type(self), kwargs)
+        super().__init__(**kwargs)
 
     def configure_ddp(self) -> None:
         """No DDP wrapper: the optimizer communicates. The replicas start from rank 0's,

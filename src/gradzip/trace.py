@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from .files import write_text
+
 
 class Tracer:
     """Collects complete ("X") events for one worker."""
@@ -67,5 +69,4 @@ def write(path: str | Path, events_per_worker: Sequence[Sequence[dict[str, Any]]
             e["dur"] = round(e["dur"], 3)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    return path
+    return write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

@@ -1,6 +1,6 @@
 """Benchmarks: the emulated cluster network and the timeline model. Every module returns
 data (dicts, dataclasses); ``gradzip bench`` prints it, ``benchmarks/network.py`` writes it
-into docs/benchmarks.md with plots.
+into the pages of docs/benchmarks/ with plots.
 
 Imports point down this list:
 

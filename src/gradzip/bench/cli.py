@@ -3,7 +3,7 @@
 ``gradzip.cli`` adds this parser with :func:`add_parser` and hands the parsed arguments
 to :func:`run`. Each subcommand runs the library (:mod:`gradzip.bench.emulated`,
 :mod:`gradzip.bench.timeline`), prints its tables (:mod:`gradzip.bench.tables`) and writes
-its results as JSON. Updating docs/benchmarks.md and drawing plots is the job of
+its results as JSON. Updating docs/benchmarks/ and drawing plots is the job of
 ``python -m benchmarks.network``, which takes the same flags plus ``--write`` / ``--plots``.
 """
 from __future__ import annotations
@@ -18,8 +18,10 @@ from typing import Any
 import torch
 
 from .. import stragglers
-from ..twophase import TRANSPORTS as PSYNC_TRANSPORTS, check_round_bytes
+from ..planner import TRANSPORTS as PSYNC_TRANSPORTS
+from ..twophase import check_round_bytes
 from ..errors import GradzipError
+from ..files import write_text
 from ..train.config import parse_algos
 from . import emulated, peers, tables, timeline
 from .costs import TRANSPORTS
@@ -303,6 +305,6 @@ def run_model(args, command: str) -> dict[str, Any]:
         print(tables.codec_table(rows) + "\n")
         print(tables.projection_table(rows) + "\n")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_text(args.out, json.dumps(result, indent=1))
     print(f"wrote {args.out}")
     return result

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from .. import allocator
 from ..comm import allreduce_wire_bytes, init_from_env
 from ..errors import GradzipError
+from ..files import write_text
 from ..train.config import method_label
 from ..train.config import RunConfig
 from ..train.loop import run_worker
@@ -311,7 +312,7 @@ class NetBench:
         result = {"command": command, "host": host_info(), "settings": {k: v for k, v in dataclasses.asdict(self).items()},
                   "records": records}
         Path(self.out).mkdir(parents=True, exist_ok=True)
-        Path(self.out, "results.json").write_text(json.dumps(result, indent=1))
+        write_text(Path(self.out, "results.json"), json.dumps(result, indent=1))
         return result
 
 

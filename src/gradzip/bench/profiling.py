@@ -28,7 +28,7 @@ import torch
 
 from ..comm.base import Group, Work
 from ..compressors import build
-from ..exchange import PSync
+from ..exchange import DEFAULT_BUCKET_BYTES, PSync
 from ..trace import Tracer
 from ..train.config import method_class
 from .costs import ExchangeCost, collective_time, hierarchical_cost
@@ -107,10 +107,11 @@ class Exchange:
     (``overlap_backward``: ``GradientExchange.start_bucket``)."""
 
     codec: str
-    shapes: list[tuple[int, ...]]
+    shapes: list[tuple[int, ...]]     # in the plan's launch order
     first: int
     end: int
     bucket: bool = False
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES   # its PSync's: the plan it is priced by
     later: list[int] = field(default_factory=list)   # calls it issued while finishing (two-phase's second round)
 
     def own(self) -> set[int]:
@@ -147,8 +148,10 @@ def _noting_exchanges(group: "RecordingGroup", into: list) -> Iterator[None]:
         first = len(group.calls)
         pending = original(self, tensors, step, **kwargs)
         if self.comm is group or getattr(self.comm, "calls", None) is group.calls:
-            into.append(Exchange(self.compressor.spec, [tuple(t.shape) for t in tensors], first, len(group.calls),
-                                 getattr(_RECORDING, "bucket", False)))
+            order = (range(len(tensors)) if kwargs.get("plan") is not None
+                     else self.exchange_plan(tensors, kwargs.get("keys"))[0])   # the plan's launch order
+            into.append(Exchange(self.compressor.spec, [tuple(tensors[i].shape) for i in order], first,
+                                 len(group.calls), getattr(_RECORDING, "bucket", False), self.bucket_bytes))
             noted[id(pending)] = into[-1]
         return pending
 
@@ -229,7 +232,8 @@ class MethodProfile:
                     s = 0.0
                 else:
                     s = hierarchical_cost(transport, build(ex.codec), ex.shapes, self.workers, hierarchy, bandwidth_Bps,
-                                          alpha_s, intra_Bps or bandwidth_Bps, intra_alpha_s).seconds
+                                          alpha_s, intra_Bps or bandwidth_Bps, intra_alpha_s,
+                                          bucket_bytes=ex.bucket_bytes).seconds
                 elements = sum(math.prod(shape) for shape in ex.shapes)
                 if ex.bucket:
                     buckets.append((elements, s))
@@ -258,7 +262,7 @@ class MethodProfile:
                     continue
                 cost: ExchangeCost = hierarchical_cost(transport, build(ex.codec), ex.shapes, self.workers, hierarchy,
                                                        bandwidth_Bps, alpha_s, intra_Bps or bandwidth_Bps,
-                                                       intra_alpha_s)
+                                                       intra_alpha_s, bucket_bytes=ex.bucket_bytes)
                 s, w, i = s + cost.seconds, w + cost.wire_bytes, i + cost.intra_bytes
                 used.extend(cost.transport.split("+"))
             for j, (kind, nbytes) in enumerate(step):

@@ -1,6 +1,6 @@
 """What ``gradzip bench`` prints: the records of :mod:`gradzip.bench.emulated` and the rows
 of :mod:`gradzip.bench.timeline` as markdown tables (the command's own output; the prose
-and plots of docs/benchmarks.md are written by ``benchmarks/network.py``)."""
+and plots of docs/benchmarks/ are written by ``benchmarks/network.py``)."""
 from __future__ import annotations
 
 import statistics

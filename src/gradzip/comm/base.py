@@ -154,6 +154,11 @@ class Group(abc.ABC):
         timeline model's recording group) may answer it locally."""
         return self.allgather(tensor)
 
+    def claim(self, tensors, owner: str) -> None:
+        """Record that this worker's ``owner`` (e.g. an optimizer) updates ``tensors``. Workers
+        in separate processes cannot share a tensor: nothing to check here; an in-process group
+        refuses a tensor another of its workers claimed (:class:`~gradzip.comm.ThreadGroup`)."""
+
     def new_group(self) -> "Group":
         """A new group of the same workers with its own collective order, e.g. for
         exchanges that run on a background thread while this group is used by the
@@ -191,8 +196,8 @@ class Group(abc.ABC):
         entries ``[L·r/R, L·(r+1)/R)`` of every message of ``L`` entries, issued at once and
         put back together (the same result and bytes). Every worker must pass the same
         ``rounds``. On links that several exchanges share, rounds keep the directions of an
-        exchange within a round of each other (docs/benchmarks.md, "Two-phase across nodes:
-        what the uplink runs say"); each round costs a call."""
+        exchange within a round of each other (docs/benchmarks/transports-and-nodes.md, "Two-phase
+        across nodes: what the uplink runs say"); each round costs a call."""
         if not is_int(rounds) or rounds < 1:
             raise GradzipError(f"all_to_all: rounds must be an integer >= 1, got {rounds!r}")
         n = self.world_size

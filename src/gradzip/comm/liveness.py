@@ -16,6 +16,12 @@ and says so when the store itself is unreachable (its host, rank 0 or the launch
 gone). Under torchrun the keys carry ``TORCHELASTIC_RESTART_COUNT``, so an earlier
 attempt's heartbeats are never read. The heartbeat stops by itself once the process group
 is destroyed, and at interpreter exit.
+
+**At start-up** there is no heartbeat yet: a peer that never completes the rendezvous
+(``init_process_group``) is found from the records each process writes to the store as it
+reaches the rendezvous (:func:`announce_start`) and, under ``run_processes``, the pids its
+launcher records (:func:`record_launch`): :func:`startup_verdict` names the ranks missing,
+and whether each one's process is gone, stopped (SIGSTOP) or still starting.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..errors import first_line
 from .base import PeerFailure, ranks_text
 
 #: Seconds between two heartbeats of a process.
@@ -99,19 +106,47 @@ def _host_key() -> str | None:
 def process_gone(pid: int) -> bool:
     """Whether process ``pid`` on this host has ended: it does not exist, or it is a zombie
     (killed, not yet reaped by its parent). A process of another user counts as alive."""
+    return process_state(pid) == "gone"
+
+
+def process_state(pid: int) -> str:
+    """``"gone"`` (process ``pid`` of this host does not exist, or is a zombie: killed, not
+    yet reaped by its parent), ``"stopped"`` (by SIGSTOP / SIGTSTP, or a debugger) or
+    ``"alive"`` (also a process of another user, or where ``/proc`` cannot tell)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return True
+        return "gone"
     except PermissionError:
-        return False
-    try:  # a zombie (killed, not yet reaped by its parent) is gone too
+        return "alive"
+    try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] in ("Z", "X", "x")
+            state = f.read().rpartition(")")[2].split()[0]
     except FileNotFoundError:
-        return True
+        return "gone"
     except (OSError, IndexError):
-        return False
+        return "alive"
+    return "gone" if state in ("Z", "X", "x") else "stopped" if state in ("T", "t") else "alive"
+
+
+def _identity() -> dict:
+    """This process as its peers see it: pid, host key (:func:`_host_key`), host name."""
+    return {"pid": os.getpid(), "host": _host_key(), "hostname": socket.gethostname()}
+
+
+def attempt_prefix() -> str:
+    """The store prefix of this attempt's keys (rendezvous, start records, heartbeats):
+    under torchrun one per restart (``TORCHELASTIC_RESTART_COUNT``), so an earlier attempt's
+    keys are never read."""
+    return f"gradzip/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def _client(base, prefix: str):
+    """A connection of its own to ``base``'s store, whose operations give up after
+    :data:`STORE_TIMEOUT_S`, under ``prefix``."""
+    store = base.clone()
+    store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+    return dist.PrefixStore(prefix, store)
 
 
 def _store_address() -> str:
@@ -160,9 +195,8 @@ class Heartbeat:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         base = dist.distributed_c10d._get_default_store()
-        prefix = f"gradzip/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        self.store = self._client(base, prefix)  # the heartbeat's own connection
-        self.probe = self._client(base, prefix)  # diagnosis reads on another one
+        self.store = _client(base, attempt_prefix())  # the heartbeat's own connection
+        self.probe = _client(base, attempt_prefix())  # diagnosis reads on another one
         self.store_error: str | None = None
         self.infos: dict[int, dict] = {}
         self.host = _host_key()
@@ -172,17 +206,10 @@ class Heartbeat:
         self._diagnosing = threading.Lock()
         self._kick = threading.Event()
         self._stopping = threading.Event()
-        self.store.set(f"info/{self.rank}", json.dumps(
-            {"pid": os.getpid(), "host": self.host, "hostname": socket.gethostname()}))
+        self.store.set(f"info/{self.rank}", json.dumps(_identity()))
         self._publish()
         self.thread = threading.Thread(target=self._loop, name="gradzip-heartbeat", daemon=True)
         self.thread.start()
-
-    @staticmethod
-    def _client(base, prefix: str):
-        store = base.clone()
-        store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
-        return dist.PrefixStore(prefix, store)
 
     # -- writing -------------------------------------------------------------------------
     def _publish(self) -> None:
@@ -195,7 +222,7 @@ class Heartbeat:
                 try:
                     self.store.set(f"hb/{self.rank}", value)
                 except Exception as exc:  # noqa: BLE001 - the store host is gone: stop writing
-                    self.store_error = _first_line(exc)
+                    self.store_error = first_line(exc)
         self.beat += 1
 
     def announce(self, state: str, why: str, lost) -> None:
@@ -218,7 +245,7 @@ class Heartbeat:
                     with self._io:
                         self._read_infos(self.store, range(self.world_size))
                 except Exception as exc:  # noqa: BLE001 - the store host is gone: stop
-                    self.store_error = _first_line(exc)
+                    self.store_error = first_line(exc)
             if self.store_error is not None:
                 return
         # "left" tells peers still in the group; once the group is destroyed its store's host
@@ -235,11 +262,7 @@ class Heartbeat:
             Heartbeat.current = None
 
     def _read_infos(self, store, ranks) -> None:
-        wanted = [r for r in ranks if r != self.rank and r not in self.infos]
-        wanted = _present(store, "info", wanted)
-        if wanted:
-            values = store.multi_get([f"info/{r}" for r in wanted])
-            self.infos.update((r, json.loads(v)) for r, v in zip(wanted, values))
+        self.infos.update(_records(store, "info", [r for r in ranks if r != self.rank and r not in self.infos]))
 
     # -- reading -------------------------------------------------------------------------
     def diagnose(self, peers: list[int], group: str, seq: int) -> Verdict:
@@ -268,7 +291,7 @@ class Heartbeat:
                         for r, v in zip(present, self.probe.multi_get([f"hb/{r}" for r in present])):
                             seen[r] = json.loads(v)
                 except Exception as exc:  # noqa: BLE001 - the store host is gone
-                    store_error = _first_line(exc)
+                    store_error = first_line(exc)
             for r, value in seen.items():
                 if first.setdefault(r, value["beat"]) != value["beat"]:
                     advanced.add(r)
@@ -361,8 +384,74 @@ def _present(store, kind: str, ranks: list[int]) -> list[int]:
     return [r for r in ranks if store.check([f"{kind}/{r}"])]
 
 
+def _records(store, kind: str, ranks: list[int]) -> dict[int, dict]:
+    """``{rank: record}`` for those of ``ranks`` whose JSON record ``kind/<rank>`` exists."""
+    present = _present(store, kind, ranks)
+    values = store.multi_get([f"{kind}/{r}" for r in present]) if present else []
+    return {r: json.loads(v) for r, v in zip(present, values)}
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+# -- start-up ----------------------------------------------------------------------------
+def announce_start(base, rank: int) -> None:
+    """Record in the rendezvous store ``base`` that this process, rank ``rank``, reached the
+    rendezvous (its pid and host): call it just before ``init_process_group``."""
+    dist.PrefixStore(attempt_prefix(), base).set(f"start/{rank}", json.dumps(_identity()))
+
+
+def record_launch(base, rank: int, pid: int) -> None:
+    """Record in the store ``base`` a launcher hosts that it started process ``pid`` as rank
+    ``rank`` (``run_processes``): its peers can then tell what became of it if it never
+    reaches the rendezvous."""
+    dist.PrefixStore(attempt_prefix(), base).set(f"launched/{rank}", json.dumps({"pid": pid, "host": _host_key()}))
+
+
+#: What a peer's process state says of it at start-up (:func:`startup_verdict`).
+_STARTUP_STATE = {"gone": "exited", "stopped": "is stopped (SIGSTOP or a debugger)",
+                  "alive": "is alive but still starting up (importing, loading data)"}
+
+
+def startup_verdict(base, rank: int, world_size: int) -> Verdict:
+    """Which peers kept rank ``rank``'s process group from forming at start-up, and what each
+    was doing, read from the store ``base`` after ``init_process_group`` failed (None: this
+    process could not connect to the store). A peer that never reached the rendezvous (no
+    :func:`announce_start`) is blamed, with its process's state where its launcher recorded
+    its pid (:func:`record_launch`) on this host; one that reached it, only where its process
+    (on this host) has exited or is stopped."""
+    peers = [r for r in range(world_size) if r != rank]
+    try:
+        if base is None:
+            raise ConnectionError("it did not answer")
+        store = _client(base, attempt_prefix())
+        arrived = _records(store, "start", peers)
+        launched = _records(store, "launched", [r for r in peers if r not in arrived])
+    except Exception as exc:  # noqa: BLE001 - the store's host is gone, stopped or not started yet
+        host = "rank 0" if _store_on_rank0() else "the launcher (torchrun's agent or run_processes)"
+        return Verdict(f"the c10d store at {_store_address()} is unreachable ({first_line(exc)}): its host, "
+                       f"{host}, is gone, stopped or still starting", (0,) if _store_on_rank0() and rank != 0 else ())
+    here = _host_key()
+
+    def state(info: dict) -> str | None:
+        return process_state(info["pid"]) if here is not None and info.get("host") == here else None
+
+    parts, lost = [], []
+    for r in peers:
+        if r in arrived:
+            now = state(arrived[r])
+            if now in ("gone", "stopped"):
+                parts.append(f"peer rank {r} {_STARTUP_STATE[now]} in the rendezvous (its process {arrived[r]['pid']})")
+                lost.append(r)
+            continue
+        now = state(launched[r]) if r in launched else None
+        if now is None:
+            parts.append(f"peer rank {r} never reached the rendezvous (no word from it: it is still starting, "
+                         "stopped or gone)")
+        else:
+            parts.append(f"peer rank {r} {_STARTUP_STATE[now]}: it never reached the rendezvous "
+                         f"(its process {launched[r]['pid']})")
+        lost.append(r)
+    if not parts:
+        parts.append("every peer reached the rendezvous and is alive, yet the connection between them failed")
+    return Verdict("; ".join(parts), tuple(lost))
+
+
+

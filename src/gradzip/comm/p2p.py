@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import GradzipError
+from ..errors import GradzipError, first_line
 from .base import PeerFailure
 from .threads import ThreadGroup
 from .torchdist import TorchGroup
@@ -142,7 +142,7 @@ class TorchStar:
             op()
         except RuntimeError as exc:
             raise PeerFailure(f"rank {self.rank}: could not {what} (peer {', '.join(map(str, peers))}): "
-                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__} "
+                              f"{first_line(exc)} "
                               f"(timeout {self.timeout_s:g} s; change it with --timeout or timeout_s=)",
                               rank=self.rank, lost=peers) from exc
 

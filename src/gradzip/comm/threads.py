@@ -8,16 +8,25 @@ same bits. A worker that fails (raises) breaks the group: every peer waiting on 
 :class:`PeerFailure` naming the lost rank instead of hanging, and ``simulate`` re-raises
 the original error. A worker whose function returns while its peers still wait for it
 releases them the same way; one that is stuck (never arrives within ``timeout_s``) is
-named, with what it last did and where it is, by the peers that waited for it.
+named, with what it last did and where it is, by the peers that waited for it. A worker
+left behind (busy ``GRACE_S`` after a peer failed) stops at its next collective; the
+interpreter waits for it at exit (up to ``EXIT_WAIT_S``), since one torn down inside native
+code (a kernel, a compiler) aborts the process instead of exiting with the error.
+
+The workers share the process's memory, so two of them could be handed the same
+parameters (one model built outside ``fn``): their updates would race, a hang or a crash.
+:meth:`ThreadGroup.claim` (every optimizer claims its parameters) refuses that at once.
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import sys
 import sysconfig
 import threading
 import time
 import traceback
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,6 +38,22 @@ from .base import DEFAULT_TIMEOUT_S, TIMEOUT_HINT, Group, PeerFailure, Work, che
 #: Seconds ``simulate`` waits for the other workers once one failed; a worker still running
 #: then (stuck outside any collective) is left behind as a daemon thread.
 GRACE_S = 2.0
+#: Seconds the interpreter waits at exit for the workers ``simulate`` left behind.
+EXIT_WAIT_S = 30.0
+_left_behind: list[threading.Thread] = []
+
+
+@atexit.register
+def _join_left_behind() -> None:
+    """At exit: wait for the worker threads ``simulate`` left behind (the group failed, so
+    each stops at its next collective), saying so."""
+    alive = [t for t in _left_behind if t.is_alive()]
+    if alive:
+        print(f"gradzip.simulate: waiting up to {EXIT_WAIT_S:g} s for {len(alive)} worker thread(s) left behind "
+              "after a failure to stop", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for t in alive:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 class _Slot:
@@ -55,15 +80,19 @@ class _Hub:
         # per rank: (seq, kind, monotonic time, thread id) of its latest collective
         self.last: list[tuple[int, str, float, int] | None] = [None] * world_size
         self.children: list[_Hub] = []  # groups made by new_group(): they fail with this one
+        self.owners: dict[int, tuple[int, weakref.ref]] = {}  # id(tensor) -> (rank, the tensor), claim()
+        self.watchers: list[Callable[[int, BaseException | None], None]] = []  # ThreadGroup.watch
 
     def fail(self, rank: int, exc: BaseException) -> None:
         with self.cond:
             if self.failure is None:
                 self.failure = (rank, exc)
             self.cond.notify_all()
-            children = list(self.children)
+            children, watchers = list(self.children), list(self.watchers)
         for child in children:
             child.fail(rank, exc)
+        for watcher in watchers:
+            watcher(rank, exc)
 
     def leave(self, rank: int) -> None:
         """Rank ``rank`` will issue no more collectives (its worker function returned).
@@ -72,6 +101,9 @@ class _Hub:
         with self.cond:
             self.left.add(rank)
             self.cond.notify_all()
+            watchers = list(self.watchers)
+        for watcher in watchers:
+            watcher(rank, None)
 
     def deposit(self, seq: int, rank: int, kind: str, value: Any,
                 combine: Callable[[list[Any]], Any]) -> _Slot:
@@ -122,14 +154,7 @@ class _Hub:
 
     def _check_failure(self, rank: int) -> None:
         if self.failure is not None and self.failure[0] != rank:
-            lost, exc = self.failure
-            if isinstance(exc, PeerFailure) and exc.lost and rank not in exc.lost:
-                # the peer gave up on someone else: blame the same rank(s)
-                found = str(exc).removeprefix(f"rank {lost}: ")
-                raise PeerFailure(f"rank {rank}: rank {lost} found that {found}",
-                                  rank=rank, lost=exc.lost, collective=exc.collective)
-            raise PeerFailure(f"rank {rank}: peer rank {lost} failed ({type(exc).__name__}: {exc})",
-                              rank=rank, lost=(lost,))
+            raise peer_failed(rank, *self.failure)
 
     def _doing(self, rank: int) -> str:
         """What worker ``rank`` was last seen doing (called with ``cond`` held)."""
@@ -142,6 +167,19 @@ class _Hub:
         if frame is None:
             return text + "; its thread has ended"
         return text + f"; it is now at {_where(frame)}"
+
+
+def peer_failed(rank: int, lost: int, exc: BaseException) -> PeerFailure:
+    """What worker ``rank`` raises once peer ``lost`` of its in-process group failed with
+    ``exc``: a :class:`PeerFailure` naming ``lost`` and its error, or, where ``lost`` itself
+    gave up on other peers, naming those."""
+    if isinstance(exc, PeerFailure) and exc.lost and rank not in exc.lost:
+        # the peer gave up on someone else: blame the same rank(s)
+        found = str(exc).removeprefix(f"rank {lost}: ")
+        return PeerFailure(f"rank {rank}: rank {lost} found that {found}",
+                           rank=rank, lost=exc.lost, collective=exc.collective)
+    return PeerFailure(f"rank {rank}: peer rank {lost} failed ({type(exc).__name__}: {exc})",
+                       rank=rank, lost=(lost,))
 
 
 def _where(frame) -> str:
@@ -178,6 +216,31 @@ class ThreadGroup(Group):
         self._seq += 1
         slot = self._hub.deposit(seq, self.rank, kind, value, combine)
         return Work(lambda: finish(self._hub.collect(seq, self.rank, slot)), nbytes)
+
+    def claim(self, tensors, owner: str) -> None:
+        """Refuse a tensor another worker of this group claimed (one model shared by the
+        workers of ``simulate``), naming the fix; else record this worker's."""
+        hub = self._hub
+        with hub.cond:
+            for t in tensors:
+                rank, ref = hub.owners.get(id(t), (self.rank, None))
+                if rank != self.rank and ref() is t:
+                    raise GradzipError(
+                        f"{owner}: rank {self.rank} was given a tensor of shape {tuple(t.shape)} that rank {rank} "
+                        "updates too: the workers of one simulate() share the same parameters, so their updates "
+                        "would race (a hang or a crash). Build the model inside the worker function, one per "
+                        "worker, and start them equal with gradzip.broadcast_parameters(model, comm=comm)")
+            for t in tensors:
+                hub.owners[id(t)] = (self.rank, weakref.ref(t))
+    def watch(self, callback: Callable[[int, BaseException | None], None]) -> None:
+        """Call ``callback(rank, exc)`` when the worker of ``rank`` fails with ``exc`` (as
+        ``simulate`` reports it, to this group and the groups made from it), and, on the
+        group ``simulate`` made, ``callback(rank, None)`` when its worker function returns.
+        For objects the workers share (:func:`gradzip.comm.p2p.shared_object`) whose own
+        waits must end as the group's collectives do. Called in the thread of worker
+        ``rank``, no lock held; register once per object (from any one rank)."""
+        with self._hub.cond:
+            self._hub.watchers.append(callback)
 
     def new_group(self) -> "ThreadGroup":
         parent = self._hub
@@ -247,7 +310,9 @@ def simulate(world_size: int, fn: Callable[[ThreadGroup], Any], *,
     rank order. If a worker raises, its peers are released and its exception re-raised
     (the root cause, not the peers' :class:`PeerFailure`). Never hangs on a stuck worker:
     its peers time out after ``timeout_s`` naming it, and ``GRACE_S`` after the first failure
-    the workers still running are left behind (daemon threads) and the error is raised."""
+    the workers still running are left behind (daemon threads) and the error is raised.
+    Every other worker's thread has ended when it returns or raises (each is joined: a
+    thread still freeing its state when the interpreter finalises can abort the process)."""
     groups = make_group(world_size, timeout_s)
     if not callable(fn):
         raise GradzipError(f"simulate() runs fn(comm) on every worker: fn must be callable, got {fn!r}")
@@ -279,6 +344,14 @@ def simulate(world_size: int, fn: Callable[[ThreadGroup], Any], *,
             break
         if give_up_at is None and any(e is not None for e in errors):
             give_up_at = time.monotonic() + GRACE_S
+    for t, group in zip(threads, groups):
+        if group.rank not in running:
+            # Its function has returned, but the thread still frees its state (thread-local
+            # tensors: kernels' scratch buffers, ...). Returning before it ends lets the caller
+            # finalise the interpreter meanwhile: torch then releases the GIL while freeing a
+            # tensor, the thread is ended when it takes the GIL back, inside a C++ destructor,
+            # and the process aborts ("terminate called without an active exception").
+            t.join(timeout_s)
     root_causes = [e for e in errors if e is not None and not isinstance(e, PeerFailure)]
     origin = groups[0]._hub.failure  # the first to fail: the others may relay its PeerFailure
     first = root_causes[0] if root_causes else origin[1] if origin is not None else \
@@ -287,5 +360,6 @@ def simulate(world_size: int, fn: Callable[[ThreadGroup], Any], *,
         if running and hasattr(first, "add_note"):
             first.add_note(f"simulate: {ranks_text(running)} still running {GRACE_S:g} s after the first "
                            "failure; left behind (daemon threads)")
+        _left_behind.extend(threads[r] for r in running)
         raise first
     return results

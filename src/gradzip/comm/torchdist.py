@@ -19,9 +19,9 @@ import re
 import torch
 import torch.distributed as dist
 
-from ..errors import GradzipError
+from ..errors import GradzipError, first_line
 from .base import DEFAULT_TIMEOUT_S, TIMEOUT_HINT, Group, PeerFailure, Work, check_timeout
-from .liveness import Heartbeat, Verdict, sequence
+from .liveness import Heartbeat, Verdict, announce_start, attempt_prefix, sequence, startup_verdict
 
 # all_gather_single is the newer name of all_gather_into_tensor (same signature).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -224,9 +224,9 @@ def _gloo_says(exc: BaseException) -> tuple[str, str]:
     """(backend name, the first sentence of its error without source paths and advice)."""
     text = str(exc).strip()
     backend = "gloo" if "gloo" in text.lower() else "nccl" if "nccl" in text.lower() else "torch.distributed"
-    text = text.splitlines()[0] if text else type(exc).__name__
+    text = first_line(exc, limit=1000)
     text = re.sub(r"^\[[^\]]*:\d+\]\s*", "", text)
-    text = text.split(" This is typically caused")[0].strip()
+    text = text.split(" This is typically caused")[0].split(", keys: ")[0].strip()
     return backend, text[:300]
 
 
@@ -240,7 +240,9 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> TorchGroup:
 
     ``timeout_s`` bounds every collective (and groups made by ``new_group()``): a peer
     that died or is stuck makes this process raise :class:`PeerFailure` naming it within
-    about ``timeout_s`` (at once for a peer whose process died)."""
+    about ``timeout_s`` (at once for a peer whose process died). So does a peer that does
+    not join the group (the rendezvous) within ``timeout_s``: the :class:`PeerFailure` names
+    it and what it was doing (:func:`gradzip.comm.liveness.startup_verdict`)."""
     global _init_timeout_s
     timeout_s = check_timeout(timeout_s)
     if not dist.is_initialized():
@@ -255,24 +257,52 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> TorchGroup:
         backend = choose_backend(cuda, dist.is_nccl_available(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), count)
         if cuda:  # rank r on cuda:LOCAL_RANK % device_count (gradzip.train.device)
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % count)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **_attempt_store(timeout_s))
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = None
+        try:
+            store = _rendezvous_store(rank, world_size, timeout_s)
+            announce_start(store, rank)
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), rank=rank,
+                                    world_size=world_size, store=dist.PrefixStore(attempt_prefix(), store))
+        except RuntimeError as exc:
+            failure = _startup_failure(exc, store, rank, world_size, timeout_s)
+            if failure is not None:
+                raise failure from exc
+            raise
         _init_timeout_s = timeout_s
     return TorchGroup()
 
 
-def _attempt_store(timeout_s: float) -> dict:
-    """Under torchrun, the store and rank arguments of ``init_process_group`` for this
-    restart attempt. torchrun's agent keeps one store for all attempts (its rendezvous
-    store, shared since torch 2.4) and env:// adds no per-attempt prefix, so after a restart
-    gloo can read a dead worker's address left by the previous attempt and fail with
-    "connectFullMesh ... Connection refused" (seen here in about half the restarts). Keys
-    under ``gradzip/attempt_<n>/`` cannot be stale. Empty outside torchrun (env:// then)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"gradzip/attempt_{attempt}/", store),
-            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+def _rendezvous_store(rank: int, world_size: int, timeout_s: float):
+    """The c10d store the workers meet on. Under torchrun and ``run_processes``
+    (``TORCHELASTIC_USE_AGENT_STORE``), a client of the launcher's store; else (plain env://)
+    the store rank 0 hosts at MASTER_ADDR:MASTER_PORT, made as torch's env:// rendezvous
+    makes it (without waiting for the others to connect: a peer that never comes is then
+    named, see :func:`_startup_failure`). Its keys are used under :func:`attempt_prefix`:
+    torchrun's agent keeps one store for all restart attempts (shared since torch 2.4), so
+    without a per-attempt prefix gloo can read a dead worker's address left by the previous
+    attempt and fail with "connectFullMesh ... Connection refused" (seen here in about half
+    the restarts)."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    return dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False,
+                         multi_tenant=True)
+
+
+def _startup_failure(exc: RuntimeError, store, rank: int, world_size: int, timeout_s: float) -> PeerFailure | None:
+    """The :class:`PeerFailure` for a rendezvous that failed (``store``: None where the
+    store itself could not be reached); None if ``exc`` is not a communication failure, or
+    is rank 0's own failure to open the store it hosts."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if not (isinstance(exc, getattr(dist, "DistError", ())) or _COMM_ERROR.search(str(exc))) or (
+            store is None and rank == 0 and not agent):
+        return None
+    verdict = startup_verdict(store, rank, world_size)
+    backend, said = _gloo_says(exc)
+    return PeerFailure(f"rank {rank}: the process group could not be formed at start-up: {verdict.text}; "
+                       f"{backend}: {said} (timeout {timeout_s:g} s; {TIMEOUT_HINT})",
+                       rank=rank, lost=verdict.lost, collective="rendezvous")
 
 

@@ -16,7 +16,7 @@ the exchange never falls back to an allgather because int8 would overflow.
 
 Default threshold 0.01 **[choice]**: MXNet's 0.5 applies to batch-summed gradients,
 gradzip quantizes mean gradients (docs/algorithms.md §codec: 2bit); the sweep that
-chose it is in docs/benchmarks.md, "BIT-SGD threshold on mean gradients".
+chose it is in docs/benchmarks/accuracy.md, "BIT-SGD threshold on mean gradients".
 
 On the CPU the fused kernels of :mod:`gradzip.kernels.elementwise` encode (float32 and
 float64 inputs; codes and residual ``p − Q(p)`` in one pass, into the ``reuse`` packet's

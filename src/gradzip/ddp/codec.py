@@ -16,6 +16,7 @@ from ..compressors import Compressor, PerTensor, build
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync
 from ..nonfinite import all_finite
+from ..validation import refuses_unknown_options
 from .state import HookState, views
 
 class _Bucket(NamedTuple):
@@ -43,6 +44,7 @@ class CodecState(HookState):
     ``start_iter``); compression starts at step ``start_iter + 1``.
     ``nonfinite``: see :meth:`HookState.settle`."""
 
+    @refuses_unknown_options
     def __init__(self, codec: "str | Compressor" = "none", *, error_feedback: bool | None = None,
                  model: torch.nn.Module | None = None, process_group: Any = None, seed: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
@@ -76,6 +78,10 @@ class CodecState(HookState):
     _transient = HookState._transient + ("_psync", "_dense")
 
     @property
+    def comm_hook(self):
+        return codec_hook
+
+    @property
     def psync(self) -> PSync:
         if self._psync is None:
             # exact transports only: the hook's state has no place for two-phase server errors
@@ -105,7 +111,7 @@ class CodecState(HookState):
         """Tensors and plain values only: loads with ``torch.load``'s defaults."""
         self._check_fresh()
         return {"codec": self.codec.spec, "error_feedback": self.error_feedback, "seed": self.seed,
-                "iter": self.iter, "skipped_steps": self.skipped_steps, "start_iter": self.start_iter,
+                **self.counters(), "start_iter": self.start_iter,
                 "residuals": {k: v.clone() for k, v in self.residuals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -117,8 +123,7 @@ class CodecState(HookState):
         self._psync = self._dense = None
         self.start_iter = int(state.get("start_iter", 0))
         self.error_feedback, self.seed = bool(state["error_feedback"]), int(state["seed"])
-        self.iter = int(state["iter"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.load_counters(state)
         self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
 
     def _finish_all(self) -> bool:

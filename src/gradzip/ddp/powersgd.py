@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..compressors.powersgd import matrix_shape, orthogonalize, should_compress
 from ..errors import GradzipError
-from ..validation import is_int
+from ..validation import is_int, refuses_unknown_options
 from ..nonfinite import all_finite
 from .state import HookState, views
 
@@ -46,6 +46,7 @@ class PowerSGDState(HookState):
     normal draws for the bucket's compressed tensors grouped by shape, orthogonalised. The
     first ``start_iter`` synchronised steps are a plain allreduce-mean."""
 
+    @refuses_unknown_options
     def __init__(self, rank: int = 1, start_iter: int = 1000, min_compression_rate: float = 2,
                  use_error_feedback: bool = True, warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
                  random_seed: int = 0, batch_tensors_with_same_shape: bool = False, *,
@@ -70,6 +71,10 @@ class PowerSGDState(HookState):
 
     _transient = HookState._transient + ("_step",)
 
+    @property
+    def comm_hook(self):
+        return powersgd_hook
+
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._step = []
@@ -82,13 +87,12 @@ class PowerSGDState(HookState):
     def state_dict(self) -> dict:
         """Tensors and plain values only: loads with ``torch.load``'s defaults."""
         self._check_fresh()
-        return {"iter": self.iter, "skipped_steps": self.skipped_steps, "rng": rng_state(self.rng),
+        return {**self.counters(), "rng": rng_state(self.rng),
                 "errors": {k: v.clone() for k, v in self.errors.items()},
                 "qs": {k: v.clone() for k, v in self.qs.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.iter = int(state["iter"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.load_counters(state)
         set_rng_state(self.rng, state["rng"])
         self.errors = {int(k): v.clone() for k, v in state["errors"].items()}
         self.qs = {int(k): v.clone() for k, v in state["qs"].items()}

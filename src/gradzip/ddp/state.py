@@ -3,7 +3,7 @@ parameter keys that survive bucket rebuilds, the group, pickling, and the step's
 non-finite policy."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,12 @@ class HookState:
     """Stable keys (a parameter's position in ``model.parameters()``, or first-seen order
     without ``model``), the process group (re-created on first use after unpickling),
     ``iter`` (synchronised steps completed) and ``nonfinite`` (``"raise"``, ``"skip"`` or
-    ``"off"``, as the optimizers' option; see :meth:`settle`)."""
+    ``"off"``, as the optimizers' option; see :meth:`settle`).
+
+    The counters a run reports, ``iter``, ``skipped_steps`` and ``bytes_sent``, are in every
+    state (:meth:`counters`, :meth:`load_counters`) and survive pickling, so a resumed run
+    counts on from the saved ones (``bytes_sent`` of a run resumed from a checkpoint is the
+    whole run's, not the part after the resume)."""
 
     _transient = ("process_group", "_comm", "_ids", "_pending")
 
@@ -29,6 +34,7 @@ class HookState:
         self.nonfinite = nonfinite
         self.iter = 0                    # synchronised steps completed (hook rounds)
         self.skipped_steps = 0           # steps whose gradients were zeroed (nonfinite="skip")
+        self._bytes_before = 0           # bytes sent through an earlier group (saved, or before pickling)
         self._comm = None
         self._pending: list = []
         self._ids: dict[int, int] = {}   # id(param) -> key
@@ -60,6 +66,11 @@ class HookState:
         return key
 
     @property
+    def comm_hook(self) -> Callable:
+        """The hook function this state is for: ``ddp.register_comm_hook(state, state.comm_hook)``."""
+        raise NotImplementedError
+
+    @property
     def comm(self) -> TorchGroup:
         if self._comm is None:
             self._comm = TorchGroup(self.process_group)
@@ -67,14 +78,29 @@ class HookState:
 
     @property
     def bytes_sent(self) -> int:
-        return self._comm.bytes_sent if self._comm is not None else 0
+        """Bytes this rank sent through the hook, a resumed run's included."""
+        return self._bytes_before + (self._comm.bytes_sent if self._comm is not None else 0)
+
+    def counters(self) -> dict:
+        """The counters a run reports, for ``state_dict()``: :meth:`load_counters` restores them."""
+        return {"iter": self.iter, "skipped_steps": self.skipped_steps, "bytes_sent": self.bytes_sent}
+
+    def load_counters(self, state: dict) -> None:
+        """:meth:`counters` back from a saved state (a state without ``bytes_sent``, saved
+        before it was kept, counts from 0)."""
+        self.iter = int(state["iter"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._bytes_before = int(state.get("bytes_sent", 0)) - (self._comm.bytes_sent if self._comm is not None else 0)
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in self._transient}
+        state = {k: v for k, v in self.__dict__.items() if k not in self._transient}
+        state["_bytes_before"] = self.bytes_sent   # the group is not pickled: its count is
+        return state
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("nonfinite", "raise")
         state.setdefault("skipped_steps", 0)
+        state.setdefault("_bytes_before", 0)
         state.setdefault("names", {})
         self.__dict__.update(state)
         self.process_group, self._comm, self._pending, self._ids = None, None, [], {}

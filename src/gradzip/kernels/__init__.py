@@ -1,10 +1,10 @@
 """Fused CPU kernels behind the codecs: one pass over memory where the reference chain of
-torch ops makes several (docs/benchmarks.md, "Codecs").
+torch ops makes several (docs/benchmarks/codecs.md, "Codecs").
 
 Technology: numba (``@njit``, compiled on first use and cached on disk beside this
 package), installed from the package registries as a wheel with its own LLVM: no
 compiler is needed on the user's machine (the alternatives measured are in
-docs/benchmarks.md, "Codecs", "Kernel technology"). numba is imported only when a kernel first runs, so
+docs/benchmarks/codecs.md, "Codecs", "Kernel technology"). numba is imported only when a kernel first runs, so
 ``import gradzip`` stays light.
 
 Every fused kernel has a pure-torch reference (the codec's own ``*_reference`` path) and

@@ -19,9 +19,12 @@ server's new parameters into the model, so a training loop written for synchrono
 gloo point-to-point messages (:mod:`gradzip.comm.p2p`), and a receiver thread on rank 0
 applies their pushes in arrival order; rank 0's own pushes are applied in its training
 thread, under the same lock. On the in-process group (``gradzip.simulate``) every worker
-calls the one shared server directly. The messages are the same bytes in both: the
-codec's wire tensors (a short header: rank, step, τ_i, learning rates), and the model's
-raw bytes back.
+calls the one shared server directly, and the server hears of the group's workers
+(:meth:`~gradzip.comm.ThreadGroup.watch`): one that fails stops it at once, so a peer waiting
+for its push raises a :class:`~gradzip.comm.PeerFailure` naming that rank and its error, not
+after the whole timeout; one whose function returns pushes no more, as after ``close()``.
+The messages are the same bytes in both: the codec's wire tensors (a short header: rank,
+step, τ_i, learning rates), and the model's raw bytes back.
 
 **Rules** (the spec's choices): each gradient is applied with the full η of the pushing
 worker's param groups (Downpour; an LR scheduler on a worker changes its own pushes);
@@ -75,6 +78,7 @@ import torch
 from .. import comm as comm_lib
 from .. import seeds
 from ..comm.p2p import TorchStar, shared_object
+from ..comm.threads import peer_failed
 from ..compressors import Compressor, Packet, build
 from ..errors import GradzipError
 from ..exchange import Timings
@@ -131,6 +135,7 @@ class ParameterServer:
         self.stale_max = [0] * world_size
         self.last_staleness = [0] * world_size
         self.failure: BaseException | None = None
+        self.failed_rank: int | None = None   # the worker that failed with it, where known
         self.cond = threading.Condition()
         self._templates: dict[int, Packet] = {}
         self.order = order
@@ -270,15 +275,31 @@ class ParameterServer:
                 self._apply_due()
             self.cond.notify_all()
 
-    def fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException, rank: int | None = None) -> None:
+        """The server stops: every wait ends, raising a :class:`PeerFailure` that names
+        ``exc`` (and ``rank``, the worker that failed with it, where given)."""
         with self.cond:
-            self.failure = self.failure or exc
+            if self.failure is None:
+                self.failure, self.failed_rank = exc, rank
             self.cond.notify_all()
 
+    def worker_ended(self, rank: int, exc: BaseException | None) -> None:
+        """On the in-process group (:meth:`~gradzip.comm.ThreadGroup.watch`): the worker of
+        ``rank`` failed with ``exc``, so the others' waits end at once naming it, as the
+        group's collectives do; or (``exc`` None) its function returned: it pushes no more,
+        as after ``close()``."""
+        if exc is None:
+            self.leave(rank)
+        else:
+            self.fail(exc, rank)
+
     def _check_failure(self, rank: int) -> None:
-        if self.failure is not None:
-            raise comm_lib.PeerFailure(f"rank {rank}: the parameter server stopped: "
-                                       f"{type(self.failure).__name__}: {self.failure}", rank=rank) from self.failure
+        if self.failure is None:
+            return
+        if self.failed_rank is not None and self.failed_rank != rank:
+            raise peer_failed(rank, self.failed_rank, self.failure) from self.failure
+        raise comm_lib.PeerFailure(f"rank {rank}: the parameter server stopped: "
+                                   f"{type(self.failure).__name__}: {self.failure}", rank=rank) from self.failure
 
     # -- statistics and state ---------------------------------------------------------------
     def statistics(self) -> dict[str, Any]:
@@ -471,7 +492,12 @@ class ASGD(DistributedOptimizer):
             timeout = comm._hub.timeout_s
             if comm.world_size == 1:
                 return _LocalLink(self._make_server(), timeout)
-            return _LocalLink(shared_object(comm, self._make_server), timeout)
+
+            def make() -> ParameterServer:   # on rank 0: a worker that fails or returns is the server's news
+                server = self._make_server()
+                comm.watch(server.worker_ended)
+                return server
+            return _LocalLink(shared_object(comm, make), timeout)
         if isinstance(comm, comm_lib.TorchGroup):
             star = TorchStar(comm)
             return _LocalLink(self._make_server(), timeout, star) if comm.rank == 0 else _RemoteLink(star)

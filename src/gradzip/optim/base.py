@@ -30,7 +30,7 @@ parameters' values (:mod:`gradzip.consistency`; replicas must start equal:
 momentum or the step counter when it stops a step.
 
 Which parameters take part in a step (held once, dense gradients, missing ones as zeros,
-frozen ones never) is :mod:`gradzip.optim.participation`.
+frozen ones never, the same on every worker) is :mod:`gradzip.optim.participation`.
 """
 from __future__ import annotations
 
@@ -41,19 +41,28 @@ import torch
 
 from .. import comm as comm_lib
 from .. import consistency
-from ..double_sync import refuse_ddp_double_sync
+from ..double_sync import accumulating, refuse_ddp_double_sync
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync
-from ..twophase import check_round_bytes, check_transport
+from ..planner import check_transport
+from ..twophase import check_round_bytes
 from ..hierarchy import check_workers_per_node
 from ..nonfinite import NONFINITE_POLICIES
 from ..replicas import parameter_digest
-from ..validation import is_int, require
+from ..validation import constructor_options, is_int, refuse_unknown_options, require
 from ..version import __version__
 from .exchanges import ExchangeOwner
 from .guard import NonFiniteGuard
 from .options import check_group, check_hyperparameters
 from .participation import Participation
+
+
+def derived_setting(name: str) -> bool:
+    """Whether the :meth:`DistributedOptimizer.describe` field ``name`` follows from other
+    settings (the world size, parameter shapes and values, an exchange's transport plan):
+    a comparison of settings names the setting that differs before these."""
+    return (name in ("world size", "parameter shapes") or name.startswith("parameter #")
+            or (name.startswith("exchange ") and name.endswith(" transport")))
 
 
 class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, Participation, torch.optim.Optimizer):
@@ -74,6 +83,10 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, Participation, torch.o
     #: The method reads the whole-tensor packets of an exchange (DGC's selected indices), so
     #: its exchanges keep to the exact transports (``transport="twophase"`` is refused).
     reads_packets: bool = False
+    #: The method's own options kept per param group (in ``defaults``, so a param group may
+    #: set them too): CD-SGD's ``local_lr``, the Adam methods' ``betas`` and ``eps``. Any other
+    #: keyword that reaches this constructor is refused, naming the closest valid option.
+    group_options: tuple[str, ...] = ()
 
     @classmethod
     def default_lr(cls, options: dict) -> float:
@@ -87,6 +100,8 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, Participation, torch.o
                  transport: str = "auto", hierarchy: "int | str | None" = None, round_bytes: int | None = None,
                  **options: Any):
         name = type(self).__name__
+        refuse_unknown_options(name, [k for k in options if k not in self.group_options],
+                               constructor_options(type(self), stop=DistributedOptimizer))
         require(nonfinite in NONFINITE_POLICIES, name,
                 f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {nonfinite!r}")
         check_hyperparameters(name, lr, momentum, weight_decay, nesterov)
@@ -102,6 +117,7 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, Participation, torch.o
                         weight_decay=float(weight_decay), **options)
         super().__init__(params, defaults)
         self.comm = comm_lib.resolve(comm, name)
+        self.comm.claim(self._all_params(), name)   # in-process workers: no parameter shared by two
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.nonfinite = nonfinite
@@ -116,6 +132,7 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, Participation, torch.o
         self.steps = 0
         self.skipped_steps = 0   # steps skipped for a non-finite gradient (nonfinite="skip")
         self._verified = False   # settings compared across workers (first step)
+        self._ddp: list | None = None   # DDP wrappers (no-op hook) over the parameters, found once
         self._tracer = None
         self._exchanges: list[PSync] = []
         self._keys = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
@@ -136,14 +153,27 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, Participation, torch.o
             self.param_groups.pop()
             raise
         if hasattr(self, "_keys"):  # not while the constructor adds the first groups
-            for p in self.param_groups[-1]["params"]:
-                self._keys.setdefault(p, len(self._keys))
+            self.joined(self.param_groups[-1]["params"])
             self._learn_names()
-            self._verified = False
+
+    def joined(self, params: list[torch.Tensor]) -> None:
+        """Parameters of a group added after construction: claimed on the group
+        (``comm.claim``: not another in-process worker's), keyed after the others, and the
+        settings compared across workers again at the next step (:meth:`reverify`)."""
+        self.comm.claim(params, type(self).__name__)
+        for p in params:
+            self._keys.setdefault(p, len(self._keys))
+        self.reverify()
+
+    def reverify(self) -> None:
+        """Run the first-step guards again at the next step (new parameters, a loaded state)."""
+        self._verified = False
+        self._ddp = None
 
     # -- building blocks for step() -----------------------------------------------------
     def begin_step(self, closure: Callable[[], Any] | None):
-        """What every ``step()`` starts with: evaluate the closure; on the first step,
+        """What every ``step()`` starts with: evaluate the closure; refuse a step inside a
+        DDP wrapper's ``no_sync()`` (:meth:`refuse_step_while_accumulating`); on the first step,
         refuse DDP double communication and compare settings across workers
         (:meth:`verify_consistent`); list the parameters that take part
         (:meth:`params_with_grad`: missing gradients become zeros); check every worker's
@@ -160,6 +190,7 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, Participation, torch.o
                 return loss
         """
         loss = self._evaluate(closure)
+        self.refuse_step_while_accumulating()
         self.verify_once()
         pairs = self.params_with_grad()
         params = [p for _, p in pairs]
@@ -191,6 +222,8 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, Participation, torch.o
         for i, psync in enumerate(self._exchanges):
             fields[f"exchange {i} codec"] = psync.compressor.spec
             fields[f"exchange {i} transport"] = plans[f"exchange {i}"]
+            if "twophase" in plans[f"exchange {i}"]:   # its buckets are part of the numbers
+                fields[f"exchange {i} two-phase buckets"] = self.exchange_plans()[f"exchange {i}"].layout()
         if self._hierarchy > 1:   # only then: settings (and checkpoints) of flat runs stay as they were
             fields["hierarchy"] = self._hierarchy
         fields["frozen parameters"] = [i for i, p in enumerate(self._all_params()) if not p.requires_grad]
@@ -227,8 +260,34 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, Participation, torch.o
         DDP double communication, compare settings across workers (:meth:`verify_consistent`);
         nothing once verified."""
         if not self._verified:
-            refuse_ddp_double_sync(self._all_params(), type(self).__name__)
+            self._ddp_wrappers()
             self.verify_consistent()
+
+    def _ddp_wrappers(self) -> list:
+        """The DDP modules over the parameters that communicate nothing (no-op hook), weakly;
+        found once (refusing any that would communicate too) until :meth:`reverify`."""
+        if self._ddp is None:
+            self._ddp = refuse_ddp_double_sync(self._all_params(), type(self).__name__)
+        return self._ddp
+
+    def ddp_accumulating(self) -> bool:
+        """Whether a DDP wrapper of these parameters (no-op hook: this optimizer communicates)
+        is inside ``no_sync()``: backward passes there only accumulate, as inside
+        :meth:`accumulate` (Accelerate's ``accumulate()`` enters it on every micro-batch but
+        the last of a step)."""
+        return accumulating(self._ddp_wrappers())
+
+    def refuse_step_while_accumulating(self) -> None:
+        """Refuse ``step()`` inside a DDP wrapper's ``no_sync()`` (:meth:`ddp_accumulating`):
+        it would step and communicate on every micro-batch (an optimizer Accelerate did not
+        prepare is not skipped there)."""
+        if self.ddp_accumulating():
+            raise GradzipError(
+                f"{type(self).__name__}.step() inside DistributedDataParallel.no_sync(), where backward only "
+                "accumulates (Accelerate's accumulate() enters it on every micro-batch but the last): it would "
+                "step and communicate on every micro-batch. Step once the gradients are complete: under "
+                "Accelerate `if accelerator.sync_gradients: opt.step(); opt.zero_grad()` inside accumulate(), "
+                "elsewhere after the last backward, outside no_sync()")
 
     def keys(self, params: Sequence[torch.Tensor]) -> list[int]:
         """Stable per-parameter keys (its position in the optimizer) for shared seeds."""
@@ -270,7 +329,9 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, Participation, torch.o
         """Backward passes inside only accumulate gradients; the last backward of the step
         runs outside, then ``step()``. Nothing to do for a method that exchanges in ``step()``;
         methods that start their exchange in backward (``overlaps_backward``) idle their hooks
-        here. Every method has it, so a script's accumulation loop works for any of them."""
+        here. Every method has it, so a script's accumulation loop works for any of them. A
+        DDP wrapper's ``no_sync()`` over the parameters (no-op hook) counts as this too
+        (:meth:`ddp_accumulating`), so Accelerate's ``accumulate()`` needs nothing more."""
         yield
 
     def evaluation_parameters(self) -> list[torch.Tensor] | None:
@@ -330,4 +391,4 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, Participation, torch.o
             psync.load_counters(counters)
         for psync, state in zip(self._exchanges, extra.get("exchange_states", [])):
             psync.load_state_dict(state)
-        self._verified = False  # the loaded values (and settings) are compared at the next step
+        self.reverify()  # the loaded values (and settings) are compared at the next step

@@ -56,6 +56,7 @@ class CDSGD(DistributedOptimizer):
     """CD-SGD (Tugraph/CD-SGD) / CP-SGD: OD-SGD + 2-bit compression + k-step correction."""
 
     overlaps_exchange = True
+    group_options = ("local_lr",)
 
     def __init__(self, params, lr, *, compressor: str = "2bit", k: int = 5, local_lr: float | None = None,
                  warmup_steps: int = 0, overlap: bool = True, **kwargs):

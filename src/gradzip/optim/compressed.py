@@ -25,7 +25,7 @@ import torch
 from ..compressors import Compressor, build
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES
-from ..validation import is_real, require
+from ..validation import is_real, refuses_unknown_options, require
 from .base import DistributedOptimizer
 from .lamb import LAMB
 from .lars import LARS
@@ -45,6 +45,7 @@ class Compressed(GradientExchange):
     ``nonfinite``, ``overlap_backward``, ``transport``, ``hierarchy``; learning rate, momentum and weight decay are the
     inner optimizer's."""
 
+    @refuses_unknown_options
     def __init__(self, inner: torch.optim.Optimizer, *, compressor: "str | Compressor" = "none",
                  error_feedback: bool | None = None, comm=None, seed: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise", overlap_backward: bool = True,
@@ -86,11 +87,9 @@ class Compressed(GradientExchange):
         hold_once(self.inner, type(self).__name__)
         if self.param_groups is not self.inner.param_groups:
             self.param_groups = self.inner.param_groups
-        for p in self.param_groups[-1]["params"]:
-            self._keys.setdefault(p, len(self._keys))
+        self.joined(self.param_groups[-1]["params"])
         if self.overlap_backward:
             self._register_hooks(self.param_groups[-1]["params"])
-        self._verified = False
 
     def exchange_input(self, group, p):
         error = self.state[p].get("error") if self.error_feedback else None

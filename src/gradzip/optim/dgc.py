@@ -148,8 +148,12 @@ class DGC(GradientExchange):
         self._corrected[p] = (u, v.add(u))
         return self._corrected[p][1]
 
-    def start_bucket(self, members, inputs, step):
-        """The bucket's sparse tensors through the step's dgc exchange, then its dense ones."""
+    def launch_psync(self):
+        return self.dense   # the step's buckets: the parameters' own bytes (codec none)
+
+    def start_bucket(self, members, inputs, step, plan):
+        """The bucket's sparse tensors through the step's dgc exchange, then its dense ones
+        (each planned by its own PSync: exact transports)."""
         rho = self.density(step)
         goes_sparse = [p.dim() > 1 and rho < 1 for p in members]
         out = []

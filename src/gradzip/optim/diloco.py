@@ -51,7 +51,7 @@ from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, Pending
 from ..nonfinite import NonFiniteAggregate
 from ..trace import maybe_span
-from ..validation import is_int, is_real, require
+from ..validation import is_int, is_real, refuses_unknown_options, require
 from .base import DistributedOptimizer
 from .options import FLOAT32_MAX, check_hyperparameters, no_momentum
 from .participation import hold_once
@@ -71,6 +71,7 @@ class DiLoCo(DistributedOptimizer):
 
     replicas_differ = True
 
+    @refuses_unknown_options
     def __init__(self, inner: torch.optim.Optimizer, *, H: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, outer_nesterov: bool = True, compressor: str = "none",
                  fragments: "int | Sequence[Sequence[torch.Tensor]]" = 1, delay: int = 0, alpha: float = 0.0,
@@ -246,6 +247,7 @@ class DiLoCoMethod(DiLoCo):
         """The inner optimizer's: AdamW's 0.001, or momentum SGD's 0.1."""
         return 0.1 if options.get("inner", "adamw") == "sgd" else 1e-3
 
+    @refuses_unknown_options
     def __init__(self, params, lr, *, inner: str = "adamw", inner_lr: float | None = None, H: int = 8,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True,
                  compressor: str = "none", fragments: int = 1, delay: int = 0, alpha: float = 0.0,

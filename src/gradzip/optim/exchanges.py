@@ -12,7 +12,7 @@ from __future__ import annotations
 from .. import comm as comm_lib
 from .. import seeds
 from ..compressors import Compressor
-from ..exchange import PSync, Timings
+from ..exchange import Plan, PSync, Timings
 from ..hierarchy import HierarchicalPSync
 
 
@@ -58,13 +58,27 @@ class ExchangeOwner:
         for psync in self._exchanges:
             psync.tracer = tracer
 
+    def exchange_plans(self) -> dict[str, "Plan"]:
+        """Per exchange, its plan over every parameter that takes part
+        (:meth:`PSync.exchange_plan`, :func:`gradzip.exchange.plan`): the same on every worker."""
+        params = [p for p in self._all_params() if p.requires_grad]
+        keys = self.keys(params)
+        return {f"exchange {i}": x.exchange_plan(params, keys)[1] for i, x in enumerate(self._exchanges)}
+
+    def describe_plan(self) -> str:
+        """The plans as text, a line per bucket (``print(opt.describe_plan())``)."""
+        return "\n".join(f"{name} ({psync.compressor.spec}):\n  " + "\n  ".join(p.describe())
+                         for (name, p), psync in zip(self.exchange_plans().items(), self._exchanges))
+
     def transports(self) -> dict[str, str]:
         """Per exchange, its ``transport`` setting and the transport it takes for each
-        parameter tensor (``PSync.plan``, the same on every worker), e.g.
+        parameter tensor (``PSync.routes``, the same on every worker), e.g.
         ``{"exchange 0": "auto: twophase,allreduce"}``: compared across workers, reported
         in the run's summary."""
-        shapes = [p.shape for p in self._all_params() if p.requires_grad]
-        return {f"exchange {i}": f"{x.transport}: " + ",".join(x.plan(shapes)) for i, x in enumerate(self._exchanges)}
+        params = [p for p in self._all_params() if p.requires_grad]
+        keys = self.keys(params)
+        return {f"exchange {i}": f"{x.transport}: " + ",".join(x.routes(params, keys))
+                for i, x in enumerate(self._exchanges)}
 
     # -- accounting --------------------------------------------------------------------
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validation import is_real, require
+from ..validation import is_real, refuses_unknown_options, require
 from .lars import check_common, excluded
 from .participation import require_dense
 
@@ -24,6 +24,7 @@ class LAMB(torch.optim.Optimizer):
     A parameter without a gradient is skipped (its t does not advance). A complex parameter
     is taken as its real view (``torch.view_as_real``), as torch's Adam does."""
 
+    @refuses_unknown_options
     def __init__(self, params, lr: float, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.0, exclude_1d: bool = True):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, exclude_1d=exclude_1d)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validation import is_real, require
+from ..validation import is_real, refuses_unknown_options, require
 from .options import FLOAT32_MAX
 from .participation import require_dense
 
@@ -39,6 +39,7 @@ class LARS(torch.optim.Optimizer):
     buffer is ``state[p]["momentum_buffer"]``. A parameter without a gradient is skipped
     (as ``torch.optim.SGD``)."""
 
+    @refuses_unknown_options
     def __init__(self, params, lr: float, *, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001, eps: float = 1e-8, exclude_1d: bool = True):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,

@@ -29,7 +29,8 @@ composition (≈ 1 ulp, as any change of ``bucket_bytes``).
 
 * one backward per step: a gradient that accumulates again before ``step()`` raises
   :class:`GradzipError`; accumulate over micro-batches inside ``with opt.accumulate():``
-  (hooks idle, like DDP's ``no_sync``), the last backward outside it;
+  (hooks idle, like DDP's ``no_sync``), the last backward outside it; inside ``no_sync()`` of
+  a DDP wrapper with DDP's no-op hook (Accelerate's ``accumulate()``) the hooks idle too;
 * a gradient changed between backward and ``step()`` (clipping, editing by hand, also through
   ``p.grad.data`` or outside torch; seen by its tensor, its version counter or a fingerprint
   of its values, :mod:`gradzip.fingerprint`): the exchange already started from the old one.
@@ -68,26 +69,23 @@ from .base import DistributedOptimizer
 
 
 class _Plan:
-    """The fixed buckets over ``pairs`` (``(group, param)``, ``params_with_grad``'s order):
-    parameters in reverse order, up to ``bucket_bytes`` of parameter bytes per bucket."""
+    """The step's buckets over ``pairs`` (``(group, param)``, ``params_with_grad``'s order):
+    the exchange plan of the method's launching PSync (:meth:`GradientExchange.launch_psync`,
+    :func:`gradzip.exchange.plan`), its buckets as parameter lists in launch order (descending
+    key: reverse parameter order)."""
 
-    def __init__(self, pairs: list[tuple[dict, torch.Tensor]], bucket_bytes: int):
-        self.key = _plan_key(pairs, bucket_bytes)
+    def __init__(self, pairs: list[tuple[dict, torch.Tensor]], psync, keys: list[int]):
+        self.key = _plan_key(pairs, psync)
         self.group = {p: g for g, p in pairs}
-        self.buckets: list[list[torch.Tensor]] = []
-        size = 0
-        for _, p in reversed(pairs):
-            nbytes = p.numel() * p.element_size()
-            if not self.buckets or (size + nbytes > bucket_bytes and self.buckets[-1]):
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += nbytes
+        params = [p for _, p in pairs]
+        order, self.exchange = psync.exchange_plan(params, keys)
+        self.buckets: list[list[torch.Tensor]] = [[params[order[i]] for i in b.tensors]
+                                                  for b in self.exchange.buckets]
         self.where = {p: b for b, members in enumerate(self.buckets) for p in members}
 
 
-def _plan_key(pairs, bucket_bytes: int) -> tuple:
-    return (bucket_bytes, *((id(g), id(p)) for g, p in pairs))
+def _plan_key(pairs, psync) -> tuple:
+    return (id(psync), *((id(g), id(p)) for g, p in pairs))
 
 
 class _Run:
@@ -153,10 +151,15 @@ class GradientExchange(DistributedOptimizer):
         ``aggregates`` and ``residuals``)."""
         raise NotImplementedError
 
-    def start_bucket(self, members: list, inputs: list, step: int) -> list[tuple[list, Pending]]:
-        """Launch one bucket: ``(members, pending)`` per exchange started (default: one
-        ``self.psync.start`` over all members)."""
-        return [(members, self.psync.start(inputs, step, keys=self.keys(members), residual=self.exchange_residual))]
+    def launch_psync(self):
+        """The PSync whose plan cuts the step into buckets (default: ``self.psync``)."""
+        return self.psync
+
+    def start_bucket(self, members: list, inputs: list, step: int, plan) -> list[tuple[list, Pending]]:
+        """Launch one bucket (``plan``: its part of the exchange plan): ``(members, pending)``
+        per exchange started (default: one ``self.psync.start`` over all members)."""
+        return [(members, self.psync.start(inputs, step, keys=self.keys(members), residual=self.exchange_residual,
+                                           plan=plan))]
 
     def apply_bucket(self, pairs: list, pending: Pending, result) -> None:
         """Apply one exchange of a bucket (``pairs`` its members)."""
@@ -223,8 +226,9 @@ class GradientExchange(DistributedOptimizer):
                 self._hooked.add(id(p))
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
-        """The hook: feed ``p``'s exchange input, launch the buckets that became ready."""
-        if self._accumulating or not self.overlap_backward:
+        """The hook: feed ``p``'s exchange input, launch the buckets that became ready (not
+        while accumulating: :meth:`accumulate`, or a DDP wrapper's ``no_sync()``)."""
+        if self._accumulating or not self.overlap_backward or self.ddp_accumulating():
             return
         with torch.no_grad():
             run = self._current_run()
@@ -256,8 +260,8 @@ class GradientExchange(DistributedOptimizer):
     def _replan(self, pairs: list) -> None:
         """Buckets over ``pairs``, a set the workers agree on (the settings check, or
         :meth:`agree`); kept where it is the plan's already."""
-        if self._plan is None or self._plan.key != _plan_key(pairs, self.bucket_bytes):
-            self._plan = _Plan(pairs, self.bucket_bytes)
+        if self._plan is None or self._plan.key != _plan_key(pairs, self.launch_psync()):
+            self._plan = _Plan(pairs, self.launch_psync(), self.keys([p for _, p in pairs]))
 
     def _new_run(self) -> _Run:
         self.start_undo_log()
@@ -277,8 +281,10 @@ class GradientExchange(DistributedOptimizer):
     def _launch_ready(self, run: _Run) -> None:
         buckets = run.plan.buckets
         while not run.poisoned and len(run.launched) < len(buckets) and run.missing[len(run.launched)] == 0:
-            members = buckets[len(run.launched)]
-            run.launched.append(self.start_bucket(members, [run.inputs[p] for p in members], run.step))
+            b = len(run.launched)
+            members = buckets[b]
+            run.launched.append(self.start_bucket(members, [run.inputs[p] for p in members], run.step,
+                                                  run.plan.exchange.select([b])))
 
     def _feed_rest(self, run: _Run) -> None:
         for members in run.plan.buckets:
@@ -312,6 +318,7 @@ class GradientExchange(DistributedOptimizer):
         the hooks), feed and launch what the hooks did not, run the guards (module docstring)
         and count the step. Returns ``(loss, run, skipped)``."""
         loss = self._evaluate(closure)           # its backward fires the hooks
+        self.refuse_step_while_accumulating()
         run = self._current_run()                # verifies first if no hook did
         self._run = None                         # this step consumes it, whatever happens
         pairs = run.pairs = self.params_with_grad()   # a missing gradient becomes zeros
@@ -329,7 +336,7 @@ class GradientExchange(DistributedOptimizer):
             self.restore_replaced()
             self.first_bad_gradient(params)      # raises NonFiniteGradient, naming rank and parameter
         self._feed_rest(run)                     # every bucket launched before the agreement
-        moved = _plan_key(pairs, self.bucket_bytes) != run.plan.key   # the set changed since the plan
+        moved = _plan_key(pairs, self.launch_psync()) != run.plan.key   # the set changed since the plan
         began = time.perf_counter()              # the one control collective of the step (and the set's
         flags = self.agree([first_bad, int(stale or moved)], pairs,   # agreement), behind the buckets:
                            cleanup=lambda: self._discard(run, uncount=True))   # it waits for their traffic

@@ -46,7 +46,7 @@ each rank's frozen parameters, nothing updated. (A-SGD pushes to a server that h
 parameter list it was built with: it checks its own set against that, no collective.)
 
 The host class provides ``comm``, ``param_groups`` (torch's), ``_keys`` (parameter -> its
-position).
+position) and ``_exchanges`` (its PSyncs).
 """
 from __future__ import annotations
 
@@ -124,6 +124,7 @@ class Participation:
     #: False: refused at construction.
     complex_parameters: bool = True
     _set_digest: tuple = ((), 0)   # (keys of the set, its digest): recomputed when the keys change
+    _agreed_keys: tuple | None = None   # the set last agreed on
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, with the group's parameters held once (:func:`held_once`), complex ones
@@ -187,15 +188,23 @@ class Participation:
         of ``pairs`` in one control allgather (world of one: this worker's, no collective).
         Digests that differ: ``cleanup()`` first (e.g. wait for exchanges already launched),
         then :class:`gradzip.consistency.InconsistentWorkers` on every worker, naming each
-        rank's frozen parameters. Collective: every worker calls it at the same point."""
-        if self.comm.world_size == 1:
-            return [list(flags)]
-        rows = self.comm.allgather_control(torch.tensor([*flags, self.set_digest(pairs)], dtype=torch.int64))
-        rows = rows.reshape(self.comm.world_size, -1).tolist()
+        rank's frozen parameters. A set that differs from the one last agreed on (a change
+        every worker made) starts the exchanges' two-phase server errors from zero.
+        Collective: every worker calls it at the same point."""
+        digest = self.set_digest(pairs)
+        rows = [[*flags, digest]]
+        if self.comm.world_size > 1:
+            rows = self.comm.allgather_control(torch.tensor(rows[0], dtype=torch.int64))
+            rows = rows.reshape(self.comm.world_size, -1).tolist()
         if len({row[-1] for row in rows}) > 1:
             if cleanup is not None:
                 cleanup()
             self._name_the_difference()
+        keys = self._set_digest[0]
+        if self._agreed_keys is not None and keys != self._agreed_keys:   # a change every worker made
+            for psync in self._exchanges:   # the two-phase buckets' slices change with the set
+                psync.server_errors.reset()
+        self._agreed_keys = keys
         return [row[:-1] for row in rows]
 
     def _name_the_difference(self) -> None:

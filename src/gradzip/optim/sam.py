@@ -8,7 +8,7 @@ import contextlib
 import torch
 
 from ..errors import GradzipError
-from ..validation import is_real, require
+from ..validation import is_real, refuses_unknown_options, require
 from .options import FLOAT32_MAX
 
 
@@ -32,6 +32,7 @@ class SAM(torch.optim.Optimizer):
     the first pass's loss. ``param_groups`` are the inner's (one list: LR schedulers work);
     ``state_dict()`` is the inner's (SAM keeps no state of its own)."""
 
+    @refuses_unknown_options
     def __init__(self, inner: torch.optim.Optimizer, *, rho: float = 0.05, adaptive: bool = False):
         if not isinstance(inner, torch.optim.Optimizer) or isinstance(inner, SAM):
             raise GradzipError(f"SAM: inner must be a torch optimizer or a gradzip method (not SAM), "

@@ -27,6 +27,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from ..errors import GradzipError
+from ..files import write_text
 
 #: The file a run writes into ``--out``.
 NAME = "config.toml"
@@ -107,10 +108,10 @@ def effective(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict
 
 
 def write(path: str | Path, table: dict[str, Any]) -> Path:
-    """``table`` as TOML at ``path``."""
+    """``table`` as TOML at ``path`` (written atomically)."""
     path = Path(path)
     try:
-        path.write_text("# gradzip settings: repeat this run with  gradzip "
+        write_text(path, "# gradzip settings: repeat this run with  gradzip "
                         f"{table['command']} --config {path}\n" + tomli_w.dumps(table))
     except OSError as exc:
         raise GradzipError(f"cannot write {path} ({exc.strerror or exc}); give --out a writable directory") from None

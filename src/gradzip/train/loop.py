@@ -24,13 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import consistency, optim, seeds, stragglers
 from ..version import __version__
-from ..comm import Group
+from ..comm import Group, ThreadGroup, TorchGroup
 from ..errors import GradzipError
 from ..landscape import sharpness
+from ..optim.base import derived_setting
 from ..trace import Tracer, maybe_span
 from ..validation import is_int
 from . import checkpoint, datasets, models
@@ -108,6 +110,7 @@ class _Job:
     began: float = 0.0             # perf_counter() at which the run's clock (resumed: its clock) started
     straggler: stragglers.Straggler | None = None
     last_compute_s: float = 0.0    # the previous step's compute without its delay (slow:rank=R,factor=F)
+    run: int = 0                   # the run's identity, recorded in its checkpoints (checkpoint.new_run)
 
     @property
     def total(self) -> int:
@@ -125,7 +128,8 @@ def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | 
     (:mod:`gradzip.train.checkpoint`): model, optimizer (residuals, errors, global/local
     models, momentum, counters), data position, random generators and the records so far;
     with ``cfg.resume`` it continues from the newest one every rank holds and that
-    verifies, and ends with the same bits as a run never interrupted. ``after_step(steps_done)``
+    verifies (keeping ``cfg.keep_checkpoints`` steps; a damaged file is moved aside, never
+    deleted), and ends with the same bits as a run never interrupted. ``after_step(steps_done)``
     is called after every step (tests inject faults with it)."""
     setup_began = time.perf_counter()
     job = _prepare(comm, cfg, after_step)
@@ -155,6 +159,7 @@ def _prepare(comm: Group, cfg: RunConfig, after_step) -> _Job:
     """Data, model (identical on every worker), optimizer, after the workers agreed on the
     settings; the global generators seeded from the run's seed and this rank."""
     checkpoint.check_directory(cfg.checkpoint_dir)
+    checkpoint.check_keep(cfg.keep_checkpoints)
     if not is_int(cfg.seed) or not 0 <= cfg.seed < SEED_LIMIT:
         raise GradzipError(f"seed must be an integer in [0, 2**32), got {cfg.seed!r}")
     ds = datasets.load(cfg.dataset, cfg.data_dir, download=cfg.download)
@@ -366,29 +371,43 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-#: What a gradzip checkpoint file holds (anything else is not one).
-_PAYLOAD_KEYS = {"format", "gradzip_version", "config", "settings", "model", "optimizer", "rng", "loop"}
+#: What a gradzip checkpoint's payload holds (anything else is not one).
+_PAYLOAD_KEYS = {"format", "gradzip_version", "config", "settings", "environment", "model", "optimizer", "rng",
+                 "loop"}
+
+
+def _environment(comm: Group) -> dict[str, Any]:
+    """What the workers ran on that can change the numbers without changing a setting:
+    the backend (threads sum in rank order, gloo's ring in its own) and torch's intra-op
+    thread count (CPU kernels split sums by it). Recorded in checkpoints; a resume on
+    another is noted (:func:`_note_environment`)."""
+    if isinstance(comm, TorchGroup):
+        backend = str(dist.get_backend(comm.group))
+    else:
+        backend = "threads" if isinstance(comm, ThreadGroup) else type(comm).__name__
+    return {"backend": backend, "threads": torch.get_num_threads()}
 
 
 def _save(job: _Job) -> None:
     """This rank's checkpoint at ``state.done`` steps; once every rank has written it (a
-    barrier), the earlier ones are deleted."""
+    barrier), steps older than the newest ``cfg.keep_checkpoints`` are deleted."""
     comm, cfg, state = job.comm, job.cfg, job.state
     state.wall_time_s = time.perf_counter() - job.began
     state.scaler = job.precision.state_dict()
     checkpoint.save(cfg.checkpoint_dir, state.done, comm.rank, comm.world_size, {
-        "format": 2, "gradzip_version": __version__, "config": trajectory_fields(cfg), "settings": job.settings,
-        "model": job.model.state_dict(), "optimizer": job.opt.state_dict(), "rng": _rng_state(),
-        "loop": state.as_dict(),
-    })
+        "format": 3, "gradzip_version": __version__, "config": trajectory_fields(cfg), "settings": job.settings,
+        "environment": _environment(comm), "model": job.model.state_dict(), "optimizer": job.opt.state_dict(),
+        "rng": _rng_state(), "loop": state.as_dict(),
+    }, run=job.run)
     comm.barrier()
-    checkpoint.prune(cfg.checkpoint_dir, comm.rank, comm.world_size, keep_from=state.done)
+    checkpoint.prune(cfg.checkpoint_dir, comm.rank, comm.world_size, keep=cfg.keep_checkpoints)
 
 
 def _resume(job: _Job) -> int | None:
-    """Load the newest checkpoint every rank holds and that verifies into the model, the
-    optimizer and the loop state (model and optimizer state first: the optimizer's first
-    step comes after); the step resumed from, or None. Collective."""
+    """Load the newest checkpoint every rank holds and that verifies (:func:`checkpoint.choose`)
+    into the model, the optimizer and the loop state (model and optimizer state first: the
+    optimizer's first step comes after), and take its run identity; the step resumed from,
+    or None (a new run identity). Collective."""
     comm, cfg = job.comm, job.cfg
     if not cfg.checkpoint_dir:
         return None
@@ -400,19 +419,21 @@ def _resume(job: _Job) -> int | None:
             "that run with --resume DIR, or write checkpoints to an empty directory"
         )
     note = (lambda text: print(f"gradzip: note: {text}", file=sys.stderr, flush=True)) if comm.rank == 0 else None
-    step = checkpoint.choose(comm, cfg.checkpoint_dir, held, note)
-    checkpoint.discard_after(cfg.checkpoint_dir, comm.rank, comm.world_size, step)
-    if step is None:
+    found = checkpoint.choose(comm, cfg.checkpoint_dir, held, note, start_over=cfg.start_over)
+    checkpoint.discard_after(cfg.checkpoint_dir, comm.rank, comm.world_size, found.step if found else None)
+    if found is None:
+        job.run = checkpoint.new_run(comm)
         if cfg.resume and not any(held) and note is not None:
             note(f"no checkpoint in {cfg.checkpoint_dir}: starting from scratch")
         return None
-    saved = checkpoint.load(cfg.checkpoint_dir, step, comm.rank, comm.world_size)
+    step, saved, job.run = found.step, found.payload, found.run
     path = checkpoint.rank_file(cfg.checkpoint_dir, step, comm.rank, comm.world_size)
     if not isinstance(saved, dict) or not _PAYLOAD_KEYS <= set(saved):
         raise GradzipError(f"{path} is not a gradzip checkpoint (it lacks "
                            f"{', '.join(sorted(_PAYLOAD_KEYS - set(saved if isinstance(saved, dict) else ())))}); "
                            "give the directory a gradzip run wrote, or start in a new directory")
     _check_resumable(job, saved, step)
+    _note_environment(comm, saved["environment"], note)
     job.model.load_state_dict(saved["model"])
     job.opt.load_state_dict(saved["optimizer"])
     job.state = LoopState.from_dict(saved["loop"])
@@ -422,17 +443,25 @@ def _resume(job: _Job) -> int | None:
 
 
 def _check_resumable(job: _Job, saved: dict[str, Any], step: int) -> None:
-    """Refuse a checkpoint of other settings (compared as resolved: an option given
-    explicitly at its default value is the same setting) or one past this run's end."""
+    """Refuse a checkpoint of other settings or one past this run's end. The settings are
+    compared field by field, the run's own first (``--seed``, ``--model``, ``--lr``, ...:
+    the checkpoint's ``config`` against this run's), then the method's resolved settings
+    (``describe()``: an option given explicitly at its default value is the same setting),
+    those that follow from others last (:func:`gradzip.optim.base.derived_setting`: a
+    parameter's values, a transport plan), so that the refusal names the setting that
+    was changed, not one that follows from it."""
     cfg = job.cfg
-    now = {**{k: v for k, v in trajectory_fields(cfg).items() if k != "options"}, **job.settings}
-    then = {**{k: v for k, v in saved["config"].items() if k != "options"}, **saved["settings"]}
-    for name in sorted((set(now) | set(then)) - set(FREE_FIELDS)):
-        if name != "epochs" and then.get(name) != now.get(name):
+    own = [{k: v for k, v in fields.items() if k not in ("options", "epochs", *FREE_FIELDS)}
+           for fields in (saved["config"], trajectory_fields(cfg))]
+    for then, now, later in ((*own, None), (saved["settings"], job.settings, derived_setting)):
+        names = consistency.differing([then, now], later)
+        if names:
+            name = names[0]
             raise GradzipError(
                 f"cannot resume from {cfg.checkpoint_dir}: it was written with {name}="
-                f"{then.get(name)!r}, this run has {name}={now.get(name)!r}; resume with "
-                "the same settings (only the number of epochs may change), or start in a new directory"
+                f"{then.get(name, consistency.NOT_SET)!r}, this run has {name}={now.get(name, consistency.NOT_SET)!r}"
+                f"{consistency.more_fields(names)}; resume with the same settings (only the number of epochs may "
+                "change), or start in a new directory"
             )
     if step > job.total:
         epochs = -(-step // job.steps_per_epoch)
@@ -441,6 +470,23 @@ def _check_resumable(job: _Job, saved: dict[str, Any], step: int) -> None:
             f"the end of this run ({cfg.epochs} epochs, {job.total} steps); resume with --epochs {epochs} or "
             "more, or start in a new directory"
         )
+
+
+def _note_environment(comm: Group, saved: dict[str, Any], note: Callable[[str], None] | None) -> None:
+    """Say, in one line, when the checkpoint was written on another backend or thread
+    count than this run's (:func:`_environment`): the run resumes, but need not repeat an
+    uninterrupted run's numbers bit for bit. Collective (one small allgather)."""
+    now = _environment(comm)
+    row = torch.tensor([saved["threads"], now["threads"], int(saved["backend"] != now["backend"])], dtype=torch.int64)
+    rows = comm.allgather_control(row).reshape(comm.world_size, -1).tolist()
+    changed = [r for r, (then_threads, now_threads, other) in enumerate(rows) if then_threads != now_threads or other]
+    if changed and note is not None:
+        then_threads, now_threads, _ = rows[changed[0]]
+        note(f"the checkpoint was written by workers on {saved['backend']} with {then_threads} torch thread(s) "
+             f"each, this run's are on {now['backend']} with {now_threads} (rank(s) {', '.join(map(str, changed))}): "
+             "it resumes, but may not repeat an uninterrupted run's numbers bit for bit (CPU kernels split sums "
+             f"by thread count, backends sum in different orders); resume on {saved['backend']} with "
+             f"OMP_NUM_THREADS={then_threads} to repeat them (docs/reliability.md, Determinism)")
 
 
 def run_many(comm: Group, cfgs: list[RunConfig]) -> list[dict[str, Any]]:

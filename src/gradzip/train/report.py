@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..bench.units import format_rate
+from ..files import write_atomically, write_text
 from . import projection
 
 COLUMNS = [  # header, summary key, format
@@ -66,15 +67,14 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
 
 def write(out_dir: str | Path, runs: Sequence[dict[str, Any]], *, plot: bool = True) -> Path:
     """``metrics.jsonl`` (one record per evaluation, every run), ``summary.json`` (the
-    summary of a single run, or a list for several) and ``accuracy.png``."""
+    summary of a single run, or a list for several) and ``accuracy.png``, each written
+    whole or not at all (:func:`gradzip.files.write_atomically`: a full disk leaves the
+    previous file, never an empty or truncated one)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "metrics.jsonl", "w") as f:
-        for run in runs:
-            for record in run["history"]:
-                f.write(json.dumps(record) + "\n")
+    write_text(out / "metrics.jsonl", "".join(json.dumps(record) + "\n" for run in runs for record in run["history"]))
     summaries = [run["summary"] for run in runs]
-    (out / "summary.json").write_text(json.dumps(summaries[0] if len(runs) == 1 else summaries, indent=2))
+    write_text(out / "summary.json", json.dumps(summaries[0] if len(runs) == 1 else summaries, indent=2))
     if plot:
         plot_accuracy(runs, out / "accuracy.png")
     return out
@@ -88,7 +88,8 @@ def _own_projection(summary: dict[str, Any]) -> dict[str, Any] | None:
 def plot_accuracy(runs: Sequence[dict[str, Any]], path: str | Path) -> None:
     """Test accuracy against epochs and against MB sent per worker, one line per run; with
     projections, also against the projected time (epoch x projected seconds per epoch) at
-    the run's own worker count and the first projected link rate."""
+    the run's own worker count and the first projected link rate. The image's format is
+    ``path``'s suffix (png without one); the file is written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,5 +118,7 @@ def plot_accuracy(runs: Sequence[dict[str, Any]], path: str | Path) -> None:
     s = runs[0]["summary"]
     fig.suptitle(f"{s['dataset']} / {s['model']}, {s['workers']} workers")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        write_atomically(path, lambda f: fig.savefig(f, format=Path(path).suffix[1:] or "png", dpi=110), binary=True)
+    finally:
+        plt.close(fig)

@@ -94,7 +94,8 @@ def synthetic(n: int = 8192, test: int = 2048, shape: tuple | str = (1, 28, 28),
     random linear teacher whose biases are calibrated so the classes are about equally
     frequent. The teacher, basis and each split come from their own generators derived
     from ``seed``, so the test set does not change with ``n``. The input noise keeps every
-    model below 100% (what each scores: docs/benchmarks.md, "Datasets: what synthetic scores").
+    model below 100% (what each scores: docs/benchmarks/accuracy.md,
+    "Datasets: what synthetic scores").
     """
     if isinstance(shape, str):
         shape = _parse_shape(shape)
