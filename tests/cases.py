@@ -5,6 +5,7 @@ import torch
 
 from checkpoint_diff import differences
 
+from gradzip import kernels
 from gradzip.comm import allgather_wire_bytes, allreduce_wire_bytes
 
 
@@ -32,6 +33,77 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     as_int = _INT_OF[a.element_size()]
     ia, ib = a.detach().contiguous().view(as_int), b.detach().contiguous().view(as_int)
     return torch.equal(ia[~nan], ib[~nan])
+
+
+def codec_outputs(codec, x: torch.Tensor, mode: str, n: int = 3, seed: int = 5) -> dict:
+    """Everything ``codec`` computes for ``x`` under the kernel ``mode``, on ``x``'s device, into
+    fresh buffers: the packet, the decoded tensor (also into ``out=``), the packet and residual
+    of ``compress_residual``, the aggregate of ``n`` packets and of one, and where packets sum,
+    the summand and the aggregate from the sum (wide and in the summand's own dtype)."""
+    got = {}
+    with kernels.use(mode):
+        packet = got["packet"] = codec.compress(x, seed=seed)
+        got["decoded"] = codec.decompress(packet)
+        out = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+        got["decoded_out"] = codec.decompress(packet, out=out)
+        assert got["decoded_out"] is out
+        residual = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+        got["packet_r"] = codec.compress_residual(x, seed, residual)
+        got["residual"] = residual
+        packets = [codec.compress(x * k if k else x, seed=seed + k) for k in range(n)]
+        got["aggregate"] = codec.aggregate(packets)
+        got["aggregate_of_one"] = codec.aggregate(packets[:1])
+        if codec.sum_dtype(n, x.dtype) is not None:
+            summands = [codec.summand(p, n) for p in packets]
+            got["summand"] = summands[0]
+            wide = summands[0].to(torch.int32) if not summands[0].is_floating_point() else summands[0].clone()
+            for s in summands[1:]:
+                wide += s
+            got["from_sum_wide"] = codec.from_sum(wide, packets[0], n)
+            if not summands[0].is_floating_point():
+                got["from_sum_narrow"] = codec.from_sum(wide.to(summands[0].dtype), packets[0], n)
+    return got
+
+
+def same_packet(a, b) -> bool:
+    """Two packets with the same wire names, shapes, dtypes and bits (:func:`same_bits`)."""
+    return (a.wire.keys() == b.wire.keys() and a.shape == b.shape and a.dtype == b.dtype
+            and all(same_bits(a.wire[k].cpu(), b.wire[k].cpu()) for k in a.wire))
+
+
+def same_outputs(a: dict, b: dict) -> list[str]:
+    """The keys of two :func:`codec_outputs` whose values differ (packets: :func:`same_packet`;
+    tensors: :func:`same_bits`)."""
+    assert a.keys() == b.keys()
+    return [key for key in a if not (same_packet(a[key], b[key]) if key.startswith("packet")
+                                     else same_bits(a[key].cpu(), b[key].cpu()))]
+
+
+#: Values a codec must treat as torch does: zeros, infinities, NaNs, subnormals, values at
+#: and around the 2bit thresholds, beyond float16's range.
+SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-45, -1e-45, 1e-40, 0.01, -0.01,
+           0.5, -0.5, 0.009999999776482582, -0.009999999776482582, 1e-8, 70000.0, -3e38]
+
+
+def codec_input(shape, dtype, seed, special=True, layout="contiguous", ties=False, device="cpu") -> torch.Tensor:
+    """A codec test tensor: N(0, 0.02) entries, 30% of them :data:`SPECIAL` values when
+    ``special``, every fourth equal to the second when ``ties``; ``layout``: ``transposed``
+    or ``strided`` (the same shape, not contiguous)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.02
+    flat = x.view(-1)
+    if special and flat.numel():
+        picks = torch.randint(len(SPECIAL), (flat.numel(),), generator=gen)
+        where = torch.rand(flat.numel(), generator=gen) < 0.3
+        flat[where] = torch.tensor(SPECIAL, dtype=torch.float64)[picks[where]]
+    if ties and flat.numel() > 4:
+        flat[::4] = flat[1]
+    x = x.to(dtype).to(device)
+    if layout == "transposed" and x.dim() >= 2:
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+    if layout == "strided" and x.dim() >= 1:
+        return torch.stack([x, x], dim=-1)[..., 0]
+    return x
 
 
 def collectives(comm):

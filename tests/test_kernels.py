@@ -29,9 +29,9 @@ def test_use_overrides_the_environment_for_its_block_only(monkeypatch):
 
 def test_a_bad_mode_is_named_with_the_valid_ones(monkeypatch):
     monkeypatch.setenv("GRADZIP_KERNELS", "fast")
-    with pytest.raises(GradzipError, match=r"GRADZIP_KERNELS='fast'.*auto, numba, torch"):
+    with pytest.raises(GradzipError, match=r"GRADZIP_KERNELS='fast'.*auto, numba, triton, torch"):
         kernels.mode()
-    with pytest.raises(GradzipError, match=r"'cuda' is not one of auto, numba, torch"):
+    with pytest.raises(GradzipError, match=r"'cuda' is not one of auto, numba, triton, torch"):
         with kernels.use("cuda"):
             pass
 
@@ -42,6 +42,50 @@ def test_numba_mode_without_numba_says_how_to_get_it(monkeypatch):
         kernels.enabled(torch.zeros(3))
     with kernels.use("auto"):
         assert not kernels.enabled(torch.zeros(3))   # auto falls back to the reference path
+
+
+def test_the_backend_is_chosen_by_mode_and_device(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(kernels, "numba_available", lambda: True)
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    cases = {("auto", "cpu"): "numba", ("auto", "cuda"): "triton", ("auto", "meta"): "torch",
+             ("numba", "cpu"): "numba", ("numba", "cuda"): "torch", ("torch", "cpu"): "torch",
+             ("torch", "cuda"): "torch", ("triton", "cuda"): "triton"}
+    for (mode, device), expected in cases.items():
+        with kernels.use(mode):
+            assert kernels.backend(device) == expected, (mode, device)
+    with kernels.use("triton"), pytest.raises(GradzipError, match="TRITON_INTERPRET=1"):
+        kernels.backend("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with kernels.use("triton"):
+        assert kernels.backend("cpu") == "triton"
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
+    with kernels.use("auto"):
+        assert kernels.backend("cuda") == "torch"   # auto falls back to the reference path
+    with kernels.use("triton"), pytest.raises(GradzipError, match=r"pip install 'gradzip\[gpu\]'"):
+        kernels.backend("cuda")
+
+
+def test_a_codec_resolves_its_implementation_once_per_mode_and_device():
+    from gradzip.compressors import build
+    codec = build("2bit")
+    cpu = torch.device("cpu")
+    with kernels.use("torch"):
+        ref = codec.impl(cpu)
+        assert type(ref).__name__ == "TwoBitReference" and codec.impl(cpu) is ref
+    if kernels.numba_available():
+        with kernels.use("numba"):
+            assert type(codec.impl(cpu)).__name__ == "TwoBitNumba"
+    with kernels.use("torch"):
+        assert codec.impl(cpu) is ref   # kept on the instance
+    assert build("2bit") == codec and hash(build("2bit")) == hash(codec)   # the cache is no field
+
+
+def test_import_gradzip_imports_no_triton():
+    import subprocess
+    import sys
+    code = "import sys, gradzip, gradzip.compressors; assert 'triton' not in sys.modules, 'triton imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_reused_takes_the_old_buffer_only_when_it_fits():

@@ -16,78 +16,22 @@ from gradzip import kernels  # noqa: E402
 from gradzip.compressors import _util, build  # noqa: E402
 from gradzip.kernels import elementwise as ek  # noqa: E402
 
-from cases import same_bits  # noqa: E402
+from cases import SPECIAL, codec_input, codec_outputs, same_bits, same_outputs, same_packet  # noqa: E402
 
 FUSED = ["sign", "scaled_sign", "scaled_sign:scale=rms", "2bit", "2bit:threshold=0.5", "2bit:threshold=1e-40"]
 CASTS = ["fp16", "bf16"]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1e-45, -1e-45, 1e-40, 0.01, -0.01,
-           0.5, -0.5, 0.009999999776482582, -0.009999999776482582, 1e-8, 70000.0, -3e38]
-
 
 same = same_bits   # any NaN matches any NaN (cases.same_bits: torch's own NaN bits differ by loop)
 
 
-def same_packet(a, b) -> bool:
-    return (a.wire.keys() == b.wire.keys() and a.shape == b.shape and a.dtype == b.dtype
-            and all(same(a.wire[k], b.wire[k]) for k in a.wire))
-
-
 def make(shape, dtype, seed, special=True, layout="contiguous") -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 0.02
-    flat = x.view(-1)
-    if special and flat.numel():
-        picks = torch.randint(len(SPECIAL), (flat.numel(),), generator=gen)
-        where = torch.rand(flat.numel(), generator=gen) < 0.3
-        flat[where] = torch.tensor(SPECIAL, dtype=torch.float64)[picks[where]]
-    x = x.to(dtype)
-    if layout == "transposed" and x.dim() >= 2:
-        return x.transpose(0, 1).contiguous().transpose(0, 1)
-    if layout == "strided" and x.dim() >= 1:
-        return torch.stack([x, x], dim=-1)[..., 0]
-    return x
-
-
-def run_all(spec, x, n=3):
-    """Every codec operation on ``x`` in the current kernel mode (fresh buffers)."""
-    codec = build(spec)
-    got = {}
-    packet = codec.compress(x, seed=5)
-    got["packet"] = packet
-    got["decoded"] = codec.decompress(packet)
-    out = torch.full(x.shape, float("nan"), dtype=x.dtype)
-    got["decoded_out"] = codec.decompress(packet, out=out)
-    assert got["decoded_out"] is out
-    residual = torch.full(x.shape, float("nan"), dtype=x.dtype)
-    got["packet_r"] = codec.compress_residual(x, 5, residual)
-    got["residual"] = residual
-    packets = [codec.compress(x * k if k else x, seed=k) for k in range(n)]
-    got["aggregate"] = codec.aggregate(packets)
-    got["aggregate_of_one"] = codec.aggregate(packets[:1])
-    if codec.sum_dtype(n, x.dtype) is not None:
-        summands = [codec.summand(p, n) for p in packets]
-        got["summand"] = summands[0]
-        wide = summands[0].to(torch.int32) if not summands[0].is_floating_point() else summands[0].clone()
-        for s in summands[1:]:
-            wide += s
-        got["from_sum_wide"] = codec.from_sum(wide, packets[0], n)
-        if not summands[0].is_floating_point():
-            got["from_sum_int8"] = codec.from_sum(wide.to(summands[0].dtype), packets[0], n)
-    return got
+    return codec_input(shape, dtype, seed, special, layout)
 
 
 def check_identical(spec, x):
-    with kernels.use("torch"):
-        ref = run_all(spec, x)
-    with kernels.use("numba"):
-        fused = run_all(spec, x)
-    assert ref.keys() == fused.keys()
-    for key in ref:
-        if key.startswith("packet"):
-            assert same_packet(ref[key], fused[key]), key
-        else:
-            assert same(ref[key], fused[key]), (key, ref[key], fused[key])
+    codec = build(spec)
+    assert same_outputs(codec_outputs(codec, x, "torch"), codec_outputs(codec, x, "numba")) == []
 
 
 @pytest.mark.parametrize("spec", FUSED + CASTS)

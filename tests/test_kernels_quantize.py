@@ -524,6 +524,7 @@ def test_aggregate_decodes_and_adds_in_one_pass(spec, kernel, monkeypatch):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_draws_the_cpu_uniforms():
     """The counter-based uniforms do not depend on the device (torch.rand's did)."""

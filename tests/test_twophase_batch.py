@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from gradzip import seeds
-from gradzip import twophase as tp
-from gradzip.comm import simulate
+from gradzip import planner as tp
+from gradzip import twophase
+from gradzip.comm import make_group, simulate
 from gradzip.compressors import Compressor, build
 from gradzip.exchange import PSync
 
@@ -114,39 +115,58 @@ def _inputs(rank: int, step: int) -> list[torch.Tensor]:
             for k, s in enumerate(SHAPES)]
 
 
-def _box(codec, n: int, drop=None):
-    """The spec's box, one codec call per (tensor, slice), as the exchange did before it
-    batched them: per step, (aggregate, residual of each worker, server errors); ``drop``:
-    the (tensor, slice) whose server error is lost before the last step."""
+def _buckets(bucket_bytes: int) -> list[list[int]]:
+    """The plan's buckets, held out: positions (= keys) in launch order (descending key), cut
+    greedily at ``bucket_bytes`` of the tensors' own bytes, a new bucket at a change of dtype."""
+    dtypes = [t.dtype for t in _inputs(0, 1)]
+    buckets, filled = [], 0
+    for k in reversed(range(len(SHAPES))):
+        nbytes = int(np.prod(SHAPES[k])) * dtypes[k].itemsize
+        if not buckets or (buckets[-1] and (filled + nbytes > bucket_bytes or dtypes[buckets[-1][0]] != dtypes[k])):
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(k)
+        filled += nbytes
+    return buckets
+
+
+def _box(codec, n: int, bucket_bytes: int, drop=None):
+    """The spec's box, one codec call per (bucket, slice): per step, (aggregate, residual of
+    each worker, server errors keyed by the bucket's first tensor); ``drop``: the (bucket
+    key, slice) whose server error is lost before the last step."""
     servers, steps = {}, []
     for step in range(1, STEPS + 1):
         if step == STEPS and drop is not None:
             servers.pop(drop)
         inputs = [_inputs(i, step) for i in range(n)]
-        packets, residuals = {}, [[] for _ in range(n)]
-        for i in range(n):
-            for k, t in enumerate(inputs[i]):
-                flat, r = t.reshape(-1), torch.empty(t.numel(), dtype=t.dtype)
-                base = seeds.mix(0, step, k) if codec.shared_randomness else seeds.mix(0, step, k, i + 1)
-                for j, (a, b) in enumerate(tp.slice_bounds(t.numel(), n)):
+        aggregates, residuals = [None] * len(SHAPES), [[None] * len(SHAPES) for _ in range(n)]
+        for members in _buckets(bucket_bytes):
+            key, sizes = members[0], [int(np.prod(SHAPES[k])) for k in members]
+            flats = [torch.cat([inputs[i][k].reshape(-1) for k in members]) for i in range(n)]
+            bounds = tp.slice_bounds(flats[0].numel(), n)
+            packets = {}
+            for i in range(n):
+                r = torch.empty_like(flats[i])
+                base = seeds.mix(0, step, key) if codec.shared_randomness else seeds.mix(0, step, key, i + 1)
+                for j, (a, b) in enumerate(bounds):
                     if b > a:
-                        packets[i, k, j] = codec.compress_residual(flat[a:b], tp.phase1_seed(base, j), r[a:b])
-                residuals[i].append(r.view(t.shape))
-        aggregates = []
-        for k, shape in enumerate(SHAPES):
-            out = torch.empty(int(np.prod(shape)), dtype=inputs[0][k].dtype)
-            for j, (a, b) in enumerate(tp.slice_bounds(out.numel(), n)):
+                        packets[i, j] = codec.compress_residual(flats[i][a:b], twophase.phase1_seed(base, j), r[a:b])
+                for k, piece in zip(members, torch.split(r, sizes)):
+                    residuals[i][k] = piece.view(SHAPES[k])
+            out = torch.empty_like(flats[0])
+            for j, (a, b) in enumerate(bounds):
                 if a == b:
                     continue
-                mine = packets[j, k, j]   # worker j decodes with its own packet's layout
-                s = codec.aggregate([mine.from_raw(torch.cat(packets[i, k, j].raw())) for i in range(n)]).reshape(-1)
-                if (k, j) in servers:
-                    s = s + servers[k, j]
+                mine = packets[j, j]   # worker j decodes with its own packet's layout
+                s = codec.aggregate([mine.from_raw(torch.cat(packets[i, j].raw())) for i in range(n)]).reshape(-1)
+                if (key, j) in servers:
+                    s = s + servers[key, j]
                 e = torch.empty_like(s)
-                c = codec.compress_residual(s, tp.phase2_seed(0, step, k, j), e)
-                servers[k, j] = e
+                c = codec.compress_residual(s, twophase.phase2_seed(0, step, key, j), e)
+                servers[key, j] = e
                 codec.decompress(mine.from_raw(torch.cat(c.raw())), out=out[a:b])
-            aggregates.append(out.view(shape))
+            for k, piece in zip(members, torch.split(out, sizes)):
+                aggregates[k] = piece.view(SHAPES[k])
         steps.append((aggregates, residuals, {f"{k}:{j}": e.clone() for (k, j), e in servers.items()}))
     return steps
 
@@ -176,14 +196,22 @@ def _compare(got, want, n):
 @pytest.mark.parametrize("spec", CODECS)
 @pytest.mark.parametrize("n", [1, 3, 4])
 def test_the_exchange_equals_the_per_slice_box_bit_for_bit(spec, n):
-    bucket_bytes = 40 if spec.startswith("2bit") else 4 << 20   # several buckets, one bucket
-    _compare(simulate(n, lambda comm: _exchange(comm, spec, bucket_bytes)), _box(build(spec), n), n)
+    bucket_bytes = 40 if spec.startswith("2bit") else 4 << 20   # five buckets; three (a dtype apiece)
+    _compare(simulate(n, lambda comm: _exchange(comm, spec, bucket_bytes)), _box(build(spec), n, bucket_bytes), n)
+
+
+def test_the_held_out_buckets_are_the_plans():
+    assert _buckets(40) == [[5], [4], [3], [2], [1, 0]] and _buckets(4 << 20) == [[5, 4], [3], [2, 1, 0]]
+    for bucket_bytes in (40, 4 << 20):
+        order, plan = PSync(make_group(3)[0], "1bit", transport="twophase",
+                            bucket_bytes=bucket_bytes).exchange_plan(_inputs(0, 1))
+        assert [[order[i] for i in b.tensors] for b in plan.buckets] == _buckets(bucket_bytes)
 
 
 @pytest.mark.parametrize("spec", ["scaled_sign:scale=rms", "2bit:threshold=0.4"])
 def test_a_missing_server_error_is_not_added(spec):
     """Some slices of a bucket with a server error, one without (a lost entry): each as the box."""
-    _compare(simulate(3, lambda comm: _exchange(comm, spec, 4 << 20, drop=(4, 1))), _box(build(spec), 3, (4, 1)), 3)
+    _compare(simulate(3, lambda comm: _exchange(comm, spec, 4 << 20, drop=(5, 1))), _box(build(spec), 3, 4 << 20, (5, 1)), 3)
 
 
 @pytest.mark.parametrize("spec", ["scaled_sign", "scaled_sign:scale=rms"])

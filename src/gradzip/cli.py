@@ -31,7 +31,7 @@ from .launch import WorkerError, run_processes
 from .optim.options import FLOAT32_MAX
 from .bench import emulated, netns
 from .bench.units import format_rate, parse_ints, parse_rates
-from .train import checkpoint, config_file, datasets, device, models, projection, report
+from .train import checkpoint, config_file, datasets, device, models, projection, report, sharded
 from .train.config import SEED_LIMIT, RunConfig, make_optimizer, method_class, method_label, parse_algos
 from .train.loop import run_many
 
@@ -126,6 +126,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-on", choices=["auto", "average", "local"], default="auto",
                    help="evaluate rank 0's model (local), the workers' average, or auto: the average "
                         "for methods whose replicas differ (default: %(default)s)")
+    f = p.add_argument_group("sharded training (FSDP2; docs/integrations.md)")
+    f.add_argument("--hsdp", type=positive_int, default=None, metavar="R",
+                   help="HSDP: R replicas across nodes, FSDP2 sharding inside each node of workers/R (ranks "
+                        "node-major); train: run HSDP; compare: R for the hsdp[@CODEC] entries of --algos")
+    f.add_argument("--weights", metavar="SPEC", default=None,
+                   help="FSDP2/HSDP runs: the parameters' all-gather codec, e.g. int8 (default: exact)")
+    f.add_argument("--error-memory", choices=["full", "shard"], default=None,
+                   help="FSDP2 runs: the error feedback's memory: full (exact: the unsharded gradient's size) or "
+                        "shard (its top-k, a shard's size) (default: full; --error-feedback false: none)")
     r = p.add_argument_group("reliability")
     r.add_argument("--checkpoint-dir", metavar="DIR",
                    help="write checkpoints here: one file per worker, written atomically (compare: "
@@ -205,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train one method", description="Train one method.")
     train.add_argument("--algo", default="ssgd", choices=list(optim.METHODS), help="default: %(default)s")
+    train.add_argument("--fsdp", action="store_true",
+                       help="train with PyTorch FSDP2 instead of a method: gradzip's --compressor inside its "
+                            "reduce-scatter (plain FSDP2 without one); with --hsdp R, HSDP")
     _method_flags(train)
     _common(train)
 
@@ -244,23 +256,30 @@ def _configs(args) -> list:
                   straggler=stragglers.canonical(args.straggler), **_checkpointing(args))
     given = _given_options(args)
     if args.command == "train":
-        label = method_label(args.algo, given.get("compressor"))
-        return [RunConfig(algo=args.algo, options=given, label=label, lr=_lr(args, args.algo, given), **common)]
+        algo = _train_algo(args)
+        options = {**given, **_sharded_options(args, algo)}
+        label = method_label(algo, given.get("compressor"))
+        return [RunConfig(algo=algo, options=options, label=label, lr=_lr(args, algo, given), **common)]
     cfgs, used = [], set()
-    for algo, codec in parse_algos(args.algos):
-        accepted = optim.method_options(optim.METHODS[algo])
+    for algo, codec in parse_algos(args.algos, also=sharded.SHARDED):
+        accepted = sharded.METHOD_FLAGS if sharded.is_sharded(algo) else optim.method_options(optim.METHODS[algo])
         options = {k: v for k, v in given.items() if k in accepted}  # each method takes what it knows
         if codec is not None:
             options["compressor"] = codec
+        if sharded.is_sharded(algo):
+            options.update(_sharded_options(args, algo))
         used |= set(options)
         label = method_label(algo, codec)
         run = dict(common)
         if run["checkpoint_dir"]:  # one subdirectory per method
             run["checkpoint_dir"] = str(Path(run["checkpoint_dir"]) / _file_safe(label))
         cfgs.append(RunConfig(algo=algo, options=options, label=label, lr=_lr(args, algo, options), **run))
-    unused = sorted(set(given) - used)
+    flags = {**given, **{k: v for k, v in (("weights", args.weights), ("error_memory", args.error_memory),
+                                           ("replicas", args.hsdp)) if v is not None}}
+    unused = sorted(set(flags) - used)
     if unused:
-        raise GradzipError(f"no method in --algos takes --{', --'.join(u.replace('_', '-') for u in unused)}")
+        shown = [{"replicas": "hsdp"}.get(u, u).replace("_", "-") for u in unused]
+        raise GradzipError(f"no method in --algos takes --{', --'.join(shown)}")
     for cfg in cfgs:
         checkpoint.check_directory(cfg.checkpoint_dir)
     return cfgs
@@ -269,7 +288,32 @@ def _configs(args) -> list:
 
 def _lr(args, algo: str, options: dict) -> float:
     """``--lr``, or the method's own default where it is not given (``default_lr``)."""
-    return args.lr if args.lr is not None else method_class(algo).default_lr(options)
+    if args.lr is not None:
+        return args.lr
+    return sharded.DEFAULT_LR if sharded.is_sharded(algo) else method_class(algo).default_lr(options)
+
+
+def _train_algo(args) -> str:
+    """``--algo``, or ``fsdp`` / ``hsdp`` for ``--fsdp`` / ``--hsdp R``."""
+    if not (args.fsdp or args.hsdp):
+        return args.algo
+    if args.algo != "ssgd":
+        raise GradzipError(f"--fsdp trains with FSDP2 instead of a method: drop --algo {args.algo}")
+    return "hsdp" if args.hsdp else "fsdp"
+
+
+def _sharded_options(args, algo: str) -> dict[str, Any]:
+    """The FSDP2 flags as a sharded run's options (``weights``, ``error_memory``, and
+    ``replicas`` for hsdp); a :class:`GradzipError` where they are given to a method."""
+    options = {"weights": args.weights, "error_memory": args.error_memory,
+               "replicas": args.hsdp if algo == "hsdp" else None}
+    options = {k: v for k, v in options.items() if v is not None}
+    if options and args.command == "train" and not sharded.is_sharded(algo):
+        flags = ", ".join("--" + k.replace("_", "-") for k in options)
+        raise GradzipError(f"{flags} belong to FSDP2 runs: add --fsdp (or --hsdp R)")
+    if algo == "hsdp" and args.hsdp is None:
+        raise GradzipError("hsdp in --algos needs the number of replicas: add --hsdp R")
+    return options
 
 
 def _file_safe(label: str) -> str:
@@ -314,12 +358,15 @@ def _writable_directory(path: str, flag: str) -> None:
         raise GradzipError(f"{flag} {path}: cannot create this directory ({exc.strerror or exc})") from None
 
 
-def _validate(cfgs, workers: int) -> None:
+def _validate(cfgs, workers: int, backend: str = "gloo") -> None:
     """Fail fast, in this process, on what would otherwise fail inside every worker."""
 
     ds = datasets.load(cfgs[0].dataset, cfgs[0].data_dir, download=cfgs[0].download)
     model = models.build(cfgs[0].model, ds.input_shape, ds.num_classes)
     for cfg in cfgs:
+        if sharded.is_sharded(cfg.algo):
+            sharded.check(cfg, workers, backend)
+            continue
         check_workers_per_node(cfg.workers_per_node, workers)   # the optimizer below sees a world of one
         make_optimizer(RunConfig(**{**vars(cfg), "workers_per_node": None}), model.parameters(), None)
         stragglers.check_rank(stragglers.parse(cfg.straggler), workers)
@@ -347,7 +394,7 @@ def _run(cfgs, workers: int | None, backend: str, timeout_s: float) -> list[list
             if dist.is_initialized():
                 dist.destroy_process_group()
     n = workers or 1
-    _validate(cfgs, n)
+    _validate(cfgs, n, backend)
     if backend == "threads":
         return simulate(n, lambda comm: run_many(comm, cfgs), timeout_s=timeout_s)
     return run_processes(n, run_many, cfgs, timeout_s=timeout_s)
@@ -502,7 +549,8 @@ def _run_emulated(parser, args, rates: list[float]) -> int:
 def _project(runs: list[dict], rates: list[float], workers_at: list[int] | None) -> None:
     """Every run's projections (``summary["projections"]``) at those rates and worker counts
     (none for a one-worker run without ``--workers-at``: it sends nothing)."""
-    if not rates or (workers_at is None and all(r["summary"]["workers"] == 1 for r in runs)):
+    runs = [r for r in runs if not sharded.is_sharded(r["summary"]["method"])]   # FSDP2: no timeline model
+    if not runs or not rates or (workers_at is None and all(r["summary"]["workers"] == 1 for r in runs)):
         return
     for run, rows in zip(runs, projection.project_runs(runs, rates, workers_at)):
         run["summary"]["projections"] = rows

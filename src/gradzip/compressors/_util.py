@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 import torch
 
 from .. import kernels
-from .base import Compressor, Packet, Slices
-from .bitpack import _LITTLE, pack_bits, packed_nbytes, unpack_bits
+from .base import Packet, Slices
+from .bitpack import pack_bits, packed_nbytes, unpack_bits
 
 #: Elements per piece when a CPU codec encodes a large tensor piece by piece (a multiple
 #: of 8, so every piece packs to whole bytes): the temporaries of one piece stay in cache
@@ -46,11 +46,6 @@ def as_float32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).to(torch.float32)
 
 
-#: Up to this k, random-k dedupes its draws by sorting; above, with a mask (CPU sorts of
-#: ~1e5 elements are slow, much slower with several threads).
-SORT_MAX_K = 4096
-
-
 def encode_chunks(flat: torch.Tensor, bits: int, codes_of, chunk: int | None = None) -> torch.Tensor:
     """``pack_bits(codes_of(flat), bits)``, computed piece by piece on the CPU (same bytes).
     ``codes_of`` maps a flat slice to its uint8 codes, in order; ``chunk`` (default
@@ -84,21 +79,16 @@ def decode_chunks(packed: torch.Tensor, bits: int, count: int, dtype: torch.dtyp
 FUSED_DTYPES = (torch.float32, torch.float64)
 
 
-def fused(*tensors: torch.Tensor) -> bool:
-    """Whether the fused elementwise kernels run for these tensors (:func:`kernels.enabled`,
-    on a little-endian machine: the kernels pack through little-endian words)."""
-    return _LITTLE and kernels.enabled(*tensors)
-
-
 def flat_input(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` detached, contiguous (a copy only when it is not) and flat: a kernel's input."""
     return tensor.detach().contiguous().reshape(-1)
 
 
-def wire_buffer(reuse: Packet | None, name: str, numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+def wire_buffer(reuse: Packet | None, name: str, numel: int, dtype: torch.dtype = torch.uint8,
+                device: torch.device | str = "cpu") -> torch.Tensor:
     """The ``name`` wire tensor of the ``reuse`` packet when it fits (:func:`kernels.reused`),
-    else a new one."""
-    return kernels.reused(None if reuse is None else reuse.wire.get(name), numel, dtype)
+    else a new one on ``device``."""
+    return kernels.reused(None if reuse is None else reuse.wire.get(name), numel, dtype, device)
 
 
 def value_table(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
@@ -121,11 +111,11 @@ def fused_counts(packets: Sequence[Packet], wire: str, values: Sequence, decode,
 
 
 def fused_slices(values: Sequence[torch.Tensor | None], wires: Sequence[torch.Tensor] = ()) -> bool:
-    """Whether a codec's fused ``*_slices`` path runs (:meth:`Compressor.compress_slices`): the
-    kernels run for these tensors, all contiguous, ``values`` float32 (None: absent)."""
+    """Whether a numba implementation's ``*_slices`` kernels take these tensors
+    (:meth:`~.capabilities.Slicing.compress_slices`): all contiguous, ``values`` float32
+    (None: absent)."""
     values = [t for t in values if t is not None]
-    return (fused(*values, *wires) and all(t.is_contiguous() for t in (*values, *wires))
-            and all(t.dtype == torch.float32 for t in values))
+    return all(t.is_contiguous() for t in (*values, *wires)) and all(t.dtype == torch.float32 for t in values)
 
 
 def laid_out(wire: torch.Tensor, offsets: np.ndarray) -> Slices:
@@ -137,37 +127,6 @@ def laid_out(wire: torch.Tensor, offsets: np.ndarray) -> Slices:
 def rows(wires: Sequence[torch.Tensor]) -> torch.Tensor:
     """The workers' equally long wire buffers as the rows of one contiguous uint8 matrix."""
     return torch.stack(list(wires)) if len(wires) > 1 else wires[0].contiguous().view(1, -1)
-
-
-def sample_indices(numel: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """A uniformly random k-subset of ``range(numel)``, sorted, int64, on the CPU.
-
-    No O(numel log numel) permutation: draw the missing count with replacement and keep
-    the new distinct values until there are k (a round never overshoots, since it draws
-    only the deficit). Every step treats all coordinates alike, so the subset is uniform.
-    For k > numel / 2 the complement is drawn instead.
-    """
-    if k >= numel:
-        return torch.arange(numel)
-    if 2 * k > numel:
-        return (~_draw_mask(numel, numel - k, gen)).nonzero().view(-1)
-    if k <= SORT_MAX_K:  # small: dedupe by sorting the k values
-        idx = torch.empty(0, dtype=torch.int64)
-        while idx.numel() < k:
-            more = torch.randint(numel, (k - idx.numel(),), generator=gen)
-            idx = torch.cat([idx, more]).unique()
-        return idx
-    return _draw_mask(numel, k, gen).nonzero().view(-1)
-
-
-def _draw_mask(numel: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """Membership mask of a uniform k-subset (no sort: large sorts are slow on CPU)."""
-    chosen = torch.zeros(numel, dtype=torch.bool)
-    count = 0
-    while count < k:
-        chosen.scatter_(0, torch.randint(numel, (k - count,), generator=gen), True)
-        count = int(torch.count_nonzero(chosen))
-    return chosen
 
 
 @functools.lru_cache(maxsize=64)
@@ -210,6 +169,27 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     return int(shape[0]), math.prod(int(s) for s in shape[1:])
 
 
+def magnitude_keys(values: torch.Tensor) -> torch.Tensor:
+    """The magnitudes of a float tensor as integers that order as they do (its bits with the
+    sign bit cleared: +0 lowest, +inf above every finite value, NaN above +inf): what the
+    sparsifiers rank, exactly and alike on every device."""
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]
+    return values.view(as_int) & torch.iinfo(as_int).max
+
+
+def largest(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions (ascending, int64) of the ``k`` largest entries of the integer tensor
+    ``keys``, a tie going to the lower position (docs/algorithms.md §codec: topk): one answer
+    on every device, where ``torch.topk``'s choice among ties and its order are its own."""
+    if k >= keys.numel():
+        return torch.arange(keys.numel(), device=keys.device)
+    kth = torch.topk(keys, k, sorted=False).values.min()
+    above = keys > kth
+    ties = keys == kth
+    keep = above | (ties & (torch.cumsum(ties, 0) <= k - above.sum()))
+    return keep.nonzero().view(-1)
+
+
 def above_threshold(flat: torch.Tensor, threshold) -> torch.Tensor:
     """Indices (ascending, int64) of the entries of a flat tensor with ``|x| >= threshold``
     (a number or a 0-d tensor): one pass, piece by piece where :func:`piecewise` (the
@@ -221,39 +201,65 @@ def above_threshold(flat: torch.Tensor, threshold) -> torch.Tensor:
     return torch.cat(idx) if len(idx) > 1 else idx[0]
 
 
-class DecodeAddMean(Compressor):
-    """The mean of the decoded packets, fused for float32 on the CPU: the first packet
-    decoded, each other one decoded and added in the same pass (:meth:`_decode_add`: the same
-    float32 sums in the same order as the reference), then divided by n."""
-
-    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
-        first = packets[0]
-        if first.dtype != torch.float32 or not kernels.enabled(*first.wire.values()):
-            return super().aggregate(packets)
-        total = self.decompress(first)  # a new tensor on this path
-        for p in packets[1:]:
-            self._decode_add(p, total)
-        return total.div_(len(packets))
-
-    def _decode_add(self, packet: Packet, total: torch.Tensor) -> None:
-        """``total += decompress(packet)`` in one fused pass (float32, CPU)."""
-        raise NotImplementedError
-
-
-class OnePassResidual(DecodeAddMean):
-    """For a codec whose ``_encode(tensor, seed, reuse, residual)`` writes the error-feedback
-    residual in the same fused pass as the packet (float32, CPU kernels): ``compress`` and
-    ``compress_residual`` both go through it; anything else takes the base class's two calls."""
+class EncodesResidual:
+    """Mixin of an implementation whose ``_encode(tensor, seed, reuse, residual)`` writes the
+    packet and, given ``residual`` (flat, contiguous float32 on the tensor's device), the
+    error-feedback residual ``v − C(v)`` in the same pass: ``compress`` and
+    ``compress_residual`` (float32 tensors; others take the reference's two calls) go
+    through it, an ``out`` that is not contiguous through a buffer then copied."""
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         return self._encode(tensor, seed, reuse, None)
 
     def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
                           reuse: Packet | None = None) -> Packet:
-        if tensor.dtype != torch.float32 or not kernels.enabled(tensor, out) or not out.is_contiguous():
+        if tensor.dtype != torch.float32:
             return super().compress_residual(tensor, seed, out, reuse)
-        return self._encode(tensor, seed, reuse, out)
+        residual = kernels.decode_target(out, tensor.shape, torch.float32, tensor.device)
+        packet = self._encode(tensor, seed, reuse, residual.view(-1))
+        if residual is not out:
+            out.copy_(residual)
+        return packet
 
     def _encode(self, tensor: torch.Tensor, seed: int, reuse: Packet | None,
                 residual: torch.Tensor | None) -> Packet:
         raise NotImplementedError
+
+
+class MeanOfDecoded:
+    """Mixin of a Triton implementation whose float32 packets decode through
+    :func:`gradzip.kernels.triton.mean.mean` (``KIND``; the codes in wire ``WIRE``, each
+    packet's scalar in wire ``SCALAR``; :meth:`mean_options` the rest): the decode, and the
+    mean of n packets in one pass over them; other dtypes take the reference."""
+
+    KIND: ClassVar[str]
+    WIRE: ClassVar[str]
+    SCALAR: ClassVar[str]
+
+    def mean_options(self, packet: Packet) -> dict:
+        return {}
+
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        if packet.dtype != torch.float32:
+            return super().decompress(packet, out)
+        return self.mean_of([packet], divide=False, out=out)
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        if packets[0].dtype != torch.float32:
+            return super().aggregate(packets)
+        return self.mean_of(packets)
+
+    def mean_of(self, packets: Sequence[Packet], **options) -> torch.Tensor:
+        return self.mean.mean(self.KIND, [p.wire[self.WIRE] for p in packets], [p.wire[self.SCALAR] for p in packets],
+                              packets[0].shape, **self.mean_options(packets[0]), **options)
+
+
+def decode_add_mean(impl, packets: Sequence[Packet], add) -> torch.Tensor:
+    """The mean of the decoded float32 packets, fused: the first decoded (``impl.decompress``,
+    a new tensor), each other one decoded and added in one pass by ``add(packet, total)``
+    (the same float32 sums in the same order as ``total.add_(decompress(p))``), then divided
+    by n: ``Operations.aggregate``'s bits in n passes over the output instead of 3n."""
+    total = impl.decompress(packets[0])
+    for p in packets[1:]:
+        add(p, total)
+    return total.div_(len(packets))

@@ -1,4 +1,14 @@
-"""The codec protocol: ``compress(tensor) -> Packet``, ``decompress(packet) -> tensor``.
+"""The codec protocol (docs/algorithms.md, "Codecs"): the core every codec has, and where its
+kernels come from.
+
+The core: ``compress(tensor, seed) -> Packet``, ``decompress(packet) -> tensor``,
+``compress_residual`` (the error-feedback form of ``compress``) and ``aggregate(packets)``
+(the allgather route: every worker gets every packet; default: the mean of the decoded
+tensors, ``sign`` overrides it with a majority vote). Optional capabilities are small
+protocols of their own (:mod:`gradzip.compressors.capabilities`): packets that sum in
+compressed form (``Summing``; ``sum_dtype`` is the question every codec answers, None: it
+does not) and many slices at once for the two-phase transport (``Slicing``, with a default
+of one call per slice that every codec inherits).
 
 A codec is stateless (docs/algorithms.md, "Codecs"): error memory belongs to the methods, so the
 same codec object can serve every tensor, worker and step. Randomness comes from an
@@ -12,22 +22,11 @@ cross the network, e.g. bit-packed ``uint8`` codes, sparse indices) and ``meta``
 receiver knows or re-derives without it being sent (shape, dtype, shared indices).
 ``packet.nbytes`` counts only ``wire``.
 
-Two ways to aggregate packets from ``n`` workers (chosen by :mod:`gradzip.exchange` from
-the wire sizes):
-
-* allgather: every worker gets every packet, then ``aggregate(packets)`` (default: the
-  mean of the decoded tensors; ``sign`` overrides it with a majority vote);
-* allreduce: where packets sum in compressed form, ``summand(packet, n)`` is a flat tensor
-  of dtype ``sum_dtype(n)``; after the collective sum, ``from_sum(total, packet, n)``
-  returns the same aggregate.
-
-Many slices at once (the two-phase transport, :mod:`gradzip.twophase`): :meth:`Compressor.compress_slices`
-compresses many slices ``x[a:b]`` of one flat tensor, each with its own seed, into one
-:class:`Slices` (every packet's raw wire bytes back to back), :meth:`Compressor.aggregate_slices`
-and :meth:`Compressor.decode_slices` read such buffers back. Each slice is still its own
-packet (its own scale, its own seed): the bytes and values are those of one call per slice,
-which is what the defaults do; ``sign``, ``scaled_sign`` and ``2bit`` override them with
-kernels that do all slices in one call (float32 on the CPU).
+Kernels: a codec with fused kernels lists its implementations by backend
+(``implementations``: ``torch``, the reference, and ``numba`` / ``triton``), and
+:meth:`Compressor.impl` gives the one for a device, chosen once per codec instance, device
+and kernel mode (:func:`gradzip.kernels.backend`) and kept on the instance: the codec's
+methods call it and test nothing per call.
 
 Memory rules every codec keeps: ``compress`` never modifies its input, and its wire
 tensors do not share memory with it, except for ``none``, whose wire is the input itself
@@ -43,10 +42,12 @@ import dataclasses
 import keyword
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 
+from .. import kernels
+from .capabilities import Slices, Slicing  # noqa: F401  (Slices: re-exported)
 
 
 @dataclass
@@ -92,20 +93,6 @@ class Packet:
         return self.like(wire)
 
 
-@dataclass
-class Slices:
-    """The packets of many slices (:meth:`Compressor.compress_slices`): ``wire`` holds each
-    packet's raw wire bytes (:meth:`Packet.raw`) back to back, ``nbytes`` their sizes;
-    ``packets``: the per-slice packets where the codec made them one by one (the default),
-    None where a fused override wrote ``wire`` directly. A receiver passes ``packets`` back
-    as the ``templates`` of :meth:`Compressor.aggregate_slices` / :meth:`Compressor.decode_slices`
-    (the layout of other workers' packets of the same slices)."""
-
-    wire: torch.Tensor
-    nbytes: list[int]
-    packets: list[Packet] | None = None
-
-
 def deliver(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``decompress``'s ending: ``result`` itself, or copied into the caller's ``out``."""
     if out is None:
@@ -136,20 +123,10 @@ def wire_indices(packet: "Packet") -> torch.Tensor:
     return packet.wire["indices"].to(torch.int32)
 
 
-@dataclass(frozen=True)
-class Compressor:
-    """Base class of every codec. Subclasses are frozen dataclasses: their fields are the
-    spec-string parameters (``topk:ratio=0.01``), validated in ``__post_init__``."""
-
-    name: ClassVar[str] = ""
-    #: Random choices must be identical on every worker (same step, same tensor).
-    shared_randomness: ClassVar[bool] = False
-    #: ``E[C(v)] = v``: error feedback would only add the codec's variance to the next step,
-    #: so the DDP hook leaves it off by default and refuses it. ``randomk`` makes it a field.
-    unbiased: ClassVar[bool] = False
-    #: A NaN/Inf anywhere in any worker's tensor makes the aggregate non-finite (``none``,
-    #: ``fp16``, ``bf16``): PSync's aggregate check then also guards the inputs.
-    propagates_nonfinite: ClassVar[bool] = False
+class Operations(Slicing):
+    """The core operations of a codec (module docstring), with the defaults every codec and
+    every implementation of one (:class:`Implementation`) share; and the two-phase
+    :class:`~gradzip.compressors.capabilities.Slicing` defaults."""
 
     # -- the codec -------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
@@ -177,49 +154,6 @@ class Compressor:
         torch.sub(tensor, self.decompress(packet), out=out)
         return packet
 
-    # -- many slices (the two-phase transport) ------------------------------------------
-    def compress_slices(self, x: torch.Tensor, bounds: Sequence[tuple[int, int]], seeds: Sequence[int],
-                        residual: torch.Tensor | None = None) -> Slices:
-        """``compress(x[a:b], seed)`` for every ``(a, b)`` of ``bounds`` (non-empty slices of the
-        flat tensor ``x``, any order) with its seed, as one :class:`Slices`; with ``residual``
-        (``x``'s shape and dtype, not overlapping it), ``x[a:b] − dec`` into ``residual[a:b]``
-        (:meth:`compress_residual`). The same bytes and residual bits as one call per slice,
-        which is what this default does."""
-        packets = [self.compress(x[a:b], seed) if residual is None
-                   else self.compress_residual(x[a:b], seed, residual[a:b])
-                   for (a, b), seed in zip(bounds, seeds)]
-        raw = [w for p in packets for w in p.raw()]
-        wire = torch.cat(raw) if raw else torch.empty(0, dtype=torch.uint8, device=x.device)
-        return Slices(wire, [p.nbytes for p in packets], packets)
-
-    def aggregate_slices(self, wires: Sequence[torch.Tensor], bounds: Sequence[tuple[int, int]],
-                         out: torch.Tensor, templates: Sequence[Packet] | None) -> None:
-        """For each slice m: :meth:`aggregate` of the workers' packets of it (``wires[i]``:
-        worker i's :class:`Slices` wire of these slices, in rank order) into
-        ``out[a_m:b_m]``. ``templates``: this worker's ``Slices.packets`` of the same slices
-        (None from a fused override, which knows its layout from the lengths)."""
-        offset = 0
-        for (a, b), template in zip(bounds, self._templates(templates, bounds, out)):
-            size = template.nbytes
-            out[a:b].copy_(self.aggregate([template.from_raw(w[offset:offset + size]) for w in wires]).reshape(-1))
-            offset += size
-
-    def decode_slices(self, wire: torch.Tensor, bounds: Sequence[tuple[int, int]], out: torch.Tensor,
-                      templates: Sequence[Packet] | None) -> None:
-        """:meth:`decompress` of each packet of ``wire`` (a :class:`Slices` wire of these
-        slices) into ``out[a_m:b_m]``; ``templates`` as for :meth:`aggregate_slices`."""
-        offset = 0
-        for (a, b), template in zip(bounds, self._templates(templates, bounds, out)):
-            size = template.nbytes
-            self.decompress(template.from_raw(wire[offset:offset + size]), out=out[a:b])
-            offset += size
-
-    def _templates(self, templates, bounds, out: torch.Tensor) -> Sequence[Packet]:
-        if templates is not None:
-            return templates
-        # a fused codec's Slices carry no packets: its layout from zero slices of these sizes
-        return [self.compress(torch.zeros(b - a, dtype=out.dtype, device=out.device)) for a, b in bounds]
-
     # -- aggregation -----------------------------------------------------------------
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         """The aggregate of all workers' packets (rank order): the mean of the decoded."""
@@ -228,27 +162,51 @@ class Compressor:
             total.add_(self.decompress(p))
         return total.div_(len(packets))
 
+
+
+@dataclass(frozen=True)
+class Compressor(Operations):
+    """Base class of every codec. Subclasses are frozen dataclasses: their fields are the
+    spec-string parameters (``topk:ratio=0.01``), validated in ``__post_init__``."""
+
+    name: ClassVar[str] = ""
+    #: Random choices must be identical on every worker (same step, same tensor).
+    shared_randomness: ClassVar[bool] = False
+    #: ``E[C(v)] = v``: error feedback would only add the codec's variance to the next step,
+    #: so the DDP hook leaves it off by default and refuses it. ``randomk`` makes it a field.
+    unbiased: ClassVar[bool] = False
+    #: A NaN/Inf anywhere in any worker's tensor makes the aggregate non-finite (``none``,
+    #: ``fp16``, ``bf16``): PSync's aggregate check then also guards the inputs.
+    propagates_nonfinite: ClassVar[bool] = False
+    #: The codec's implementations by backend (:data:`gradzip.kernels.BACKENDS`): each a class
+    #: built with the codec; ``torch`` (the reference) serves a backend the codec lacks.
+    implementations: ClassVar[Mapping[str, Callable[["Compressor"], Any]]] = {}
+
+    def impl(self, device: torch.device) -> Any:
+        """This codec's implementation for tensors on ``device``: resolved once per kernel mode
+        and device (:func:`gradzip.kernels.backend`) and kept on the instance."""
+        key = (kernels.mode(), kernels.interpreted(), device)
+        chosen = self.__dict__.get("_impls")
+        if chosen is None:
+            chosen = {}
+            object.__setattr__(self, "_impls", chosen)   # a cache, not a field: frozen, equal, hashable as before
+        found = chosen.get(key)
+        if found is None:
+            table = self.implementations
+            found = chosen[key] = table.get(kernels.backend(device), table["torch"])(self)
+        return found
+
+    def __getstate__(self) -> dict:
+        """The instance's fields, without the implementations it resolved (a copy resolves its own)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_impls"}
+
     def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
         """dtype in which packets of ``world_size`` workers sum in compressed form (the dtype
-        of :meth:`summand`), or None if they do not. ``dtype`` is the compressed tensors'
-        dtype; only codecs that send the tensor as it is (``none``) depend on it."""
+        of ``summand``), or None if they do not: the question every codec answers; a codec
+        that sums has the :class:`~gradzip.compressors.capabilities.Summing` capability.
+        ``dtype`` is the compressed tensors' dtype; only codecs that send the tensor as it
+        is (``none``) depend on it."""
         return None
-
-    def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
-        """Flat tensor this worker contributes to an allreduce-sum. A new tensor, except where
-        the codec says otherwise (``none``: the wire itself, read-only, which may be the
-        caller's gradient): a caller that sums into it in place copies it first, as PSync does."""
-        raise NotImplementedError(f"{self.name} packets do not sum")
-
-    def summand_numel(self, packet: Packet, world_size: int) -> int | None:
-        """Elements of :meth:`summand`, known without building it (PSync sizes the allreduce
-        with it before choosing); None: PSync builds the summand to size it."""
-        return None
-
-    def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
-        """The aggregate (same as :meth:`aggregate`) from the allreduced ``summand`` sum;
-        ``total`` is the caller's to consume: the aggregate may be computed in its memory."""
-        raise NotImplementedError(f"{self.name} packets do not sum")
 
     # -- description -----------------------------------------------------------------
     def wire_nbytes(self, shape: Sequence[int]) -> int:
@@ -279,3 +237,65 @@ def _fmt(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
+
+
+class Implementation(Operations):
+    """A codec's operations on one backend (``Compressor.implementations``), built with the
+    codec (``self.codec``, whose fields it reads). The reference implementation states the
+    codec in torch code; a kernel backend's subclasses it, overriding what its kernels do
+    and leaving the rest (dtypes or layouts its kernels do not take) to the reference."""
+
+    #: Modules of Triton kernels this implementation calls (``gradzip.kernels.triton.<name>``),
+    #: imported (with triton) when it is built and kept as attributes of the same name.
+    kernel_modules: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, codec: "Compressor"):
+        self.codec = codec
+        for name in self.kernel_modules:
+            setattr(self, name, kernels.triton_module(name))
+
+
+def device_of(packet: Packet) -> torch.device:
+    """Where a packet's wire lives (a packet without wire tensors: ``meta["device"]``, else CPU)."""
+    for t in packet.wire.values():
+        return t.device
+    return packet.meta.get("device", torch.device("cpu"))
+
+
+class OnImplementation:
+    """Mixin of a :class:`Compressor` whose core and slicing operations run on its
+    implementation for the tensors' device (:meth:`Compressor.impl`), chosen once per
+    instance and device: the codec's methods test nothing per call."""
+
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        return self.impl(tensor.device).compress(tensor, seed, reuse)
+
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        return self.impl(tensor.device).compress_residual(tensor, seed, out, reuse)
+
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.impl(device_of(packet)).decompress(packet, out)
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        return self.impl(device_of(packets[0])).aggregate(packets)
+
+    def compress_slices(self, x, bounds, seeds, residual=None) -> Slices:
+        return self.impl(x.device).compress_slices(x, bounds, seeds, residual)
+
+    def aggregate_slices(self, wires, bounds, out, templates) -> None:
+        self.impl(out.device).aggregate_slices(wires, bounds, out, templates)
+
+    def decode_slices(self, wire, bounds, out, templates) -> None:
+        self.impl(out.device).decode_slices(wire, bounds, out, templates)
+
+
+class SumsOnImplementation(OnImplementation):
+    """:class:`OnImplementation` for a codec with the ``Summing`` capability: its summand
+    and aggregate from the sum run on the implementation too."""
+
+    def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
+        return self.impl(device_of(packet)).summand(packet, world_size)
+
+    def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
+        return self.impl(total.device).from_sum(total, packet, world_size)

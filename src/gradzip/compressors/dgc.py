@@ -42,12 +42,11 @@ from typing import Sequence
 
 import torch
 
-from ..kernels import sparse as sparse_kernels
 from ..validation import is_real, require
 from . import _util
-from ._util import generator, scatter_mean
-from .base import Compressor, Packet, index_dtype, keep_count, wire_indices
-from .sparsify import fits_out, fused_path, fused_scatter_mean, scatter_decode
+from ._util import generator, largest, magnitude_keys, scatter_mean
+from .base import Compressor, Implementation, OnImplementation, Packet, index_dtype, keep_count, wire_indices
+from .sparsify import NumbaScans, SparseNumba, TritonScans, fits_out, scatter_decode
 from .registry import register
 
 #: Refinement rounds of the sampled threshold before falling back to the exact top-k.
@@ -132,31 +131,20 @@ def _select(flat: torch.Tensor, k: int, sample_ratio: float, seed: int = 0, stat
     if stats is not None:
         stats.update(passes=passes, rounds=rounds, exact=exact)
     if exact:
-        return torch.topk(torch.abs(flat), min(k, numel), sorted=False).indices, None
+        return largest(magnitude_keys(flat), min(k, numel)), None
     return idx, raw
 
 
-@register
-@dataclass(frozen=True)
-class DGCCompressor(Compressor):
-    name = "dgc"
-    ratio: float = 0.001
-    sample_ratio: float = 0.01
-
-    def __post_init__(self):
-        for key in ("ratio", "sample_ratio"):
-            value = getattr(self, key)
-            require(is_real(value) and 0 < value <= 1, "dgc", f"{key} must be in (0, 1], got {value!r}")
+class DGCReference(Implementation):
+    """dgc in torch code: the reference every kernel backend is tested bit-identical to."""
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
-        if fused_path(tensor):
-            return self._compress_fused(tensor, seed, reuse, None)
         flat = tensor.detach().reshape(-1)
         numel = flat.numel()
-        k = min(keep_count(self.ratio, numel), numel)
-        idx = sampled_threshold_select(flat, k, self.sample_ratio, seed)
-        if idx.numel() > k:   # keep the k largest candidates
-            idx = idx.index_select(0, torch.topk(flat.index_select(0, idx).abs(), k, sorted=False).indices)
+        k = min(keep_count(self.codec.ratio, numel), numel)
+        idx = sampled_threshold_select(flat, k, self.codec.sample_ratio, seed)
+        if idx.numel() > k:   # keep the k largest candidates (in index order: ties to the smaller)
+            idx = idx.index_select(0, largest(magnitude_keys(flat.index_select(0, idx)), k))
         selected = idx.numel()
         values = flat.index_select(0, idx)
         if selected < k:      # pad: index of a selected entry, value 0 (adds nothing)
@@ -166,34 +154,52 @@ class DGCCompressor(Compressor):
         wire = {"values": values, "indices": idx.to(index_dtype(numel))}
         return Packet(wire, tensor.shape, tensor.dtype, meta={"selected": selected})
 
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        return scatter_decode(packet, out, added=True)   # padding repeats an index with value 0
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        """One dense buffer, every packet's values index-added, divided by n."""
+        return scatter_mean(packets, lambda p: (wire_indices(p), p.wire["values"]), packets[0].numel)
+
+
+class DGCScanned(DGCReference):
+    """dgc with its candidate passes by a kernel (:class:`.sparsify.Scans`, float32 and 16-bit
+    inputs), the first also copying the tensor into the residual; the refinement, trimming and
+    padding are the reference's torch code on the (small) candidate set."""
+
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        if tensor.dtype not in self.DTYPES:
+            return super().compress(tensor, seed, reuse)
+        return self._compress_fused(tensor, seed, reuse, None)
+
     def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
                           reuse: Packet | None = None) -> Packet:
         """One pass over ``tensor`` (fused): the first candidate scan copies it into ``out``,
         then the selected entries of ``out`` get ``x − (0 + x)``."""
-        if fused_path(tensor) and fits_out(out, tensor):
-            return self._compress_fused(tensor, seed, reuse, out.view(-1))
-        return super().compress_residual(tensor, seed, out, reuse)
+        if not (tensor.dtype in self.DTYPES and fits_out(out, tensor)):
+            return super().compress_residual(tensor, seed, out, reuse)
+        return self._compress_fused(tensor, seed, reuse, out.view(-1))
 
     def _compress_fused(self, tensor: torch.Tensor, seed: int, reuse: Packet | None,
                         residual: torch.Tensor | None) -> Packet:
         flat = tensor.detach().reshape(-1).contiguous()
         numel = flat.numel()
-        k = min(keep_count(self.ratio, numel), numel)
+        k = min(keep_count(self.codec.ratio, numel), numel)
         copied = []
 
         def scan(threshold, expect):
             copied.append(residual is not None)
-            return sparse_kernels.scan(flat, threshold, residual if len(copied) == 1 else None, expect)
+            return self.scan(flat, threshold, residual if len(copied) == 1 else None, expect)
 
-        idx, values = _select(flat, k, self.sample_ratio, seed, scan=scan)
-        if idx.numel() > k:   # keep the k largest candidates
+        idx, values = _select(flat, k, self.codec.sample_ratio, seed, scan=scan)
+        if idx.numel() > k:   # keep the k largest candidates (in index order: ties to the smaller)
             picked = flat.index_select(0, idx) if values is None else values
-            best = torch.topk(picked.abs(), k, sorted=False).indices
+            best = largest(magnitude_keys(picked), k)
             idx = idx.index_select(0, best)
             values = None if values is None else values.index_select(0, best)
         selected = idx.numel()
-        wire_values = _util.wire_buffer(reuse, "values", k, flat.dtype)
-        wire_idx = _util.wire_buffer(reuse, "indices", k, index_dtype(numel))
+        wire_values = _util.wire_buffer(reuse, "values", k, flat.dtype, flat.device)
+        wire_idx = _util.wire_buffer(reuse, "indices", k, index_dtype(numel), flat.device)
         if values is None:
             torch.index_select(flat, 0, idx, out=wire_values[:selected])
         else:
@@ -205,19 +211,37 @@ class DGCCompressor(Compressor):
         if residual is not None:
             if not copied:
                 residual.copy_(flat)
-            sparse_kernels.fix_residual(residual, flat, idx.to(torch.int32), added=True)
+            self.fix_residual(residual, flat, idx, added=True)
         return Packet({"values": wire_values, "indices": wire_idx}, tensor.shape, tensor.dtype,
                       meta={"selected": selected})
 
-    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        return scatter_decode(packet, out, added=True)   # padding repeats an index with value 0
 
-    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
-        """One dense buffer, every packet's values index-added, divided by n."""
-        fused = fused_scatter_mean(packets, lambda p: (wire_indices(p), p.wire["values"]))
-        if fused is not None:
-            return fused
-        return scatter_mean(packets, lambda p: (wire_indices(p), p.wire["values"]), packets[0].numel)
+
+
+
+class DGCNumba(SparseNumba, NumbaScans, DGCScanned):
+    """dgc on the CPU: every candidate pass by the numba scan, the decode and the aggregate by
+    :mod:`gradzip.kernels.sparse`."""
+
+    ADDED = True
+
+
+class DGCTriton(TritonScans, DGCScanned):
+    """dgc on CUDA: every candidate pass by the Triton scan; the rest torch on the device."""
+
+
+@register
+@dataclass(frozen=True)
+class DGCCompressor(OnImplementation, Compressor):
+    name = "dgc"
+    ratio: float = 0.001
+    sample_ratio: float = 0.01
+    implementations = {"torch": DGCReference, "numba": DGCNumba, "triton": DGCTriton}
+
+    def __post_init__(self):
+        for key in ("ratio", "sample_ratio"):
+            value = getattr(self, key)
+            require(is_real(value) and 0 < value <= 1, "dgc", f"{key} must be in (0, 1], got {value!r}")
 
     def wire_nbytes(self, shape) -> int:
         numel = math.prod(shape)

@@ -10,7 +10,10 @@ allreduce does.
 
 The casts are torch's own (``Tensor.copy_`` casts at the speed of a plain copy when it
 writes into an existing buffer; only the allocation of a fresh wire costs): ``compress``
-casts into the ``reuse`` packet's wire and ``decompress(out=)`` straight into ``out``.
+casts into the ``reuse`` packet's wire and ``decompress(out=)`` straight into ``out``. On
+CUDA (:class:`CastTriton`) the summand (``x/n`` cast back) and the mean of n packets are one
+pass each (:mod:`gradzip.kernels.triton.cast`, :mod:`~gradzip.kernels.triton.mean`); elsewhere torch,
+the reference.
 """
 from __future__ import annotations
 
@@ -19,13 +22,14 @@ from typing import ClassVar
 
 import torch
 
-from .base import Compressor, Packet, deliver
+from .base import Compressor, Implementation, Packet, deliver
+from .capabilities import Summing
 from .registry import register
 
 
 @register
 @dataclass(frozen=True)
-class NoCompression(Compressor):
+class NoCompression(Summing, Compressor):
     """Identity: the wire is the tensor itself (no copy: the one codec whose wire shares
     memory with its input, see base); the allreduce sums it in its own dtype."""
 
@@ -50,12 +54,39 @@ class NoCompression(Compressor):
         return total.div_(world_size).view(packet.shape)  # total: PSync's own buffer, of the packet's dtype
 
 
+class CastReference(Implementation):
+    """A cast's summand and mean of n packets in torch: the reference."""
+
+    def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
+        # Divide (in float32) before the sum, then cast: n terms of x/n cannot overflow.
+        return (packet.wire["x"].reshape(-1).float() / world_size).to(self.codec.wire_dtype)
+
+    def aggregate(self, packets) -> torch.Tensor:
+        return Compressor.aggregate(self.codec, packets)
+
+
+class CastTriton(CastReference):
+    """A cast's summand and mean of n float32 packets, one pass each, by Triton (CUDA):
+    :mod:`gradzip.kernels.triton.cast` and :mod:`gradzip.kernels.triton.mean`."""
+
+    kernel_modules = ("cast", "mean")
+
+    def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
+        return self.cast.summand(packet.wire["x"], world_size)
+
+    def aggregate(self, packets) -> torch.Tensor:
+        if packets[0].dtype != torch.float32:
+            return super().aggregate(packets)
+        return self.mean.mean("cast", [p.wire["x"] for p in packets], None, packets[0].shape)
+
+
 @dataclass(frozen=True)
-class _Cast(Compressor):
+class _Cast(Summing, Compressor):
     """Cast to ``wire_dtype`` on the wire, back to the packet's dtype on decode."""
 
     wire_dtype: ClassVar[torch.dtype]
     propagates_nonfinite = True   # the casts keep NaN and ±Inf; x/n of Inf is Inf
+    implementations = {"torch": CastReference, "triton": CastTriton}
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         old = reuse.wire.get("x") if reuse is not None else None
@@ -82,8 +113,11 @@ class _Cast(Compressor):
         return self.wire_dtype
 
     def summand(self, packet: Packet, world_size: int) -> torch.Tensor:
-        # Divide (in float32) before the sum, then cast: n terms of x/n cannot overflow.
-        return (packet.wire["x"].reshape(-1).float() / world_size).to(self.wire_dtype)
+        return self.impl(packet.wire["x"].device).summand(packet, world_size)
+
+    def aggregate(self, packets) -> torch.Tensor:
+        """The mean of the decoded packets (``Compressor.aggregate``), in one pass on CUDA."""
+        return self.impl(packets[0].wire["x"].device).aggregate(packets)
 
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
         return total.to(packet.dtype).view(packet.shape)  # already the mean

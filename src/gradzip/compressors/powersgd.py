@@ -31,6 +31,7 @@ import torch
 from ..validation import is_int, is_real, require
 from ._util import matrix_shape, shared_generator
 from .base import Compressor, Packet, deliver
+from .capabilities import Summing
 from .registry import register
 
 
@@ -83,7 +84,7 @@ def random_q(cols: int, rank: int, seed: int, dtype=torch.float32, device="cpu")
 
 @register
 @dataclass(frozen=True)
-class PowerSGDCompressor(Compressor):
+class PowerSGDCompressor(Summing, Compressor):
     name = "powersgd"
     shared_randomness = True
     rank: int = 1

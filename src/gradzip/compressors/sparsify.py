@@ -6,9 +6,10 @@
   (:func:`~gradzip.compressors.base.index_dtype`: ``uint8`` for d ≤ 256, ``uint16`` for
   d ≤ 65536, ``int32`` above), so ``5k``, ``6k`` or ``8k`` bytes for float32. Does not sum
   (every worker keeps other indices); its aggregate scatter-adds all packets into one buffer.
-* ``randomk:ratio=ρ[,unbiased=true]``: k coordinates drawn from a generator seeded with the
-  shared ``seed`` (same step and tensor -> same indices on every worker); values scaled by
-  ``d/k`` only when ``unbiased``. Wire = the values only (``4k`` bytes): every worker
+* ``randomk:ratio=ρ[,unbiased=true]``: the k coordinates of smallest counter hash of the
+  shared ``seed`` (:func:`gradzip.kernels.counter_rng.smallest_hashes`; same step and tensor
+  -> same indices on every worker and device, hashed where the tensor lives); values scaled
+  by ``d/k`` only when ``unbiased``. Wire = the values only (``4k`` bytes): every worker
   re-derives the indices (kept in ``meta``). Sums (the values, in float32).
 * ``randblock``: one block chosen with the shared seed, sent dense; sums like ``randomk``.
   ``randblock:ratio=ρ``: a contiguous run of k entries of the flattened tensor at an offset
@@ -24,17 +25,20 @@
   Exactly one form may be given; missing ``in``/``out``/``layer`` are 1; nothing at all
   means ``ratio=0.01``.
 
-Shared random choices come from a CPU generator (the same numbers on every device).
+``randblock``'s shared choice (a few integers) comes from a CPU generator (the same numbers
+on every device).
 Indices are at most int32 on the wire, so a tensor has fewer than 2**31 entries.
 
-Fused path (CPU, float32 / float16 / bfloat16, unless ``GRADZIP_KERNELS=torch``;
-gradzip/kernels/sparse.py): ``topk``'s candidate scan is one numba pass that also copies
-the tensor into the residual of ``compress_residual`` (then only the ``k`` sent entries
-of it are rewritten); ``randomk``'s residual is a copy plus the ``k`` drawn entries;
+Implementations (``Compressor.impl``): the ``*Reference`` classes are the torch reference.
+numba (CPU, float32 / float16 / bfloat16; gradzip/kernels/sparse.py, gradzip/kernels/draws.py):
+``topk``'s candidate scan is one pass that also copies the tensor into the residual of
+``compress_residual`` (then only the ``k`` sent entries of it are rewritten); ``randomk``'s
+draw is one hashing pass, its residual a copy plus the ``k`` drawn entries;
 ``decompress(out=)`` zero-fills ``out`` and scatters into it; the aggregate adds every
-packet into one buffer and divides it, in one kernel; ``reuse`` receives the wire. The
-torch code is the reference: the same wire, decoding, residual and aggregate bit for bit
-(tests/test_kernels_sparse.py).
+packet into one buffer and divides it, in one kernel; ``reuse`` receives the wire. Triton
+(CUDA; gradzip/kernels/triton/sparse.py): the same candidate scan and the draw hashed on the
+device; the rest is torch on the device. The same wire, decoding, residual and aggregate
+bit for bit on every path (tests/test_kernels_sparse.py, tests/test_kernels_triton.py).
 """
 from __future__ import annotations
 
@@ -45,11 +49,13 @@ from typing import Sequence
 import torch
 
 from .. import kernels
+from ..kernels import counter_rng, draws
 from ..kernels import sparse as sparse_kernels
 from ..validation import is_int, is_real, require
 from . import _util
-from ._util import sample_indices, scatter_mean, shared_generator
-from .base import Compressor, Packet, deliver, index_dtype, keep_count, wire_indices
+from ._util import largest, magnitude_keys, scatter_mean, shared_generator
+from .base import Compressor, Implementation, OnImplementation, Packet, deliver, index_dtype, keep_count, wire_indices
+from .capabilities import Summing
 from .registry import register
 
 
@@ -67,27 +73,27 @@ def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k entries of largest magnitude of a flat tensor (unordered), as
-    ``torch.topk(flat.abs(), k)``.
+    """Indices (ascending, int64) of the k entries of largest magnitude of a flat tensor, a tie
+    going to the smaller index (:func:`._util.largest` of :func:`._util.magnitude_keys`).
 
-    On the CPU, for a large tensor and small k, ``torch.topk`` over everything is slow; a
-    threshold read off a strided 1/64 sample (with a margin) first keeps about 1.25k
-    candidates (piece by piece where ``_util.piecewise``), and ``topk`` runs on those.
-    If fewer than k pass (an unlucky sample) it falls back to the full ``topk``, so the
-    result is always exact (NaN entries aside, which ``torch.topk`` ranks first and the
-    threshold drops).
+    For a large tensor and small k, a selection over everything is slow; a threshold read
+    off a strided 1/64 sample (with a margin) first keeps about 1.25k candidates (piece by
+    piece where ``_util.piecewise``), and the selection runs on those (ties at the k-th
+    magnitude are all candidates, so the answer is the same). If fewer than k pass (an
+    unlucky sample) it falls back to all entries, so the result is always exact (NaN
+    entries aside, which the threshold drops).
     """
     return _topk_select(flat, k)[0]
 
 
 def _topk_select(flat: torch.Tensor, k: int, scan=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(indices, values)``: :func:`topk_indices`. ``scan`` (the fused path):
-    ``scan(threshold, expect) -> (indices, values)`` of the candidates
+    """``(indices, values)``: :func:`topk_indices`. ``scan`` (the fused paths):
+    ``scan(threshold, expect) -> (indices, values)`` of the candidates, indices ascending
     (:func:`kernels.sparse.scan`); then the values of the selected entries come from the
     candidates' (no gather from ``flat``), else None."""
     numel = flat.numel()
-    if flat.device.type != "cpu" or numel < (1 << 15) or 8 * k > numel:
-        return torch.topk(torch.abs(flat), k, sorted=False).indices, None
+    if numel < (1 << 15) or 8 * k > numel:
+        return largest(magnitude_keys(flat), k), None
     sample = torch.abs(flat[::64])
     expect = k * sample.numel() / numel
     rank = min(sample.numel(), int(1.25 * expect + 3 * math.sqrt(expect)) + 8)
@@ -97,30 +103,30 @@ def _topk_select(flat: torch.Tensor, k: int, scan=None) -> tuple[torch.Tensor, t
     else:
         candidates, found = scan(threshold, 2 * k)
     if candidates.numel() < k:
-        return torch.topk(torch.abs(flat), k, sorted=False).indices, None
+        return largest(magnitude_keys(flat), k), None
     picked = flat.index_select(0, candidates) if found is None else found
-    best = torch.topk(torch.abs(picked), k, sorted=False).indices
+    best = largest(magnitude_keys(picked), k)
     return candidates.index_select(0, best), None if found is None else found.index_select(0, best)
 
 
 def scatter_decode(packet: Packet, out: torch.Tensor | None, added: bool) -> torch.Tensor:
     """The dense tensor of a (values, indices) packet: zeros with the values placed at their
     indices, each written once (``added=False``: top-k) or summed where indices repeat
-    (``added=True``: DGC's padding); straight into ``out`` by the fused kernel where it can."""
+    (``added=True``: DGC's padding). The torch reference."""
     values, indices = packet.wire["values"], wire_indices(packet)
-    if (out is not None and fused_path(out) and out.dtype == packet.dtype == values.dtype
-            and out.shape == packet.shape and out.is_contiguous()
-            and indices.is_contiguous() and values.is_contiguous()
-            and sparse_kernels.place(out.view(-1), indices, values, added=added)):
-        return out
     dense = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
     scatter = dense.index_add_ if added else dense.index_copy_
     return deliver(scatter(0, indices.long(), values.to(packet.dtype)).view(packet.shape), out)
 
 
-def fused_path(tensor: torch.Tensor) -> bool:
-    """Whether the fused kernels (kernels/sparse.py) take ``tensor``."""
-    return kernels.enabled(tensor) and sparse_kernels.supported(tensor)
+def place_decode(packet: Packet, out: torch.Tensor | None, indices: torch.Tensor, added: bool) -> bool:
+    """:func:`scatter_decode` (``indices``: the packet's, int32) straight into ``out`` by the
+    numba kernel; False where it does not take them (the caller runs the reference)."""
+    values = packet.wire["values"]
+    return (out is not None and sparse_kernels.supported(out) and out.dtype == packet.dtype == values.dtype
+            and out.shape == packet.shape and out.is_contiguous()
+            and indices.is_contiguous() and values.is_contiguous()
+            and sparse_kernels.place(out.view(-1), indices, values, added=added))
 
 
 def fits_out(out: torch.Tensor, tensor: torch.Tensor) -> bool:
@@ -128,73 +134,12 @@ def fits_out(out: torch.Tensor, tensor: torch.Tensor) -> bool:
     return out.shape == tensor.shape and out.dtype == tensor.dtype and out.is_contiguous()
 
 
-@register
-@dataclass(frozen=True)
-class TopK(Compressor):
-    name = "topk"
-    ratio: float = 0.01
-
-    def __post_init__(self):
-        _check_ratio("topk", self.ratio)
-
-    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
-        if fused_path(tensor):
-            return self._compress_fused(tensor, reuse, None)
-        flat = tensor.detach().reshape(-1)
-        k = min(keep_count(self.ratio, flat.numel()), flat.numel())
-        idx = topk_indices(flat, k)
-        wire = {"values": flat.index_select(0, idx), "indices": idx.to(index_dtype(flat.numel()))}
-        return Packet(wire, tensor.shape, tensor.dtype)
-
-    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
-                          reuse: Packet | None = None) -> Packet:
-        """One pass over ``tensor`` (fused): the candidate scan copies it into ``out``, then
-        the selected entries of ``out`` get ``x − x``."""
-        if fused_path(tensor) and fits_out(out, tensor):
-            return self._compress_fused(tensor, reuse, out.view(-1))
-        return super().compress_residual(tensor, seed, out, reuse)
-
-    def _compress_fused(self, tensor: torch.Tensor, reuse: Packet | None, residual: torch.Tensor | None) -> Packet:
-        flat = tensor.detach().reshape(-1).contiguous()
-        k = min(keep_count(self.ratio, flat.numel()), flat.numel())
-        copied = []
-
-        def scan(threshold, expect):
-            copied.append(residual is not None)
-            return sparse_kernels.scan(flat, threshold, residual if len(copied) == 1 else None, expect)
-
-        idx, values = _topk_select(flat, k, scan)
-        wire_values = _util.wire_buffer(reuse, "values", k, flat.dtype)
-        wire_idx = _util.wire_buffer(reuse, "indices", k, index_dtype(flat.numel()))
-        if values is None:
-            torch.index_select(flat, 0, idx, out=wire_values)
-        else:
-            wire_values.copy_(values)
-        wire_idx.copy_(idx)
-        if residual is not None:
-            if not copied:
-                residual.copy_(flat)
-            sparse_kernels.fix_residual(residual, flat, idx.to(torch.int32), added=False)
-        return Packet({"values": wire_values, "indices": wire_idx}, tensor.shape, tensor.dtype)
-
-    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        return scatter_decode(packet, out, added=False)
-
-    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
-        """One dense buffer, every packet's values index-added, divided by n."""
-        fused = fused_scatter_mean(packets, lambda p: (wire_indices(p), p.wire["values"]))
-        if fused is not None:
-            return fused
-        return scatter_mean(packets, lambda p: (wire_indices(p), p.wire["values"]), packets[0].numel)
-
-
 def fused_scatter_mean(packets: Sequence[Packet], items) -> torch.Tensor | None:
-    """``_util.scatter_mean`` in one kernel (zero, add every packet in rank order, divide),
-    or None where the kernels do not take the packets (the caller runs the reference)."""
+    """``_util.scatter_mean`` in one numba kernel (zero, add every packet in rank order,
+    divide), or None where the kernels do not take the packets (the caller runs the reference)."""
     first = packets[0]
     pairs = [items(p) for p in packets]
-    if not (kernels.enabled(*(v for _, v in pairs)) and first.dtype in sparse_kernels.DTYPES
-            and all(i.dtype in (torch.int32, torch.int64) for i, _ in pairs)):
+    if not (first.dtype in sparse_kernels.DTYPES and all(i.dtype in (torch.int32, torch.int64) for i, _ in pairs)):
         return None
     idx = torch.cat([i.reshape(-1) for i, _ in pairs]).to(torch.int32)
     vals = torch.cat([v.reshape(-1).to(torch.float32) for _, v in pairs])
@@ -204,67 +149,267 @@ def fused_scatter_mean(packets: Sequence[Packet], items) -> torch.Tensor | None:
     return total.to(first.dtype).view(first.shape)
 
 
+class SparseNumba:
+    """Mixin of a sparsifier's numba implementation: decode and aggregate of (values, indices)
+    packets by :mod:`gradzip.kernels.sparse` (``ADDED``: decoding adds repeated indices)."""
+
+    ADDED = False
+
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        if place_decode(packet, out, wire_indices(packet), self.ADDED):
+            return out
+        return super().decompress(packet, out)
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        """One dense buffer, every packet's values index-added, divided by n."""
+        fused = fused_scatter_mean(packets, lambda p: (wire_indices(p), p.wire["values"]))
+        return super().aggregate(packets) if fused is None else fused
+
+
+class TopKReference(Implementation):
+    """topk in torch code: the reference every kernel backend is tested bit-identical to."""
+
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        flat = tensor.detach().reshape(-1)
+        k = min(keep_count(self.codec.ratio, flat.numel()), flat.numel())
+        idx = topk_indices(flat, k)
+        wire = {"values": flat.index_select(0, idx), "indices": idx.to(index_dtype(flat.numel()))}
+        return Packet(wire, tensor.shape, tensor.dtype)
+
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        return scatter_decode(packet, out, added=False)
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        """One dense buffer, every packet's values index-added, divided by n."""
+        return scatter_mean(packets, lambda p: (wire_indices(p), p.wire["values"]), packets[0].numel)
+
+
+class Scans:
+    """Mixin of a sparsifier's kernel implementation: its candidate pass (``scan``, one pass over
+    the tensor that also copies it into the residual when asked) and the fix of the residual
+    at the sent entries (``fix_residual``)."""
+
+    #: Input dtypes the scan takes (others: the reference).
+    DTYPES = sparse_kernels.DTYPES
+
+    def scan(self, flat, threshold, residual, expect):
+        raise NotImplementedError
+
+    def fix_residual(self, residual: torch.Tensor, flat: torch.Tensor, idx: torch.Tensor, added: bool) -> None:
+        """``residual[i] = x[i] − d[i]`` at the sent ``idx``, the decoded ``d`` being ``x``
+        (``index_copy_``) or ``0 + x`` (``added``: ``index_add_`` into zeros); elsewhere
+        ``residual`` already holds ``x − 0 = x``."""
+        raise NotImplementedError
+
+
+class NumbaScans(Scans):
+    """:class:`Scans` by the numba kernels of :mod:`gradzip.kernels.sparse`."""
+
+    def scan(self, flat, threshold, residual, expect):
+        return sparse_kernels.scan(flat, threshold, residual, expect)
+
+    def fix_residual(self, residual, flat, idx, added) -> None:
+        sparse_kernels.fix_residual(residual, flat, idx.to(torch.int32), added=added)
+
+
+class TritonScans(Scans):
+    """:class:`Scans` by the Triton kernel of :mod:`gradzip.kernels.triton.sparse` (the fix:
+    torch at the k sent entries, the reference's own operations)."""
+
+    kernel_modules = ("sparse",)
+
+    def scan(self, flat, threshold, residual, expect):
+        return self.sparse.scan(flat, threshold, residual, expect)
+
+    def fix_residual(self, residual, flat, idx, added) -> None:
+        sent = flat.index_select(0, idx)
+        decoded = torch.zeros_like(sent).add_(sent) if added else sent
+        residual.index_copy_(0, idx, sent - decoded)
+
+
+class TopKScanned(TopKReference):
+    """topk with its candidate pass by a kernel (:class:`Scans`, float32 and 16-bit inputs):
+    one pass over the tensor, the residual copied in it and fixed at the k sent entries."""
+
+    def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
+        if tensor.dtype not in self.DTYPES:
+            return super().compress(tensor, seed, reuse)
+        return self._compress_fused(tensor, reuse, None)
+
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        """One pass over ``tensor`` (fused): the candidate scan copies it into ``out``, then
+        the selected entries of ``out`` get ``x − x``."""
+        if not (tensor.dtype in self.DTYPES and fits_out(out, tensor)):
+            return super().compress_residual(tensor, seed, out, reuse)
+        return self._compress_fused(tensor, reuse, out.view(-1))
+
+    def _compress_fused(self, tensor: torch.Tensor, reuse: Packet | None, residual: torch.Tensor | None) -> Packet:
+        flat = tensor.detach().reshape(-1).contiguous()
+        k = min(keep_count(self.codec.ratio, flat.numel()), flat.numel())
+        copied = []
+
+        def scan(threshold, expect):
+            copied.append(residual is not None)
+            return self.scan(flat, threshold, residual if len(copied) == 1 else None, expect)
+
+        idx, values = _topk_select(flat, k, scan)
+        wire_values = _util.wire_buffer(reuse, "values", k, flat.dtype, flat.device)
+        wire_idx = _util.wire_buffer(reuse, "indices", k, index_dtype(flat.numel()), flat.device)
+        if values is None:
+            torch.index_select(flat, 0, idx, out=wire_values)
+        else:
+            wire_values.copy_(values)
+        wire_idx.copy_(idx)
+        if residual is not None:
+            if not copied:
+                residual.copy_(flat)
+            self.fix_residual(residual, flat, idx, added=False)
+        return Packet({"values": wire_values, "indices": wire_idx}, tensor.shape, tensor.dtype)
+
+
+class TopKNumba(SparseNumba, NumbaScans, TopKScanned):
+    """topk on the CPU (float32, float16, bfloat16): the candidate scan, the residual, the
+    decode and the aggregate by :mod:`gradzip.kernels.sparse`."""
+
+
+class TopKTriton(TritonScans, TopKScanned):
+    """topk on CUDA (float32, float16, bfloat16): the candidate scan by Triton; the selection
+    among the candidates, the decode and the mean of n packets by torch on the device."""
+
+
 @register
 @dataclass(frozen=True)
-class RandomK(Compressor):
-    name = "randomk"
-    shared_randomness = True
+class TopK(OnImplementation, Compressor):
+    name = "topk"
     ratio: float = 0.01
-    unbiased: bool = False
+    implementations = {"torch": TopKReference, "numba": TopKNumba, "triton": TopKTriton}
 
     def __post_init__(self):
-        _check_ratio("randomk", self.ratio)
-        require(isinstance(self.unbiased, bool), "randomk", f"unbiased must be true or false, got {self.unbiased!r}")
+        _check_ratio("topk", self.ratio)
 
-    def indices(self, numel: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The sorted int64 indices every worker derives from the shared ``seed``."""
-        k = min(keep_count(self.ratio, numel), numel)
-        return sample_indices(numel, k, shared_generator(seed)).to(device)
+
+class RandomKReference(Implementation):
+    """randomk in torch code: the reference every kernel backend is tested bit-identical to."""
+
+    def indices(self, numel: int, seed: int, device) -> torch.Tensor:
+        """The k-subset (ascending int64 on ``device``): the k entries of smallest counter hash
+        (:func:`gradzip.kernels.counter_rng.smallest_hashes`), hashed by torch."""
+        return counter_rng.smallest_hashes(seed, numel, self.codec.count(numel), device)
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         flat = tensor.detach().reshape(-1)
         idx = self.indices(flat.numel(), seed, flat.device)
-        if fused_path(tensor):   # the gather into reuse's buffer
-            values = _util.wire_buffer(reuse, "values", idx.numel(), flat.dtype)
-            torch.index_select(flat, 0, idx, out=values)
-        else:
-            values = flat.index_select(0, idx)
-        if self.unbiased:
+        values = self._gather(flat, idx, reuse)
+        if self.codec.unbiased:
             values.mul_(flat.numel() / max(idx.numel(), 1))
         return Packet({"values": values}, tensor.shape, tensor.dtype, meta={"indices": idx})
+
+    def _gather(self, flat: torch.Tensor, idx: torch.Tensor, reuse: Packet | None) -> torch.Tensor:
+        return flat.index_select(0, idx)
+
+    def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
+        return deliver(self.codec.scatter(packet.wire["values"], packet), out)
+
+    def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
+        return scatter_mean(packets, lambda p: (p.meta["indices"], p.wire["values"]), packets[0].numel)
+
+
+class RandomKNumba(RandomKReference):
+    """randomk on the CPU: the draw by one numba pass (:func:`gradzip.kernels.draws.below`), the
+    gather into the ``reuse`` packet's buffer, the residual as a copy plus the k drawn entries,
+    the decode and the aggregate by :mod:`gradzip.kernels.sparse`."""
+
+    def indices(self, numel: int, seed: int, device) -> torch.Tensor:
+        return counter_rng.smallest_hashes(seed, numel, self.codec.count(numel), device, draws.below)
+
+    def _gather(self, flat: torch.Tensor, idx: torch.Tensor, reuse: Packet | None) -> torch.Tensor:
+        if not sparse_kernels.supported(flat):
+            return flat.index_select(0, idx)
+        values = _util.wire_buffer(reuse, "values", idx.numel(), flat.dtype)
+        return torch.index_select(flat, 0, idx, out=values)
 
     def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
                           reuse: Packet | None = None) -> Packet:
         """Fused: ``out`` = a copy of ``tensor`` (one pass), then ``x − d`` at the k drawn
         entries only (``d`` the decoded value: ``x``, or the scaled value when ``unbiased``,
         for float32; a scaled 16-bit value needs a rounded difference: the reference)."""
-        if not (fused_path(tensor) and fits_out(out, tensor)
-                and (not self.unbiased or tensor.dtype == torch.float32)):
+        if not (sparse_kernels.supported(tensor) and fits_out(out, tensor)
+                and (not self.codec.unbiased or tensor.dtype == torch.float32)):
             return super().compress_residual(tensor, seed, out, reuse)
         packet = self.compress(tensor, seed, reuse)
         flat = tensor.detach().reshape(-1).contiguous()
         residual = out.view(-1).copy_(flat)
         sparse_kernels.fix_residual(residual, flat, packet.meta["indices"].to(torch.int32), added=False,
-                                    values=packet.wire["values"] if self.unbiased else None)
+                                    values=packet.wire["values"] if self.codec.unbiased else None)
         return packet
 
     def decompress(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
-        values = packet.wire["values"]
-        if (out is not None and fused_path(out) and out.dtype == packet.dtype == values.dtype
-                and out.shape == packet.shape and out.is_contiguous() and values.is_contiguous()
-                and sparse_kernels.place(out.view(-1), packet.meta["indices"].to(torch.int32), values, added=False)):
+        if place_decode(packet, out, packet.meta["indices"].to(torch.int32), added=False):
             return out
-        return deliver(self._scatter(values, packet), out)
-
-    def _scatter(self, values: torch.Tensor, packet: Packet) -> torch.Tensor:
-        out = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
-        return out.index_copy_(0, packet.meta["indices"], values.to(packet.dtype)).view(packet.shape)
+        return super().decompress(packet, out)
 
     def aggregate(self, packets: Sequence[Packet]) -> torch.Tensor:
         fused = fused_scatter_mean(packets, lambda p: (p.meta["indices"], p.wire["values"]))
-        if fused is not None:
-            return fused
-        return scatter_mean(packets, lambda p: (p.meta["indices"], p.wire["values"]), packets[0].numel)
+        return super().aggregate(packets) if fused is None else fused
+
+
+class RandomKTriton(RandomKReference):
+    """randomk on CUDA: the draw hashed on the device (:func:`gradzip.kernels.triton.sparse.below`),
+    never on the CPU; the gather, the residual (a copy plus the k drawn entries), the decode
+    and the mean of n packets by torch on the device."""
+
+    kernel_modules = ("sparse",)
+
+    def indices(self, numel: int, seed: int, device) -> torch.Tensor:
+        return counter_rng.smallest_hashes(seed, numel, self.codec.count(numel), device, self.sparse.below)
+
+    def _gather(self, flat: torch.Tensor, idx: torch.Tensor, reuse: Packet | None) -> torch.Tensor:
+        values = _util.wire_buffer(reuse, "values", idx.numel(), flat.dtype, flat.device)
+        return torch.index_select(flat, 0, idx, out=values)
+
+    def compress_residual(self, tensor: torch.Tensor, seed: int, out: torch.Tensor,
+                          reuse: Packet | None = None) -> Packet:
+        """``out`` = a copy of ``tensor``, then ``x − d`` at the k drawn entries only (``d`` the
+        decoded value, in ``tensor``'s dtype: the reference's ``tensor − decompress``)."""
+        if not fits_out(out, tensor):
+            return super().compress_residual(tensor, seed, out, reuse)
+        packet = self.compress(tensor, seed, reuse)
+        flat = tensor.detach().reshape(-1)
+        idx = packet.meta["indices"]
+        residual = out.view(-1).copy_(flat)
+        residual.index_copy_(0, idx, flat.index_select(0, idx) - packet.wire["values"].to(tensor.dtype))
+        return packet
+
+
+@register
+@dataclass(frozen=True)
+class RandomK(OnImplementation, Summing, Compressor):
+    name = "randomk"
+    shared_randomness = True
+    ratio: float = 0.01
+    unbiased: bool = False
+    implementations = {"torch": RandomKReference, "numba": RandomKNumba, "triton": RandomKTriton}
+
+    def __post_init__(self):
+        _check_ratio("randomk", self.ratio)
+        require(isinstance(self.unbiased, bool), "randomk", f"unbiased must be true or false, got {self.unbiased!r}")
+
+    def count(self, numel: int) -> int:
+        """k: how many of ``numel`` entries are sent."""
+        return min(keep_count(self.ratio, numel), numel)
+
+    def indices(self, numel: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The sorted int64 indices every worker derives from the shared ``seed``: the k
+        entries of smallest counter hash (docs/algorithms.md §codec: randomk), the same on
+        every device and backend."""
+        device = torch.device(device)
+        return self.impl(device).indices(numel, seed, device)
+
+    def scatter(self, values: torch.Tensor, packet: Packet) -> torch.Tensor:
+        """Zeros with ``values`` at the packet's indices, the packet's shape and dtype."""
+        out = torch.zeros(packet.numel, dtype=packet.dtype, device=values.device)
+        return out.index_copy_(0, packet.meta["indices"], values.to(packet.dtype)).view(packet.shape)
 
     def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
         return _sum_dtype(dtype)
@@ -273,12 +418,12 @@ class RandomK(Compressor):
         return packet.wire["values"].to(_sum_dtype(packet.dtype), copy=True)
 
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
-        return self._scatter(total / world_size, packet)
+        return self.scatter(total / world_size, packet)
 
 
 @register
 @dataclass(frozen=True)
-class RandBlock(Compressor):
+class RandBlock(Summing, Compressor):
     name = "randblock"
     shared_randomness = True
     ratio: float | None = None

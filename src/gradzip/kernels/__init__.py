@@ -1,34 +1,46 @@
-"""Fused CPU kernels behind the codecs: one pass over memory where the reference chain of
+"""The kernel backends behind the codecs: one pass over memory where the reference chain of
 torch ops makes several (docs/benchmarks/codecs.md, "Codecs").
 
-Technology: numba (``@njit``, compiled on first use and cached on disk beside this
-package), installed from the package registries as a wheel with its own LLVM: no
-compiler is needed on the user's machine (the alternatives measured are in
-docs/benchmarks/codecs.md, "Codecs", "Kernel technology"). numba is imported only when a kernel first runs, so
-``import gradzip`` stays light.
+Three implementations of every fused codec operation, one chosen per codec instance and
+device (:func:`backend`; a codec keeps its choice: ``Compressor.impl``):
 
-Every fused kernel has a pure-torch reference (the codec's own ``*_reference`` path) and
-is tested bit-identical to it: the same wire bytes and the same decoded values. A
-floating-point sum (a norm, a mean) is either a torch call shared by both paths or summed
-in an order the codec defines (docs/algorithms.md), which its torch path follows too.
+* ``torch``: the reference, the codec's own torch code (every device);
+* ``numba``: CPU kernels (``@njit``, compiled on first use and cached on disk beside this
+  package; the wheel brings its own LLVM, no compiler is needed; the alternatives measured
+  are in docs/benchmarks/codecs.md, "Codecs", "Kernel technology");
+* ``triton``: GPU kernels (:mod:`gradzip.kernels.triton`, the ``gradzip[gpu]`` extra); on
+  CPU tensors only under Triton's interpreter (``TRITON_INTERPRET=1``: the tests).
 
-Which path runs: :func:`enabled` (a CPU tensor, numba importable, and the mode is not
-``torch``). The mode comes from the environment variable ``GRADZIP_KERNELS``
-(``auto``, the default: numba where it can run; ``numba``: numba or a clear error;
-``torch``: the reference path everywhere), or :func:`use` in code and tests.
+numba and triton are imported only when a kernel first runs, so ``import gradzip`` stays
+light. Every fused kernel is tested bit-identical to the torch reference: the same wire
+bytes and the same decoded values. A floating-point sum (a norm, a mean) is either a torch
+call shared by every path or summed in an order the codec defines (docs/algorithms.md),
+which its torch path follows too.
+
+The mode comes from the environment variable ``GRADZIP_KERNELS``, or :func:`use` in code
+and tests: ``auto`` (the default: numba on the CPU, Triton on CUDA, each where it can be
+imported, else the reference), ``numba`` (numba on the CPU or a clear error; the reference
+elsewhere), ``triton`` (Triton on every device or a clear error) or ``torch`` (the
+reference everywhere).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
+import sys
 from typing import Callable, Iterator
 
 import torch
 
 from ..errors import GradzipError
 
-MODES = ("auto", "numba", "torch")
+MODES = ("auto", "numba", "triton", "torch")
+#: The numba kernels pack bits through little-endian words (every platform numba runs on is).
+LITTLE_ENDIAN = sys.byteorder == "little"
+#: The implementations a codec can run (:func:`backend`'s answers).
+BACKENDS = ("torch", "numba", "triton")
 _ENV = "GRADZIP_KERNELS"
 _override: list[str] = []
 
@@ -45,7 +57,7 @@ def mode() -> str:
 
 @contextlib.contextmanager
 def use(kernel_mode: str) -> Iterator[None]:
-    """Run the block with ``kernel_mode`` (``auto``, ``numba`` or ``torch``) in force."""
+    """Run the block with ``kernel_mode`` (one of :data:`MODES`) in force."""
     if kernel_mode not in MODES:
         raise GradzipError(f"kernel mode {kernel_mode!r} is not one of {', '.join(MODES)}")
     _override.append(kernel_mode)
@@ -64,16 +76,61 @@ def numba_available() -> bool:
     return True
 
 
-def enabled(*tensors: torch.Tensor) -> bool:
-    """Whether the fused kernels run for these tensors: all on the CPU, and the mode allows it."""
-    m = mode()
-    if m == "torch" or not all(t.device.type == "cpu" for t in tensors):
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401  (imported here first, lazily; the kernels in gradzip.kernels.triton)
+    except ImportError:
         return False
-    if numba_available():
-        return True
-    if m == "numba":
-        raise GradzipError(f"{_ENV}=numba but numba cannot be imported; pip install numba, or set {_ENV}=auto")
-    return False
+    return True
+
+
+def interpreted() -> bool:
+    """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``): kernels on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0")
+
+
+def backend(device: torch.device | str) -> str:
+    """The implementation (:data:`BACKENDS`) that runs for tensors on ``device`` in the mode in
+    force; a mode that cannot be served raises a one-line error naming the fix."""
+    return _backend(mode(), torch.device(device).type, interpreted())
+
+
+def _backend(kernel_mode: str, device_type: str, interpret: bool) -> str:
+    cpu = device_type == "cpu"
+    if kernel_mode == "torch":
+        return "torch"
+    if kernel_mode == "numba":
+        if not cpu:
+            return "torch"
+        if not LITTLE_ENDIAN:
+            raise GradzipError(f"{_ENV}=numba: the numba kernels need a little-endian machine; set {_ENV}=auto")
+        if not numba_available():
+            raise GradzipError(f"{_ENV}=numba but numba cannot be imported; pip install numba, or set {_ENV}=auto")
+        return "numba"
+    if kernel_mode == "triton":
+        if not triton_available():
+            raise GradzipError(f"{_ENV}=triton but triton cannot be imported; pip install 'gradzip[gpu]', "
+                               f"or set {_ENV}=auto")
+        if device_type != "cuda" and not (cpu and interpret):
+            raise GradzipError(f"{_ENV}=triton on {device_type} tensors needs a CUDA device, or TRITON_INTERPRET=1 "
+                               f"(Triton's interpreter) for CPU tensors; or set {_ENV}=auto")
+        return "triton"
+    if cpu:
+        return "numba" if LITTLE_ENDIAN and numba_available() else "torch"
+    return "triton" if device_type == "cuda" and triton_available() else "torch"
+
+
+def triton_module(name: str):
+    """The module ``gradzip.kernels.triton.<name>`` of Triton kernels, imported (with triton)
+    on first use: a codec's Triton implementation asks for it when it is built."""
+    return importlib.import_module(f"{__name__}.triton.{name}")
+
+
+def enabled(*tensors: torch.Tensor) -> bool:
+    """Whether the numba kernels run for these tensors: all on the CPU, and the mode picks
+    numba there (:func:`backend`)."""
+    return all(backend(t.device) == "numba" for t in tensors)
 
 
 def njit(fn: Callable) -> Callable:
@@ -108,21 +165,23 @@ def array(tensor: torch.Tensor):
     return tensor.numpy()
 
 
-def reused(old: torch.Tensor | None, numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+def reused(old: torch.Tensor | None, numel: int, dtype: torch.dtype = torch.uint8,
+           device: torch.device | str = "cpu") -> torch.Tensor:
     """``old`` (a wire tensor of a packet given as ``compress(reuse=)``), flat, when it is a
-    contiguous CPU tensor of ``numel`` entries of ``dtype``; else a new one: where every fused
-    codec writes its wire."""
+    contiguous tensor on ``device`` of ``numel`` entries of ``dtype``; else a new one: where
+    every fused codec writes its wire."""
     if (old is not None and old.dtype == dtype and old.numel() == numel and old.is_contiguous()
-            and old.device.type == "cpu"):
+            and old.device == torch.device(device)):
         return old.reshape(-1)
-    return torch.empty(numel, dtype=dtype)
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
-def decode_target(out: torch.Tensor | None, shape, dtype: torch.dtype) -> torch.Tensor:
-    """Where a fused decode writes: ``out`` itself when it is a contiguous CPU tensor of this
-    shape and dtype, else a new tensor (the codec then ends with ``base.deliver``, which copies
-    into ``out`` or names its mismatch)."""
+def decode_target(out: torch.Tensor | None, shape, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """Where a fused decode writes: ``out`` itself when it is a contiguous tensor on ``device``
+    of this shape and dtype, else a new tensor (the codec then ends with ``base.deliver``,
+    which copies into ``out`` or names its mismatch)."""
     if (out is not None and out.shape == shape and out.dtype == dtype and out.is_contiguous()
-            and out.device.type == "cpu"):
+            and out.device == torch.device(device)):
         return out
-    return torch.empty(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype, device=device)

@@ -1,4 +1,4 @@
-"""Counter-based uniforms for the stochastic codecs (``qsgd``, ``terngrad``):
+"""Counter-based uniforms for the stochastic codecs (``qsgd``, ``terngrad``, ``randomk``):
 ``u_j = hash(seed, j)``, the same numbers on every device, in any order, piece by piece.
 
 Why not ``torch.rand(generator=...)``: on one CPU thread it alone runs at ~0.6 GB/s, slower
@@ -21,12 +21,17 @@ The rule (docs/algorithms.md §codec: qsgd; all arithmetic modulo 2^32):
 computes it in int64 without overflow. For a fixed seed, ``j -> x`` is a bijection of each
 block: every 24-bit value occurs equally often over a full block.
 
-Three statements of the rule, tested equal: :func:`hash_at` (plain Python), :func:`uniforms`
-(torch, int64) and :func:`numba_uniform` (the fused kernels' inline draw, in 32-bit lanes).
+Four statements of the rule, tested equal: :func:`hash_at` (plain Python), :func:`uniforms`
+and :func:`hashes` (torch, int64), :func:`numba_uniform` / :func:`numba_hash` (the numba
+kernels' inline draw, in 32-bit lanes) and :mod:`gradzip.kernels.triton.rng` (Triton, uint32).
+
+``randomk`` draws its k-subset from the same hashes (docs/algorithms.md §codec: randomk):
+the k entries of smallest hash, which :func:`smallest_hashes` finds.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -90,6 +95,23 @@ def uniforms(seed: int, start: int, count: int, device: torch.device | str = "cp
     """``u_start ... u_(start+count-1)`` in float32: the pure-torch reference, in int64
     (the multipliers keep every product below 2^63), on ``device``."""
     out = torch.empty(count, dtype=torch.float32, device=device)
+    for pos, x in _hash_pieces(seed, start, count, device):
+        x >>= 8
+        torch.mul(x, 2.0 ** -24, out=out[pos : pos + x.numel()])  # < 2^24: exact in float32
+    return out
+
+
+def hashes(seed: int, start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 32-bit hashes of entries ``start ... start+count-1`` as int64 (torch, on ``device``)."""
+    out = torch.empty(count, dtype=torch.int64, device=device)
+    for pos, x in _hash_pieces(seed, start, count, device):
+        out[pos : pos + x.numel()] = x
+    return out
+
+
+def _hash_pieces(seed: int, start: int, count: int, device):
+    """``(position, int64 hashes)`` of the entries in pieces of at most :data:`CHUNK` (one key
+    pair per piece)."""
     pos = 0
     while pos < count:
         j0 = start + pos
@@ -104,10 +126,47 @@ def uniforms(seed: int, start: int, count: int, device: torch.device | str = "cp
         x ^= x >> 15
         x.mul_(M2).bitwise_and_(MASK)
         x ^= x >> 15
-        x >>= 8
-        torch.mul(x, 2.0 ** -24, out=out[pos : pos + size])  # < 2^24: exact in float32
+        yield pos, x
         pos += size
-    return out
+
+
+def hash_bound(k: int, numel: int, widen: int = 0) -> int:
+    """A bound below which about ``(k + 4√k + 16)·2^widen`` of ``numel`` hashes fall (the hashes
+    of a block are a permutation: uniform); at most 2^32 (every hash)."""
+    want = (k + 4 * math.isqrt(k) + 16) << widen
+    return min(1 << 32, -(-want * (1 << 32) // max(numel, 1)))
+
+
+def smallest_hashes(seed: int, numel: int, k: int, device: torch.device | str = "cpu", below=None) -> torch.Tensor:
+    """The indices (ascending, int64, on ``device``) of the ``k`` entries of ``0 ... numel − 1``
+    whose hashes are smallest: ``randomk``'s k-subset (docs/algorithms.md §codec: randomk),
+    uniform since the hashes of a block are a permutation of 32-bit values, and without ties
+    (``numel <= 2^32``: one block). ``below(seed, numel, bound, device) -> (indices, hashes)``:
+    the entries whose hash lies below ``bound`` (any order; a kernel), by default
+    :func:`hashes_below`; the bound grows until at least ``k`` are found."""
+    if k >= numel:
+        return torch.arange(numel, device=device)
+    widen = 0
+    while True:
+        bound = hash_bound(k, numel, widen)
+        idx, found = (below or hashes_below)(seed, numel, bound, device)
+        if idx.numel() >= k or bound == 1 << 32:
+            break
+        widen += 1
+    pick = torch.topk(found, k, largest=False, sorted=False).indices
+    return idx.index_select(0, pick).sort().values
+
+
+def hashes_below(seed: int, numel: int, bound: int, device: torch.device | str = "cpu"):
+    """``(indices, hashes)`` (int64) of the entries ``0 ... numel − 1`` whose hash is below
+    ``bound``, ascending: the torch reference, piece by piece."""
+    idx, found = [], []
+    for pos, x in _hash_pieces(seed, 0, numel, device):
+        keep = x < bound
+        idx.append(torch.nonzero(keep).view(-1) + pos)
+        found.append(x[keep])
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    return (torch.cat(idx) if idx else empty), (torch.cat(found) if found else empty)
 
 
 @functools.cache
@@ -120,6 +179,17 @@ def numba_uniform():
     the hash on 64-bit lanes (half as many per vector, and no packed 32-bit multiply); in
     i32 a loop of draws runs on full-width vectors, ~4x faster. Built (numba imported) on
     the first call, like the kernels themselves."""
+    return _numba_intrinsic(uniform=True)
+
+
+@functools.cache
+def numba_hash():
+    """The 32-bit hash for the numba kernels: ``hash(j, k0, k1) -> uint32``, the intrinsic of
+    :func:`numba_uniform` without the last step."""
+    return _numba_intrinsic(uniform=False)
+
+
+def _numba_intrinsic(uniform: bool):
     from llvmlite import ir
     from numba.core import types
     from numba.extending import intrinsic
@@ -131,7 +201,7 @@ def numba_uniform():
         return value if width == 32 else (builder.trunc if width > 32 else builder.zext)(value, i32)
 
     @intrinsic
-    def uniform(typingctx, j, k0, k1):
+    def draw(typingctx, j, k0, k1):
         if not all(isinstance(t, types.Integer) for t in (j, k0, k1)):
             return None
 
@@ -144,9 +214,11 @@ def numba_uniform():
             x = builder.xor(x, builder.lshr(x, ir.Constant(i32, 15)))
             x = builder.mul(x, ir.Constant(i32, M2))
             x = builder.xor(x, builder.lshr(x, ir.Constant(i32, 15)))
+            if not uniform:
+                return x
             top = builder.sitofp(builder.lshr(x, ir.Constant(i32, 8)), ir.FloatType())  # < 2^24: exact
             return builder.fmul(top, ir.Constant(ir.FloatType(), 2.0 ** -24))
 
-        return types.float32(j, k0, k1), codegen
+        return (types.float32 if uniform else types.uint32)(j, k0, k1), codegen
 
-    return uniform
+    return draw

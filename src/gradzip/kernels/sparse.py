@@ -243,7 +243,7 @@ def _buffers(capacity: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
     return idx, val
 
 
-def _bounds(thr: torch.Tensor) -> tuple[int, int]:
+def magnitude_bounds(thr: torch.Tensor) -> tuple[int, int]:
     """``(lo, hi)``: ``|x| >= thr`` (``thr`` a 0-d tensor of ``x``'s dtype) iff the magnitude
     bits ``m`` of ``x`` have ``lo <= m <= hi``: at most those of +inf (NaN never passes),
     at least those of ``thr`` (0 for a negative ``thr``); a NaN ``thr``: nothing passes."""
@@ -270,7 +270,7 @@ def scan(flat: torch.Tensor, threshold, residual: torch.Tensor | None = None,
     else:   # a Python number: cast as torch casts the scalar of a comparison
         thr = torch.tensor(float(threshold), dtype=torch.float64).to(flat.dtype)
     signed, mask = BITS[flat.dtype]
-    lo, hi = _bounds(thr)
+    lo, hi = magnitude_bounds(thr)
     x = array(flat).view(signed)
     res = array(residual).view(signed) if residual is not None else x[:0]
     idx, val = _buffers(max(expect, 1) + 8, flat.dtype)

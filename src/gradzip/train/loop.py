@@ -35,7 +35,7 @@ from ..landscape import sharpness
 from ..optim.base import derived_setting
 from ..trace import Tracer, maybe_span
 from ..validation import is_int
-from . import checkpoint, datasets, models
+from . import checkpoint, datasets, models, sharded
 from .device import Precision, resolve_device
 from .config import (FREE_FIELDS, SEED_LIMIT, RunConfig, collective_fields, lr_rule, make_optimizer,
                      trajectory_fields)
@@ -171,7 +171,10 @@ def _prepare(comm: Group, cfg: RunConfig, after_step) -> _Job:
                        what="run settings")
     for p in model.parameters():  # identical start on every worker, whatever built it
         comm.broadcast(p.data, src=0)
-    opt = make_optimizer(cfg, model.parameters(), comm)
+    if sharded.is_sharded(cfg.algo):   # FSDP2 / HSDP: the model sharded, gradzip inside FSDP2
+        model, opt = sharded.prepare(cfg, model, comm, device)
+    else:
+        opt = make_optimizer(cfg, model.parameters(), comm)
     opt.verify_consistent()
     steps_per_epoch = len(ds.train_x) // comm.world_size // cfg.batch_size
     if steps_per_epoch < 1:
@@ -277,13 +280,18 @@ def _epoch_record(job: _Job, epoch: int) -> dict[str, Any]:
     state.diverged = state.diverged or not math.isfinite(train_loss)
     wall = time.perf_counter() - job.began
     with maybe_span(job.tracer, "evaluate", cat="harness"):
-        evaluated = evaluation_model(job.model, opt, comm, job.cfg.eval_on)  # waits for a background exchange
+        # (waits for a background exchange; None: a sharded model, evaluated by its own rule below)
+        evaluated = None if sharded.is_sharded(job.cfg.algo) else evaluation_model(job.model, opt, comm,
+                                                                                      job.cfg.eval_on)
         record = {"algo": job.cfg.name, "epoch": epoch, "step": opt.steps, "train_loss": train_loss,
                   "bytes_sent_per_worker": opt.bytes_sent, "wall_time_s": wall,
                   **{f"time_{k}_s": v for k, v in zip(PHASES, epoch_stats[1:])},
                   "skipped_steps": opt.skipped_steps, "lr": opt.param_groups[0]["lr"], **opt.metrics()}
-        record["test_accuracy"], record["test_loss"] = evaluate_shared(evaluated, comm, job.ds.test_x.to(job.device),
-                                                                   job.ds.test_y.to(job.device))
+        x, y = job.ds.test_x.to(job.device), job.ds.test_y.to(job.device)
+        if evaluated is None:   # its forward passes gather parameters: every worker, the whole set
+            record["test_accuracy"], record["test_loss"] = opt.evaluate(x, y)
+        else:
+            record["test_accuracy"], record["test_loss"] = evaluate_shared(evaluated, comm, x, y)
         if job.bar is not None:
             job.bar.set_postfix(loss=f"{train_loss:.3f}", acc=f"{record['test_accuracy']:.3f}")
     return record
