@@ -217,6 +217,21 @@ def test_synthetic_bad_options(spec, match):
         data.load(spec)
 
 
+def test_synthetic_too_large_to_generate_is_one_line(monkeypatch):
+    """Issue 35 item 12: 10^10 features per sample (800 TB to generate) was a raw allocation
+    traceback; now one line naming the size, the memory available and the fix, before
+    anything is allocated (also for a size that would fit a larger machine)."""
+    with pytest.raises(GradzipError, match=r"1x100000x100000 .* need about [\d,]+ GB of memory .* smaller shape"):
+        data.load("synthetic:shape=1x100000x100000")
+    from gradzip.train.datasets import generated
+    monkeypatch.setattr(generated, "_available_bytes", lambda: 10**6)
+    with pytest.raises(GradzipError, match=r"need about 0.00924 GB .* the 0.001 GB available") as error:
+        data.load("synthetic:n=300,test=60,shape=3x32x32")
+    assert "\n" not in str(error.value)
+    monkeypatch.setattr(generated, "_available_bytes", lambda: None)   # unknown: not refused
+    assert len(data.load("synthetic:n=30,test=6,shape=3x8x8").train_x) == 30
+
+
 # ----------------------------------------------------------------------------- shard
 
 

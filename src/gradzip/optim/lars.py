@@ -9,6 +9,7 @@ import torch
 from ..validation import is_real, refuses_unknown_options, require
 from .eager import EagerOptimizer
 from .options import FLOAT32_MAX
+from .participation import require_dense
 
 
 def check_common(name: str, lr, weight_decay, eps, exclude_1d, where: str = "") -> None:
@@ -58,6 +59,8 @@ class LARS(EagerOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for index, p in enumerate(p for g in self.param_groups for p in g["params"]):   # before any update
+            require_dense(p, "LARS", index)
         for group in self.param_groups:
             m, tau, eps = group["momentum"], group["trust_coefficient"], group["eps"]
             for p in group["params"]:
