@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import gradzip
-from gradzip import launch
+from gradzip.comm import launch
 from gradzip.comm import PeerFailure, init_from_env, make_group, simulate
 from gradzip.comm import base, liveness, threads, torchdist
 from gradzip.errors import GradzipError
-from gradzip.launch import WorkerError, run_processes
+from gradzip.comm.launch import WorkerError, run_processes
 
 import cases
 import cases_faults

@@ -1,4 +1,4 @@
-"""The main job's projection (gradzip.train.projection): a run's measured times and bytes fed
+"""The main job's projection (gradzip.bench.projection): a run's measured times and bytes fed
 to the timeline model at other link rates and worker counts; its table columns and flags."""
 import json
 
@@ -6,7 +6,8 @@ import pytest
 
 from gradzip.bench.costs import allreduce_time
 from gradzip.cli import main
-from gradzip.train import projection, report
+from gradzip.bench import projection
+from gradzip.cli import report
 
 SHAPES = [[64, 32], [32], [10, 32], [10]]       # 2,698 parameters
 PARAMS = 64 * 32 + 32 + 10 * 32 + 10
