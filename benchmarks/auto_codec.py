@@ -42,7 +42,7 @@ from benchmarks.docs_section import PAGES, ROOT, replace_section
 from gradzip.bench import emulated
 from gradzip.bench.units import format_rate
 from gradzip.errors import GradzipError
-from gradzip.launch import WorkerError, run_processes
+from gradzip.comm.launch import WorkerError, run_processes
 
 PAGE = PAGES / "auto.md"
 STEP_HEADING = "auto:<codec>: step time against DDP and the fixed codecs"

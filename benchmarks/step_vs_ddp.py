@@ -31,7 +31,7 @@ The physical limits of the run: the time of one reused-buffer copy of all gradie
 S-SGD's ring allreduce bytes (``2(n-1)/n · 4P`` bytes at the link's rate).
 
 Two network settings (``--network``, comma-separated): ``loopback`` (the workers on
-127.0.0.1, :func:`gradzip.launch.run_processes`) and a rate such as ``1gbit``: each
+127.0.0.1, :func:`gradzip.comm.launch.run_processes`) and a rate such as ``1gbit``: each
 worker in a network namespace of its own with a tc-shaped link of that rate to a switch
 (:class:`gradzip.bench.netns.Topology`; needs root). ``--write`` replaces the section
 "Step time against PyTorch DDP" of docs/benchmarks/step-vs-ddp.md; without it the table is only printed.
@@ -50,7 +50,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ from gradzip.bench import emulated, netns
 from gradzip.bench.units import format_rate, parse_rate
 from gradzip.comm import allreduce_wire_bytes, init_from_env
 from gradzip.errors import GradzipError
-from gradzip.launch import WorkerError, run_processes
+from gradzip.comm.launch import WorkerError, run_processes
 from gradzip.optim import CDSGD, METHODS, SSGD, BitSGD, EFSGD
 from gradzip.train import models
 
@@ -76,12 +76,16 @@ CLASSES = 10
 LR = 0.01
 
 
-def check_variant(variant: str) -> None:
-    """A variant of :data:`VARIANTS`, or ``METHOD@CODEC`` of a registered method."""
-    algo, at, codec = variant.partition("@")
-    if variant not in VARIANTS and not (at and codec and algo in METHODS):
-        raise GradzipError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}, or METHOD@CODEC with METHOD "
-                           f"one of {', '.join(METHODS)}")
+def check_variants(variants: Sequence[str]) -> None:
+    """Each a variant of :data:`VARIANTS`, or ``METHOD@CODEC`` of a registered method."""
+    def known(v: str) -> bool:
+        algo, at, codec = v.partition("@")
+        return v in VARIANTS or bool(at and codec and algo in METHODS)
+
+    unknown = [v for v in variants if not known(v)]
+    if unknown or not variants:
+        raise GradzipError(f"unknown variant(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(VARIANTS)}, "
+                           f"or METHOD@CODEC with METHOD one of {', '.join(METHODS)}")
 
 
 def build(variant: str, comm, model_name: str, shape: tuple = SHAPE):
@@ -332,10 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.network:
             raise GradzipError("--network needs at least one setting: loopback, or a rate such as 1gbit")
         args.variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-        if not args.variants:
-            raise GradzipError(f"--variants is empty; valid: {', '.join(VARIANTS)}, or METHOD@CODEC")
-        for v in args.variants:
-            check_variant(v)
+        check_variants(args.variants)
         for flag, value, low in (("--workers", args.workers, 2), ("--batch", args.batch, 1), ("--threads", args.threads, 1),
                                  ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1), ("--steps", args.steps, 1)):
             if value < low:

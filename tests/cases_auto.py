@@ -8,8 +8,8 @@ import threading
 
 import torch
 
-from gradzip import calibration
-from gradzip.planner import CodecCost, Link
+from gradzip.exchange import calibration
+from gradzip.exchange.planner import CodecCost, Link
 
 #: A link no bytes cross (every unit whose codec sends fewer bytes takes it) and one that is free.
 SLOW = Link(1e-9, 0.0)

@@ -11,13 +11,14 @@ import torch
 import cases_auto
 import gradzip
 import gradzip.ddp
-from gradzip import calibration, planner, simulate
+from gradzip import simulate
+from gradzip.exchange import calibration, planner
 from gradzip.comm import make_group
 from gradzip.compressors import Auto, build
 from gradzip.errors import GradzipError
 from gradzip.exchange import Link, PSync, plan
-from gradzip.launch import run_processes
-from gradzip.planner import CodecCost
+from gradzip.comm.launch import run_processes
+from gradzip.exchange.planner import CodecCost
 
 SHAPES = [(64, 32), (64,), (8, 64), (8,), (8, 8), (8,), (2, 8), (2,)]   # cases_auto.model()'s parameters
 LAUNCH = SHAPES[::-1]   # the plan's order: descending key
@@ -188,7 +189,7 @@ def test_a_switch_under_efsgd_loses_no_error(monkeypatch, caplog):
     0 (folded in and sent); each switch is logged."""
     monkeypatch.setattr(calibration, "measure_codec", cases_auto.Alternating())
     n = 3
-    with caplog.at_level(logging.WARNING, logger="gradzip.calibration"):
+    with caplog.at_level(logging.WARNING, logger="gradzip.exchange.calibration"):
         results = simulate(n, lambda comm: cases_auto.ef_steps(comm))
     steps = len(results[0])
     choices = [results[0][t][4] for t in range(steps)]

@@ -1,5 +1,5 @@
 """``int8:block=B``: block-wise symmetric int8 quantisation (docs/algorithms.md §codec: int8),
-the weights' codec of ZeRO++'s qwZ (``gradzip.fsdp.compress(..., weights="int8")``: the
+the weights' codec of ZeRO++'s qwZ (``gradzip.integrations.fsdp.compress(..., weights="int8")``: the
 quantized parameter all-gather, docs/algorithms.md §Sharded exchange).
 
 Per block of ``B`` consecutive entries of the flattened tensor (the last block may be

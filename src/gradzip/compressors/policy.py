@@ -120,8 +120,8 @@ def _codec(codec: "str | Compressor", where: str) -> Compressor:
 class Auto(Compressor):
     """``auto:<codec>`` (``Auto("topk:ratio=0.01")``): per unit of an exchange's plan, ``codec``
     or uncompressed (``none``), whichever takes less time by the measured (or declared) costs
-    (docs/algorithms.md §Auto codec choice; the rule is :func:`gradzip.planner.plan`'s, the
-    measurement :mod:`gradzip.calibration`'s). It goes where a codec goes in a method that
+    (docs/algorithms.md §Auto codec choice; the rule is :func:`gradzip.exchange.planner.plan`'s, the
+    measurement :mod:`gradzip.exchange.calibration`'s). It goes where a codec goes in a method that
     exchanges through PSync and in the DDP hook; the plan resolves it to ``codec`` or
     ``none`` per tensor (``Plan.codecs``), and its own codec methods refuse to run.
 

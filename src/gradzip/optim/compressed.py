@@ -9,7 +9,7 @@
     g ← a  (written into .grad);  inner.step()
 
 With ``compressor="none"`` it is DDP + the inner optimizer on the mean gradient. The
-exchange starts during backward (``overlap_backward``, :mod:`gradzip.optim.overlap`), the
+exchange starts during backward (``overlap_backward``, :mod:`gradzip.optim.core.overlap`), the
 residuals are ``state[p]["error"]`` of the wrapper, and the wrapper shares the inner
 optimizer's ``param_groups`` (the same list): an LR scheduler built on either acts on the
 inner optimizer's groups.
@@ -26,11 +26,12 @@ from ..compressors import Compressor, build
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES
 from ..validation import is_real, refuses_unknown_options, require
-from .base import DistributedOptimizer
+from .core.base import DistributedOptimizer
 from .lamb import LAMB
 from .lars import LARS
-from .options import no_momentum, parse_betas
-from .overlap import GradientExchange
+from .core.options import no_momentum, parse_betas
+from .core.overlap import GradientExchange
+from .core.participation import hold_once
 
 
 class Compressed(GradientExchange):
@@ -38,7 +39,7 @@ class Compressed(GradientExchange):
 
     ``error_feedback=None``: on for biased codecs, off for unbiased ones
     (:attr:`Compressor.unbiased`) and for ``"none"`` (its residual is zero), as the DDP
-    hook (:class:`gradzip.ddp.CodecState`); ``True`` with an unbiased codec is refused.
+    hook (:class:`gradzip.integrations.ddp.CodecState`); ``True`` with an unbiased codec is refused.
     ``state_dict()`` holds the residuals, the counters and ``"inner"``: the inner
     optimizer's state dict. The common options: ``comm``, ``seed``, ``bucket_bytes``,
     ``nonfinite``, ``overlap_backward``, ``transport``, ``hierarchy``, ``round_bytes``, ``link``,
@@ -65,6 +66,7 @@ class Compressed(GradientExchange):
         require(not (error_feedback and codec.unbiased), name,
                 f"error feedback with the unbiased codec {codec.spec!r} accumulates its variance and "
                 "diverges; leave error_feedback unset (off for unbiased codecs)")
+        hold_once(inner, name)   # the groups are shared (below): each parameter once
         params = [p for g in inner.param_groups for p in g["params"]]
         require(len(params) > 0, name, "the inner optimizer has no parameters")
         super().__init__(params, 0.0, comm=comm, seed=seed, bucket_bytes=bucket_bytes, nonfinite=nonfinite,
@@ -85,6 +87,7 @@ class Compressed(GradientExchange):
         if not hasattr(self, "inner"):   # the base constructor's own groups
             return super().add_param_group(param_group)
         self.inner.add_param_group(param_group)
+        hold_once(self.inner, type(self).__name__)
         if self.param_groups is not self.inner.param_groups:
             self.param_groups = self.inner.param_groups
         self.joined(self.param_groups[-1]["params"])

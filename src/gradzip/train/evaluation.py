@@ -2,14 +2,14 @@
 workers' average for methods whose replicas differ), on the test set split among the
 workers, so that no worker waits in a collective while another evaluates the whole set
 (``--timeout`` bounds waiting in collectives: docs/reliability.md). Which model:
-:func:`gradzip.evaluation.evaluation_model`, the library's."""
+:func:`gradzip.optim.evaluation.evaluation_model`, the library's."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from ..comm import Group
-from ..evaluation import evaluation_model  # noqa: F401  (the library's; the loop calls it from here)
+from ..optim.evaluation import evaluation_model  # noqa: F401  (the library's; the loop calls it from here)
 
 
 @torch.no_grad()
