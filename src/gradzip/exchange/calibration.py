@@ -6,11 +6,11 @@ and rank 0's decision, which every worker executes.
 
 * the codec and ``none`` (:func:`measure_codec`): ``compress_residual`` and the decode of
   the tensor's route (``from_sum`` of a summand, or ``aggregate`` of ``n`` packets), best of
-  :data:`REPEATS`, on random tensors of :data:`SMALL_PROBE` elements and of the exchange's
-  smallest and largest shapes, on its device and dtype; a least-squares line
+  :data:`REPEATS` (:data:`SMALL_REPEATS` for small ones), on random tensors of
+  :data:`SMALL_PROBE` elements and of the exchange's smallest and largest shapes, on its device and dtype; a least-squares line
   ``a + b·numel`` (:class:`~gradzip.exchange.planner.CodecCost`) through them;
 * the link (:func:`measure_link`, only where none is declared): an allreduce and an
-  allgather of each of :data:`LINK_PROBE_BYTES`, best of :data:`REPEATS` after a warm-up.
+  allgather of each of :data:`LINK_PROBE_BYTES`, best of :func:`repeats_for` after a warm-up.
 
 The workers' numbers are gathered (``allgather_control``); rank 0 takes the largest of each
 (the slowest worker sets a synchronous step's pace), fits the link (:func:`fit_link`), plans
@@ -36,10 +36,17 @@ from ..validation import is_int
 
 log = logging.getLogger(__name__)
 
-#: Sizes of the link probe's allreduce and allgather: latency, then bandwidth.
-LINK_PROBE_BYTES = (4, 512 << 10)
+#: Sizes of the link probe's allreduce and allgather: latency, then bandwidth at the default
+#: bucket's size (a shorter probe is dominated by scheduling noise on a loaded host:
+#: docs/algorithms.md §Auto codec choice, "[choice] 4 MiB for the bandwidth probe").
+LINK_PROBE_BYTES = (4, 4 << 20)
 #: Timings per probe; the best counts (what the device and the link can do).
 REPEATS = 3
+#: Timings per probe of a small tensor or message (at most :data:`SMALL_NUMEL` elements): a
+#: per-call cost of tens of µs needs more tries to find the best through a loaded host's
+#: scheduling noise (docs/algorithms.md §Auto codec choice, "[choice] More tries for small probes").
+SMALL_REPEATS = 30
+SMALL_NUMEL = 1 << 16
 #: The smallest tensor the codec probe times (the per-call cost ``a``).
 SMALL_PROBE = 64
 
@@ -105,7 +112,12 @@ def switches(old: Decision, new: Decision) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the probes
-def _best(run: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> float:
+def repeats_for(numel: int) -> int:
+    """How many timings a probe of ``numel`` elements takes (the same on every worker)."""
+    return SMALL_REPEATS if numel <= SMALL_NUMEL else REPEATS
+
+
+def _best(run: Callable[[], object], device: torch.device, repeats: int) -> float:
     """The shortest of ``repeats`` timings of ``run`` (after one untimed call)."""
     run()
     best = math.inf
@@ -163,19 +175,20 @@ def measure_codec(codec: Compressor, shapes: Sequence[tuple[int, ...]], n: int, 
                 return codec.from_sum(codec.summand(packet, n).clone(), packet, n)
             return codec.aggregate([packet] * n)
 
-        points.append((math.prod(shape), _best(once, device)))
+        points.append((math.prod(shape), _best(once, device, repeats_for(math.prod(shape)))))
     return fit_line(points)
 
 
 def measure_link(comm: Group, device: torch.device | str = "cpu") -> list[float]:
     """This worker's seconds for an allreduce, then an allgather, of each of
-    :data:`LINK_PROBE_BYTES` on ``comm`` (collective; best of :data:`REPEATS`)."""
+    :data:`LINK_PROBE_BYTES` on ``comm`` (collective; best of :func:`repeats_for` its size)."""
     device = torch.device(device)
     out = []
     for collective in (comm.allreduce, comm.allgather):
         for nbytes in LINK_PROBE_BYTES:
-            buffers = [torch.zeros(nbytes // 4, device=device) for _ in range(REPEATS + 1)]
-            out.append(_best(lambda: collective(buffers.pop()), device))
+            repeats = repeats_for(nbytes // 4)
+            buffers = [torch.zeros(nbytes // 4, device=device) for _ in range(repeats + 1)]
+            out.append(_best(lambda: collective(buffers.pop()), device, repeats))
     return out
 
 
