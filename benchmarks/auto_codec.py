@@ -6,12 +6,15 @@ up, then timed in interleaved rounds; the slowest worker's median step per round
 over rounds) runs the variants
 
 * ``ddp``: DistributedDataParallel + ``torch.optim.SGD``, the uncompressed choice ("nothing");
-* ``efsgd@C``: EF-SGD with the codec C on every bucket ("the codec everywhere");
-* ``efsgd@auto:C``: EF-SGD with ``auto:C`` (docs/algorithms.md §Auto codec choice): per bucket
-  C or uncompressed, decided at the first step from costs measured there (codec probe and
-  link probe, no ``link=`` given), executed from then on;
 
-for C in ``1bit`` and ``topk:ratio=0.01``. Models: ``mlp10m`` (10M parameters, 3x32x32),
+and, per path P (``ddp``: DDP + SGD with gradzip's codec hook, ``gradzip.ddp.hook``;
+``efsgd``: gradzip's EF-SGD optimizer) and codec C in ``1bit`` and ``topk:ratio=0.01``:
+
+* ``P@C``: C on every bucket ("the codec everywhere");
+* ``P@auto:C``: ``auto:C`` (docs/algorithms.md §Auto codec choice): per bucket C or
+  uncompressed, decided at the first step from costs measured there (codec probe and link
+  probe, no ``link=`` given), executed from then on.
+ Models: ``mlp10m`` (10M parameters, 3x32x32),
 ``resnet18`` (ResNet-18's 11.2M parameters in its 62 tensors; 3x8x8 inputs keep its compute
 small on a 2-core host) and ``mixed`` (``mlp:hidden=2048x2048x16x…``: two large layers and 200
 layers of 16: a model whose buckets disagree). Networks: ``loopback`` (127.0.0.1) and link
@@ -48,6 +51,7 @@ PAGE = PAGES / "auto.md"
 STEP_HEADING = "auto:<codec>: step time against DDP and the fixed codecs"
 ACCURACY_HEADING = "auto:<codec>: accuracy on digits"
 CODECS = ("1bit", "topk:ratio=0.01")
+PATHS = ("ddp", "efsgd")
 #: model -> (registry spec, input shape)
 MODELS = {"mlp10m": ("mlp10m", (3, 32, 32)), "resnet18": ("resnet18", (3, 8, 8)),
           "mixed": ("mlp:hidden=" + "x".join(["2048", "2048"] + ["16"] * 200), (3, 32, 32))}
@@ -55,7 +59,7 @@ LOOPBACK_TARGET, SHAPED_TARGET = 1.05, 1.10
 
 
 def variants() -> list[str]:
-    return ["ddp"] + [v for c in CODECS for v in (f"efsgd@{c}", f"efsgd@auto:{c}")]
+    return ["ddp"] + [v for path in PATHS for c in CODECS for v in (f"{path}@{c}", f"{path}@auto:{c}")]
 
 
 def run_setting(model: str, n: int, bandwidth: float | None, args) -> dict[str, Any]:
@@ -72,18 +76,23 @@ def run_setting(model: str, n: int, bandwidth: float | None, args) -> dict[str, 
 
 
 def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per codec: the three times, auto's ratios to DDP and to the best fixed choice, what it chose."""
+    """Per path and codec: the three times, auto's ratios to DDP and to the best fixed choice,
+    what it chose."""
     rows = {r["variant"]: r for r in result["rows"]}
     out = []
-    for c in CODECS:
-        ddp, fixed, auto = rows["ddp"], rows[f"efsgd@{c}"], rows[f"efsgd@auto:{c}"]
-        best = min(ddp["median_s"], fixed["median_s"])
-        chosen = auto.get("auto") or []
-        out.append({"codec": c, "ddp_s": ddp["median_s"], "fixed_s": fixed["median_s"], "auto_s": auto["median_s"],
-                    "auto_over_ddp": auto["median_s"] / ddp["median_s"], "auto_over_best": auto["median_s"] / best,
-                    "compressed": sum(x != "none" for x in chosen), "units": len(chosen),
-                    "below_both": auto["median_s"] < min(ddp["median_s"], fixed["median_s"])})
+    for path in PATHS:
+        for c in CODECS:
+            out.append(_verdict(path, c, rows["ddp"], rows[f"{path}@{c}"], rows[f"{path}@auto:{c}"]))
     return out
+
+
+def _verdict(path: str, c: str, ddp: dict, fixed: dict, auto: dict) -> dict[str, Any]:
+    best = min(ddp["median_s"], fixed["median_s"])
+    chosen = auto.get("auto") or []
+    return {"path": path, "codec": c, "ddp_s": ddp["median_s"], "fixed_s": fixed["median_s"], "auto_s": auto["median_s"],
+            "auto_over_ddp": auto["median_s"] / ddp["median_s"], "auto_over_best": auto["median_s"] / best,
+            "compressed": sum(x != "none" for x in chosen), "units": len(chosen),
+            "below_both": auto["median_s"] < min(ddp["median_s"], fixed["median_s"])}
 
 
 def target_text(result: dict[str, Any], v: dict[str, Any]) -> str:
@@ -97,12 +106,13 @@ def target_text(result: dict[str, Any], v: dict[str, Any]) -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| model | workers | network | codec C | ddp ms | efsgd@C ms | efsgd@auto:C ms | auto / ddp | "
+    lines = ["| model | workers | network | path P | codec C | ddp ms | P@C ms | P@auto:C ms | auto / ddp | "
              "auto / best fixed | buckets auto compresses | target |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
         for v in verdicts(r):
-            lines.append(f"| {r['model']} | {r['workers']} | {r['network']} | {v['codec']} | {v['ddp_s'] * 1e3:.1f} | "
+            lines.append(f"| {r['model']} | {r['workers']} | {r['network']} | {v['path']} | {v['codec']} | "
+                         f"{v['ddp_s'] * 1e3:.1f} | "
                          f"{v['fixed_s'] * 1e3:.1f} | {v['auto_s'] * 1e3:.1f} | **{v['auto_over_ddp']:.2f}** | "
                          f"**{v['auto_over_best']:.2f}** | {v['compressed']}/{v['units']} | {target_text(r, v)} |")
     return "\n".join(lines)

@@ -13,7 +13,8 @@ cross-entropy, backward, ``step()``. Variants:
 * ``ssgd``, ``efsgd-topk1%``, ``bitsgd``, ``cdsgd``: ``gradzip.optim`` SSGD,
   EFSGD(compressor ``topk:ratio=0.01``), BitSGD, CDSGD (default 2-bit codec, k 5), each
   on the bare model (no DDP); ``METHOD@CODEC`` (e.g. ``efsgd@auto:1bit``): any method of
-  ``gradzip.optim.METHODS`` with that compressor (benchmarks/auto_codec.py's variants). CD-SGD's ``step()`` returns before its exchange ends; its
+  ``gradzip.optim.METHODS`` with that compressor, ``ddp@CODEC`` DDP + SGD with gradzip's codec
+  hook of that codec (benchmarks/auto_codec.py's variants). CD-SGD's ``step()`` returns before its exchange ends; its
   next step waits for it, and ``synchronize()`` closes every round (timed as part of the
   round's last step). Its full-precision step every k = 5 and that closing wait are hidden
   by a median: the table's "mean" column (the round's mean step) counts them; use a
@@ -64,6 +65,7 @@ from gradzip.bench.units import format_rate, parse_rate
 from gradzip.comm import allreduce_wire_bytes, init_from_env
 from gradzip.errors import GradzipError
 from gradzip.comm.launch import WorkerError, run_processes
+from gradzip.integrations import ddp as ddp_hooks
 from gradzip.optim import CDSGD, METHODS, SSGD, BitSGD, EFSGD
 from gradzip.train import models
 
@@ -80,12 +82,29 @@ def check_variants(variants: Sequence[str]) -> None:
     """Each a variant of :data:`VARIANTS`, or ``METHOD@CODEC`` of a registered method."""
     def known(v: str) -> bool:
         algo, at, codec = v.partition("@")
-        return v in VARIANTS or bool(at and codec and algo in METHODS)
+        return v in VARIANTS or bool(at and codec and (algo == "ddp" or algo in METHODS))
 
     unknown = [v for v in variants if not known(v)]
     if unknown or not variants:
         raise GradzipError(f"unknown variant(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(VARIANTS)}, "
-                           f"or METHOD@CODEC with METHOD one of {', '.join(METHODS)}")
+                           f"or METHOD@CODEC with METHOD ddp (gradzip's DDP codec hook) or one of {', '.join(METHODS)}")
+
+
+class HookedSGD(torch.optim.SGD):
+    """``torch.optim.SGD`` over a DDP model whose gradients gradzip's codec hook exchanges
+    (``ddp@CODEC``): the hook state's bytes and auto:<codec>'s choices, as a gradzip optimizer
+    reports them."""
+
+    def __init__(self, params, state):
+        super().__init__(params, lr=LR)
+        self.hook_state = state
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.hook_state.bytes_sent
+
+    def auto_choices(self) -> list[str]:
+        return [c for d in self.hook_state.decisions.values() for c in d.choices]
 
 
 def build(variant: str, comm, model_name: str, shape: tuple = SHAPE):
@@ -96,6 +115,10 @@ def build(variant: str, comm, model_name: str, shape: tuple = SHAPE):
         model = DDP(model)
         if variant == "ddp-fp16":
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif variant.startswith("ddp@"):
+            state = ddp_hooks.hook(variant.partition("@")[2], model=model)
+            model.register_comm_hook(state, ddp_hooks.codec_hook)
+            return model, HookedSGD(model.parameters(), state), lambda: None
         return model, torch.optim.SGD(model.parameters(), lr=LR), lambda: None
     params = model.parameters()
     if variant == "ssgd":
