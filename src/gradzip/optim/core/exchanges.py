@@ -4,8 +4,9 @@ concept (building each PSync a method's box uses, with the run's transport, hier
 seeds and tracer; and accounting for all of them) that no box reads.
 
 The host class provides ``comm``, ``seed``, ``bucket_bytes``, ``nonfinite``,
-``transport``, ``_link``, ``recalibrate_every``, ``_hierarchy``, ``reads_packets``, ``steps``, ``param_groups``,
-``_keys``, ``_all_params()`` and the lists ``_exchanges`` and ``_names``.
+``transport``, ``round_bytes``, ``_declared_link``, ``recalibrate_every``, ``_hierarchy``,
+``reads_packets``, ``steps``, ``param_groups``, ``_keys``, ``_all_params()`` and the lists
+``_exchanges`` and ``_names``.
 """
 from __future__ import annotations
 
