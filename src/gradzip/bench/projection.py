@@ -17,8 +17,9 @@ its summary says why instead.
 
 An auto:<codec> run (docs/algorithms.md §Auto codec choice) is profiled with ``link=`` each
 projected rate, so the profile executes what auto would decide on that link (its coding costs
-probed on this machine), and its bytes are that decision's, not rescaled to the run's; the
-row says how many of the exchange's units auto compresses there (``auto``).
+probed on this machine), and its bytes and codec seconds are that decision's (the profile's),
+not rescaled from the run's; the row says how many of the exchange's units auto compresses
+there (``auto``).
 
 These are projections, not measurements: the printed table and the plot say so; so does a
 note where the times rest on fewer than :data:`STEADY_MIN_STEPS` steps after the warm-up.
@@ -92,7 +93,9 @@ def _period(summary: dict[str, Any], times: dict[str, float], n: int, bandwidth_
                       if algo == summary["method"] and not auto else None)
     scale = measured_bytes / here.wire_bytes_per_step if measured_bytes and here.wire_bytes_per_step else 1.0
     communicate = there.comm_time(bandwidth_Bps, alpha_s) * scale
-    if here.compress_s > 0:
+    if auto:   # the codec work of that link's decision, not of the run's
+        compress_s = there.compress_s
+    elif here.compress_s > 0:
         compress_s *= there.compress_s / here.compress_s
     if there.overlaps_backward and not there.overlaps:   # the exchange starts during backward
         period = backward_period(there, times["compute"], compress_s, times["update"],
