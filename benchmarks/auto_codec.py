@@ -148,6 +148,19 @@ def accuracy(args) -> str:
             f"```\n{shown_table}\n```\n")
 
 
+def step_text(args, command: str, host: dict[str, Any], results: list[dict[str, Any]]) -> str:
+    """The step-time section: how the numbers were taken, the command, the table."""
+    return (f"Step time per variant, side by side in one run per (model, workers, network) "
+            f"(benchmarks/step_vs_ddp.py's harness: batch {args.batch} per worker, 1 torch thread per worker, "
+            f"{args.warmup} warm-up steps, then {args.rounds} interleaved rounds of {args.steps} steps; the slowest "
+            "worker's median step of a round, median over rounds). auto decides at its first warm-up step from "
+            "what it measured there (no `link=`). Best fixed: the faster of `ddp` (nothing compressed) and "
+            "`P@C` (C on every bucket). Targets: loopback auto / ddp ≤ 1.05; shaped links auto / best fixed "
+            "≤ 1.10, and on `mixed` below both. Host: "
+            f"{host['cpus']} CPUs, load average {', '.join(f'{x:.1f}' for x in host['loadavg'])} at the end. "
+            f"Produced by:\n\n```\n{command}\n```\n\n" + table(results) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.auto_codec", description=__doc__.split("\n\n")[0])
@@ -164,13 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accuracy-link", default="100mbit", help="--link of the accuracy runs (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=10, help="epochs of the accuracy runs (default: %(default)s)")
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--from", dest="source", help="tabulate an earlier --json file, run nothing")
     parser.add_argument("--write", action="store_true", help=f"replace the sections of {PAGE.relative_to(ROOT)}")
     args = parser.parse_args(argv)
     command = "python -m benchmarks.auto_codec " + " ".join(argv)
     try:
-        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        models = [] if args.source else [m.strip() for m in args.models.split(",") if m.strip()]
         unknown = [m for m in models if m not in MODELS]
-        if unknown or not (models or args.accuracy):
+        if unknown or not (models or args.accuracy or args.source):
             raise GradzipError(f"unknown model(s) {', '.join(unknown) or '(none)'}; valid: {', '.join(MODELS)}")
         workers = [int(w) for w in args.workers.split(",") if w.strip()]
         networks = [step_vs_ddp.parse_network(s) for s in args.network.split(",") if s.strip()]
@@ -187,15 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     host = emulated.host_info()
-    text = (f"Step time per variant, side by side in one run per (model, workers, network) "
-            f"(benchmarks/step_vs_ddp.py's harness: batch {args.batch} per worker, 1 torch thread per worker, "
-            f"{args.warmup} warm-up steps, then {args.rounds} interleaved rounds of {args.steps} steps; the slowest "
-            "worker's median step of a round, median over rounds). auto decides at its first warm-up step from "
-            "what it measured there (no `link=`). Best fixed: the faster of `ddp` (nothing compressed) and "
-            "`P@C` (C on every bucket). Targets: loopback auto / ddp ≤ 1.05; shaped links auto / best fixed "
-            "≤ 1.10, and on `mixed` below both. Host: "
-            f"{host['cpus']} CPUs, load average {', '.join(f'{x:.1f}' for x in host['loadavg'])} at the end. "
-            f"Produced by:\n\n```\n{command}\n```\n\n" + table(results) + "\n")
+    taken = args   # the settings the results were taken with
+    if args.source:   # an earlier run's results, tabulated again
+        data = json.loads(Path(args.source).read_text())
+        command, host, results = data["command"], data["host"], data["results"]
+        taken = parser.parse_args(command.split()[3:])
+    text = step_text(taken, command, host, results)
     if results:
         print(text)
     if accuracy_text:
