@@ -287,7 +287,7 @@ def test_the_ddp_hook_on_gloo():
             assert all(torch.equal(a, b) for a, b in zip(auto, fixed))
 
 
-def test_cli_train_with_auto_and_a_declared_link(tmp_path):
+def test_cli_train_with_auto_and_a_declared_link(tmp_path, capsys):
     import json
 
     from gradzip.cli import main
@@ -299,5 +299,9 @@ def test_cli_train_with_auto_and_a_declared_link(tmp_path):
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["auto"]["exchange 0"].startswith("step 1: ") and "1 Gbit/s" in summary["auto"]["exchange 0"]
-    with pytest.raises(SystemExit):
-        main(["train", "--compressor", "auto:1bit", "--link", "fast"])
+    capsys.readouterr()
+    for link, message in (("fast", "bad bandwidth 'fast'"), ("-1gbit", "bad bandwidth '-1gbit'")):
+        with pytest.raises(SystemExit):
+            main(["train", "--compressor", "auto:1bit", f"--link={link}"])
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
