@@ -185,3 +185,35 @@ def ddp_runs(comm, steps: int = 4):
                 assert saved and all(set(e["choices"]) == {fixed} for e in saved), saved
         out.append(pair)
     return out
+
+
+def ddp_resume(comm, split: int = 3, steps: int = 3):
+    """The DDP hook with auto:1bit (link measured): straight, ``split + steps`` steps; resumed,
+    a new model, DDP and hook state load the state saved after ``split`` and run ``steps``
+    while a codec probe fails this worker. Both parameter lists, and the decisions of each."""
+    import cases_ddp
+    import gradzip.ddp
+
+    _guard_probes()
+
+    def build():
+        net, ddp = cases_ddp.make_ddp()
+        state = gradzip.ddp.hook("auto:1bit", model=ddp)
+        ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
+        return net, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    net, ddp, state, opt = build()
+    cases_ddp.train(comm, ddp, opt, split)
+    saved = copy.deepcopy((net.state_dict(), opt.state_dict(), state.state_dict()))
+    cases_ddp.train(comm, ddp, opt, steps, first=split)
+    net2, ddp2, state2, opt2 = build()
+    net2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    state2.load_state_dict(saved[2])
+    _FORBIDDEN.on = True
+    try:
+        cases_ddp.train(comm, ddp2, opt2, steps, first=split)
+    finally:
+        _FORBIDDEN.on = False
+    return (cases_ddp.params(net), cases_ddp.params(net2), calibration.save(state.decisions),
+            calibration.save(state2.decisions))

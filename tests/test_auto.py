@@ -287,6 +287,18 @@ def test_the_ddp_hook_on_gloo():
             assert all(torch.equal(a, b) for a, b in zip(auto, fixed))
 
 
+@pytest.mark.slow
+def test_the_ddp_hook_resumes_its_decisions_bit_exactly_on_gloo():
+    """The hook's decisions (measured on 2 gloo processes) are one on both ranks, saved in its
+    state_dict; a new hook state that loads them executes them without probing and repeats
+    the uninterrupted run bit for bit."""
+    (straight0, resumed0, made0, kept0), (straight1, resumed1, made1, _) = run_processes(2, cases_auto.ddp_resume)
+    assert made0 == made1 and made0 and kept0 == made0
+    assert all(torch.equal(a, b) for a, b in zip(straight0, straight1))
+    assert all(torch.equal(a, b) for a, b in zip(straight0, resumed0))
+    assert all(torch.equal(a, b) for a, b in zip(straight1, resumed1))
+
+
 def test_cli_train_with_auto_and_a_declared_link(tmp_path, capsys):
     import json
 
