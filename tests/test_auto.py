@@ -144,6 +144,36 @@ def test_decisions_agree_and_resume_bit_exactly_on_gloo():
     assert len(saved) == 1 and saved[0]["step"] == 1 and len(saved[0]["choices"]) == 4
 
 
+def test_a_run_resumed_from_its_checkpoint_keeps_the_decision(tmp_path, monkeypatch):
+    """The training loop (gradzip train): EF-SGD auto:1bit on digits, 2 threads, checkpoints
+    every 8 steps; a run interrupted after step 27 and resumed from its checkpoint of step 24
+    probes nothing after the resume, records the same decision in its summary and ends with
+    the uninterrupted run's history bit for bit."""
+    import cases
+    from gradzip.train.config import RunConfig
+    from gradzip.train.loop import run_worker
+
+    resumed_flag = {"on": False}
+
+    def costs(*args, **kwargs):
+        assert not resumed_flag["on"], "a resumed run probed instead of executing its saved decision"
+        return cases_auto.fixed_costs(*args, **kwargs)
+
+    monkeypatch.setattr(calibration, "measure_codec", costs)
+    base = RunConfig(algo="efsgd", options={"compressor": "auto:1bit"}, link="100mbit", epochs=2, progress=False,
+                     checkpoint_every=8, lr=0.05)
+    whole = gradzip.simulate(2, lambda c: run_worker(c, RunConfig(**{**vars(base), "checkpoint_dir": f"{tmp_path}/w"})))
+    cut = RunConfig(**{**vars(base), "checkpoint_dir": f"{tmp_path}/cut", "resume": True})
+    with pytest.raises(cases.Interrupted):
+        gradzip.simulate(2, lambda c: run_worker(c, cut, after_step=cases.interrupt_after(cases.INTERRUPT_AFTER)))
+    resumed_flag["on"] = True
+    resumed = gradzip.simulate(2, lambda c: run_worker(c, cut))
+    assert resumed[0]["summary"]["resumed_from_step"] == 24
+    decided = whole[0]["summary"]["auto"]["exchange 0"]
+    assert decided.startswith("step 1: ") and resumed[0]["summary"]["auto"]["exchange 0"] == decided
+    cases.assert_bitwise_equal(whole[0]["history"], resumed[0]["history"], "history")
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_resume_executes_the_saved_decision_on_threads(monkeypatch, overlap):
     """The fixed costs give a mixed decision; a resume keeps it bit for bit (no probe); the
