@@ -38,7 +38,7 @@ BLOCKS = {  # name: (file, begin marker, end marker)
                    "<!-- where compression wins: end -->"),
 }
 #: The contents list's order; a page not named here follows, alphabetically.
-PAGE_ORDER = ["step-vs-ddp.md", "codecs.md", "emulated-network.md", "cdsgd.md", "transports-and-nodes.md",
+PAGE_ORDER = ["step-vs-ddp.md", "auto.md", "codecs.md", "emulated-network.md", "cdsgd.md", "transports-and-nodes.md",
               "timeline-model.md", "projections.md", "fsdp.md", "accuracy.md", "main-job.md", "startup.md", "gpu.md"]
 
 

@@ -12,7 +12,9 @@ cross-entropy, backward, ``step()``. Variants:
   guard costs, one read pass a step, which DDP does not pay);
 * ``ssgd``, ``efsgd-topk1%``, ``bitsgd``, ``cdsgd``: ``gradzip.optim`` SSGD,
   EFSGD(compressor ``topk:ratio=0.01``), BitSGD, CDSGD (default 2-bit codec, k 5), each
-  on the bare model (no DDP). CD-SGD's ``step()`` returns before its exchange ends; its
+  on the bare model (no DDP); ``METHOD@CODEC`` (e.g. ``efsgd@auto:1bit``): any method of
+  ``gradzip.optim.METHODS`` with that compressor, ``ddp@CODEC`` DDP + SGD with gradzip's codec
+  hook of that codec (benchmarks/auto_codec.py's variants). CD-SGD's ``step()`` returns before its exchange ends; its
   next step waits for it, and ``synchronize()`` closes every round (timed as part of the
   round's last step). Its full-precision step every k = 5 and that closing wait are hidden
   by a median: the table's "mean" column (the round's mean step) counts them; use a
@@ -49,7 +51,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,7 +65,8 @@ from gradzip.bench.units import format_rate, parse_rate
 from gradzip.comm import allreduce_wire_bytes, init_from_env
 from gradzip.errors import GradzipError
 from gradzip.comm.launch import WorkerError, run_processes
-from gradzip.optim import CDSGD, SSGD, BitSGD, EFSGD
+from gradzip.integrations import ddp as ddp_hooks
+from gradzip.optim import CDSGD, METHODS, SSGD, BitSGD, EFSGD
 from gradzip.train import models
 
 HEADING = "Step time against PyTorch DDP"
@@ -75,14 +78,47 @@ CLASSES = 10
 LR = 0.01
 
 
-def build(variant: str, comm, model_name: str):
+def check_variants(variants: Sequence[str]) -> None:
+    """Each a variant of :data:`VARIANTS`, or ``METHOD@CODEC`` of a registered method."""
+    def known(v: str) -> bool:
+        algo, at, codec = v.partition("@")
+        return v in VARIANTS or bool(at and codec and (algo == "ddp" or algo in METHODS))
+
+    unknown = [v for v in variants if not known(v)]
+    if unknown or not variants:
+        raise GradzipError(f"unknown variant(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(VARIANTS)}, "
+                           f"or METHOD@CODEC with METHOD ddp (gradzip's DDP codec hook) or one of {', '.join(METHODS)}")
+
+
+class HookedSGD(torch.optim.SGD):
+    """``torch.optim.SGD`` over a DDP model whose gradients gradzip's codec hook exchanges
+    (``ddp@CODEC``): the hook state's bytes and auto:<codec>'s choices, as a gradzip optimizer
+    reports them."""
+
+    def __init__(self, params, state):
+        super().__init__(params, lr=LR)
+        self.hook_state = state
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.hook_state.bytes_sent
+
+    def auto_choices(self) -> list[str]:
+        return [c for d in self.hook_state.decisions.values() for c in d.choices]
+
+
+def build(variant: str, comm, model_name: str, shape: tuple = SHAPE):
     """(model to call, optimizer, finish) for one variant: ``finish()`` ends a round (waits
     for a background exchange)."""
-    model = models.build(model_name, SHAPE, CLASSES, seed=0)
+    model = models.build(model_name, shape, CLASSES, seed=0)
     if variant.startswith("ddp"):
         model = DDP(model)
         if variant == "ddp-fp16":
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif variant.startswith("ddp@"):
+            state = ddp_hooks.hook(variant.partition("@")[2], model=model)
+            model.register_comm_hook(state, ddp_hooks.codec_hook)
+            return model, HookedSGD(model.parameters(), state), lambda: None
         return model, torch.optim.SGD(model.parameters(), lr=LR), lambda: None
     params = model.parameters()
     if variant == "ssgd":
@@ -96,6 +132,10 @@ def build(variant: str, comm, model_name: str):
     elif variant == "cdsgd":
         opt = CDSGD(params, LR, comm=comm)
         return model, opt, opt.synchronize
+    elif "@" in variant:
+        algo, _, codec = variant.partition("@")
+        opt = METHODS[algo](params, LR, comm=comm, compressor=codec)
+        return model, opt, getattr(opt, "synchronize", lambda: None)
     else:
         raise GradzipError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
     return model, opt, lambda: None
@@ -118,10 +158,11 @@ def measure(comm, spec: dict[str, Any]) -> dict[str, Any]:
     per variant the per-round median step seconds of this worker, and the bytes it sent."""
     torch.set_num_threads(spec["threads"])
     rank, variants = comm.rank, spec["variants"]
+    shape = tuple(spec.get("shape", SHAPE))
     g = torch.Generator().manual_seed(1000 + rank)
-    data = [(torch.randn(spec["batch"], *SHAPE, generator=g), torch.randint(0, CLASSES, (spec["batch"],), generator=g))
+    data = [(torch.randn(spec["batch"], *shape, generator=g), torch.randint(0, CLASSES, (spec["batch"],), generator=g))
             for _ in range(4)]
-    built = {v: build(v, comm, spec["model"]) for v in variants}
+    built = {v: build(v, comm, spec["model"], shape) for v in variants}
     counter = {v: 0 for v in variants}
 
     def step(v):
@@ -156,8 +197,9 @@ def measure(comm, spec: dict[str, Any]) -> dict[str, Any]:
     measured = spec["rounds"] * spec["steps"]
     sent = {v: (getattr(built[v][1], "bytes_sent", 0) - bytes0[v]) / measured for v in variants}
     numel = sum(p.numel() for p in built[variants[0]][0].parameters())
+    auto = {v: built[v][1].auto_choices() for v in variants if getattr(built[v][1], "auto_choices", None)}
     return {"rank": rank, "rounds": rounds, "means": means, "bytes_per_step": sent, "parameters": numel,
-            "copy_s": copy_seconds(numel)}
+            "copy_s": copy_seconds(numel), "auto": auto}
 
 
 # ----------------------------------------------------------------------------- launching
@@ -222,7 +264,7 @@ def summarize(ranks: list[dict[str, Any]], n: int, bandwidth: float | None) -> d
             sent = allreduce_wire_bytes(2 * params, n)
         rows.append({"variant": v, "median_s": statistics.median(per_round), "min_s": min(per_round),
                      "max_s": max(per_round), "rounds_s": per_round, "mean_s": statistics.median(round_means),
-                     "bytes_per_step": sent})
+                     "bytes_per_step": sent, **({"auto": ranks[0]["auto"][v]} if v in ranks[0].get("auto", {}) else {})})
     base = rows[0]["median_s"]
     for row in rows:
         row["ratio"] = row["median_s"] / base
@@ -317,9 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.network:
             raise GradzipError("--network needs at least one setting: loopback, or a rate such as 1gbit")
         args.variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-        unknown = [v for v in args.variants if v not in VARIANTS]
-        if unknown or not args.variants:
-            raise GradzipError(f"unknown variant(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(VARIANTS)}")
+        check_variants(args.variants)
         for flag, value, low in (("--workers", args.workers, 2), ("--batch", args.batch, 1), ("--threads", args.threads, 1),
                                  ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1), ("--steps", args.steps, 1)):
             if value < low:

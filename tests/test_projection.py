@@ -149,6 +149,27 @@ def test_one_line_per_link_rate_names_the_fastest_method_with_its_accuracy_cost(
         "(caveat: too short a run to measure steady state)"]
 
 
+def test_an_auto_run_says_per_link_rate_which_buckets_it_compresses():
+    """auto:<codec> is profiled with each projected rate as its declared link (docs/algorithms.md
+    §Auto codec choice): at 1 Mbit/s its two units (the 64x32 weight alone at 4 KiB buckets, the
+    small tensors together) take 1bit, whose fp32 allreduce would cost milliseconds; at 1 Tbit/s
+    neither (the codec's own time outweighs the microseconds it saves). Each projected cell says
+    how many units auto compresses there, and the legend says what that is. The codec seconds
+    are that decision's (the profile's), not the run's 50 ms a step (its own decision's)."""
+    base = _run("ssgd", {}, 2 * 3 / 4 * PARAMS * 4)
+    auto = _run("efsgd", {"compressor": "auto:1bit", "bucket_bytes": 4096}, 1000.0, compress=0.05)
+    auto["summary"]["algo"] = "efsgd@auto:1bit"
+    text = _table([base, auto], [1e6, 1e12])
+    slow, fast = auto["summary"]["projections"]
+    assert slow["auto"] == ["1bit", "1bit"] and fast["auto"] == ["none", "none"]
+    assert "auto" not in base["summary"]["projections"][0]
+    row = next(line for line in text.splitlines() if line.startswith("efsgd@auto:1bit"))
+    assert "auto 2/2" in row and "auto 0/2" in row
+    assert "auto k/m: the units (buckets) auto:<codec> compresses on that link, of m" in text
+    assert slow["speedup"] > 1 > fast["speedup"]
+    assert fast["compress_s"] < 0.01 and slow["compress_s"] < 0.01
+
+
 def test_a_method_the_profile_cannot_run_is_left_out_with_a_note():
     base, asgd = _run("ssgd", {}, 2 * 3 / 4 * PARAMS * 4), _run("asgd", {}, 2 * 3 / 4 * PARAMS * 4)
     text = _table([base, asgd], [1e9])

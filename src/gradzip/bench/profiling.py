@@ -192,6 +192,7 @@ class MethodProfile:
     exchanges: list[list[Exchange]] = field(default_factory=list)   # per profiled step
     decode_one_s: float = 0.0            # decoding one packet of every tensor (an allreduce's from_sum)
     overlaps_backward: bool = False      # its exchange starts during backward (the instance's overlap_backward)
+    auto_choices: list[str] = field(default_factory=list)   # auto:<codec>: each unit's codec (opt.auto_choices())
 
     def codec_time(self, transports: Sequence[str] = (), hierarchy: int = 1) -> float:
         """Codec seconds per step on this machine for the transports the exchanges took
@@ -365,7 +366,7 @@ def _steps(algo, options, shapes, workers, steps, warmup, dry=False):
             except _DryRun:
                 pass
     return cls, calls, statistics.fmean(sent), statistics.median(compress), statistics.median(decode), \
-        statistics.median(update), exchanges, bool(getattr(opt, "overlap_backward", False))
+        statistics.median(update), exchanges, bool(getattr(opt, "overlap_backward", False)), getattr(opt, "auto_choices", list)()
 
 
 _TIMED: dict = {}  # timing runs by (method, options, shapes, workers, steps, warmup), reused above the cap
@@ -385,13 +386,13 @@ def profile_method(algo: str, options: dict[str, Any], shapes: Sequence[tuple[in
     key = (algo, tuple(sorted((k, str(v)) for k, v in options.items())), tuple(map(tuple, shapes)), n_t, steps, warmup)
     if key not in _TIMED:
         _TIMED[key] = _steps(algo, options, shapes, n_t, steps, warmup)
-    cls, calls, sent, compress, decode, update, exchanges, backward = _TIMED[key]
+    cls, calls, sent, compress, decode, update, exchanges, backward, auto = _TIMED[key]
     gathers_t = any(k == "allgather" for step in calls for k, _ in step)
     decode_one = decode / (n_t if gathers_t else 1)   # decoding one packet's worth of every tensor
     if n_t != workers:
-        _, calls, sent, _, _, _, exchanges, _ = _steps(algo, options, shapes, workers, steps, 0, dry=True)
+        _, calls, sent, _, _, _, exchanges, _, auto = _steps(algo, options, shapes, workers, steps, 0, dry=True)
         gathers = any(k == "allgather" for step in calls for k, _ in step)
         scaled = decode * (workers if gathers else 1) / (n_t if gathers_t else 1)
         compress, decode = compress - decode + scaled, scaled
     return MethodProfile(label or algo, workers, bool(getattr(cls, "overlaps_exchange", False)), calls,
-                         sent, compress, update, decode, n_t, exchanges, decode_one, backward)
+                         sent, compress, update, decode, n_t, exchanges, decode_one, backward, auto)

@@ -15,6 +15,12 @@ without one, over S-SGD modelled with this run's compute and update times. A met
 profile cannot run (A-SGD: :class:`~gradzip.bench.profiling.Unprofilable`) is not projected;
 its summary says why instead.
 
+An auto:<codec> run (docs/algorithms.md §Auto codec choice) is profiled with ``link=`` each
+projected rate, so the profile executes what auto would decide on that link (its coding costs
+probed on this machine), and its bytes and codec seconds are that decision's (the profile's),
+not rescaled from the run's; the row says how many of the exchange's units auto compresses
+there (``auto``).
+
 These are projections, not measurements: the printed table and the plot say so; so does a
 note where the times rest on fewer than :data:`STEADY_MIN_STEPS` steps after the warm-up.
 """
@@ -26,6 +32,7 @@ from .profiling import Unprofilable, profile_method
 from .timeline import backward_period, overlapped_period, timeline
 from .units import format_rate
 from ..errors import GradzipError
+from ..exchange.planner import Link
 
 #: Per-message latency of the projection (a data-centre link; ``gradzip bench model``'s default).
 ALPHA_S = 10e-6
@@ -67,17 +74,28 @@ def _profile(algo: str, options: dict[str, Any], shapes, n: int, timed_at: int, 
     return cache[key]
 
 
+def is_auto(options: dict[str, Any]) -> bool:
+    """Whether a method's options choose a codec by cost (``auto:<codec>``) for any exchange."""
+    return any(isinstance(v, str) and v.startswith("auto:") for v in options.values())
+
+
 def _period(summary: dict[str, Any], times: dict[str, float], n: int, bandwidth_Bps: float, alpha_s: float,
             shapes, algo: str, options: dict[str, Any], compress_s: float, cache: dict) -> dict[str, Any]:
     """One projected iteration of ``algo`` at ``n`` workers with the run's measured
     compute and update ``times`` (per step) and codec seconds ``compress_s``."""
     run_n = summary["workers"]
+    auto = is_auto(options)
+    if auto:   # what auto decides on this link (module docstring)
+        options = {**options, "link": Link(bandwidth_Bps, alpha_s)}
     here = _profile(algo, options, shapes, run_n, run_n, cache)
     there = here if n == run_n else _profile(algo, options, shapes, n, run_n, cache)
-    measured_bytes = summary["bytes_sent_per_worker"] / max(summary["steps"], 1) if algo == summary["method"] else None
+    measured_bytes = (summary["bytes_sent_per_worker"] / max(summary["steps"], 1)
+                      if algo == summary["method"] and not auto else None)
     scale = measured_bytes / here.wire_bytes_per_step if measured_bytes and here.wire_bytes_per_step else 1.0
     communicate = there.comm_time(bandwidth_Bps, alpha_s) * scale
-    if here.compress_s > 0:
+    if auto:   # the codec work of that link's decision, not of the run's
+        compress_s = there.compress_s
+    elif here.compress_s > 0:
         compress_s *= there.compress_s / here.compress_s
     if there.overlaps_backward and not there.overlaps:   # the exchange starts during backward
         period = backward_period(there, times["compute"], compress_s, times["update"],
@@ -88,7 +106,8 @@ def _period(summary: dict[str, Any], times: dict[str, float], n: int, bandwidth_
     else:
         period = timeline(times["compute"], compress_s, communicate, times["update"], False).period
     return {"iteration_s": period, "compute_s": times["compute"], "compress_s": compress_s,
-            "communicate_s": communicate, "update_s": times["update"], "overlaps": there.overlaps}
+            "communicate_s": communicate, "update_s": times["update"], "overlaps": there.overlaps,
+            **({"auto": there.auto_choices} if auto else {})}
 
 
 def project_runs(runs: Sequence[dict[str, Any]], bandwidths_bps: Sequence[float],
@@ -145,9 +164,12 @@ def column(row: dict[str, Any]) -> str:
 
 
 def cell(row: dict[str, Any]) -> str:
-    """``"12.3 (2.1x)"``: projected seconds per epoch and the speed-up over S-SGD."""
+    """``"12.3 (2.1x)"``: projected seconds per epoch and the speed-up over S-SGD; an
+    auto:<codec> run adds how many of its units auto compresses on that link (``auto 3/5``)."""
     speed = "" if row.get("speedup") is None else f" ({row['speedup']:.2f}x)"
-    return f"{row['epoch_s']:.3g}{speed}"
+    chosen = row.get("auto")
+    auto = "" if chosen is None else f" auto {sum(c != 'none' for c in chosen)}/{len(chosen)}"
+    return f"{row['epoch_s']:.3g}{speed}{auto}"
 
 
 def legend(summaries: Sequence[dict[str, Any]]) -> list[str]:
@@ -162,7 +184,9 @@ def legend(summaries: Sequence[dict[str, Any]]) -> list[str]:
         lines.append(f"proj.: PROJECTED, not measured: seconds per epoch the timeline model (gradzip bench model) "
                      f"predicts from this run's measured compute, codec and update times and its bytes, per link "
                      f"rate and worker count (alpha {first['alpha_s'] * 1e6:g} us); (Nx): speed-up over "
-                     f"{first['speedup_over']}")
+                     f"{first['speedup_over']}"
+                     + ("; auto k/m: the units (buckets) auto:<codec> compresses on that link, of m"
+                        if any("auto" in p for s in projected for p in s["projections"]) else ""))
         lines.append(_basis(projected))
         if len(projected) > 1:
             lines += [fastest(projected, i) for i in range(len(projected[0]["projections"]))]

@@ -7,13 +7,16 @@ from typing import Any, Sequence
 
 from .. import compressors, optim, specs
 from ..bench.cli import add_parser as add_bench
+from ..exchange import planner
 from ..comm.base import DEFAULT_TIMEOUT_S
+from ..errors import GradzipError
 from ..optim.core.options import FLOAT32_MAX
 from ..train import checkpoint, config_file, datasets, device, models
 from ..bench import projection
 from ..train.config import SEED_LIMIT
 
-DEFAULT_COMPARE = "ssgd,efsgd@topk:ratio=0.01,efsgd@1bit,bitsgd,ssgd@qsgd,ssgd@terngrad"
+DEFAULT_COMPARE = ("ssgd,efsgd@topk:ratio=0.01,efsgd@auto:topk:ratio=0.01,efsgd@1bit,efsgd@auto:1bit,bitsgd,ssgd@qsgd,"
+                   "ssgd@terngrad")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,6 +47,15 @@ fraction = _checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 positive = _checked(float, lambda v: 0 < v <= FLOAT32_MAX, "a number > 0 and finite (<= 3.4e38)")
 seed_int = _checked(int, lambda v: 0 <= v < SEED_LIMIT, "an integer in [0, 2**32)")
 seconds = _checked(float, lambda v: 0 < v <= 365 * 86400, "seconds > 0 (at most a year)")
+
+
+def link_rate(raw: str) -> str:
+    """``--link``: a rate the plans' link model takes (:func:`gradzip.exchange.planner.as_link`)."""
+    try:
+        planner.as_link(raw)
+    except GradzipError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return raw
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -88,6 +100,13 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="how PSync moves packets: auto (exact collectives; the two-phase compressed allreduce "
                         "only where it costs <= 1/2), or pin one; twophase changes the numbers "
                         "(docs/algorithms.md §Transports; default: %(default)s)")
+    g.add_argument("--link", metavar="RATE", type=link_rate, default=None,
+                   help="the link the exchange plans are priced on, e.g. 1gbit: auto:<codec>'s choices (measured "
+                        "at the first step when not given) and two-phase's (10gbit when not given) "
+                        "(docs/algorithms.md §Auto codec choice)")
+    g.add_argument("--recalibrate-every", type=positive_int, default=None, metavar="STEPS",
+                   help="auto:<codec>: measure and decide again every STEPS steps, logging each bucket that "
+                        "switches (default: decide once, at the first step)")
     g.add_argument("--round-bytes", type=positive_int, default=None,
                    help="two-phase: send each all-to-all in rounds of at most this many bytes per message "
                         "(default: whole messages); on slow links that several workers share, e.g. 131072 "

@@ -30,7 +30,8 @@ def _configs(args) -> list:
                   nonfinite=args.nonfinite, device=args.device, amp=args.amp, trace=bool(args.trace),
                   progress=not args.quiet,
                   lr_scaling=args.lr_scaling, base_batch=args.base_batch or 0, warmup_epochs=args.warmup_epochs,
-                  sam_rho=args.sam_rho, transport=args.transport, round_bytes=args.round_bytes,
+                  sam_rho=args.sam_rho, transport=args.transport, round_bytes=args.round_bytes, link=args.link,
+                  recalibrate_every=args.recalibrate_every,
                   workers_per_node=args.workers_per_node,
                   straggler=stragglers.canonical(args.straggler), **_checkpointing(args))
     given = _given_options(args)

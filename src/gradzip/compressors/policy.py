@@ -1,4 +1,7 @@
-"""A codec per tensor: :class:`PerTensor` (as hivemind's size- and role-adaptive compression).
+"""Policies that pick a codec where a codec goes: :class:`PerTensor`, a codec per tensor
+by name and size (as hivemind's size- and role-adaptive compression), and :class:`Auto`,
+``auto:<codec>``, the codec or uncompressed per unit of the exchange's plan by measured cost
+(docs/algorithms.md §Auto codec choice). Neither is a codec itself.
 
 Small tensors (biases, norms) cost a collective's latency, not its bandwidth, and a sparse or
 quantised bias hurts accuracy for nothing saved; embeddings may want another codec than
@@ -27,7 +30,7 @@ import torch
 
 from ..errors import GradzipError
 from .base import Compressor, Packet
-from .registry import build
+from .registry import build, register_wrapper
 
 
 class PerTensor(Compressor):
@@ -53,10 +56,12 @@ class PerTensor(Compressor):
             raise GradzipError(f"PerTensor: min_numel must be an integer >= 0, got {min_numel!r}")
         if not isinstance(skip_1d, bool):
             raise GradzipError(f"PerTensor: skip_1d must be True or False, got {skip_1d!r}")
-        self.default = _codec(default, "default")
-        if isinstance(self.default, PerTensor):
-            raise GradzipError("PerTensor: default must be a codec, not another PerTensor policy")
-        self.rules = [(pattern, _codec(codec, f"rule {pattern!r}")) for pattern, codec in pairs]
+        self.default = _codec(default, "PerTensor default")
+        self.rules = [(pattern, _codec(codec, f"PerTensor rule {pattern!r}")) for pattern, codec in pairs]
+        for codec in [self.default, *(c for _, c in self.rules)]:
+            if isinstance(codec, (PerTensor, Auto)):
+                raise GradzipError(f"PerTensor: {codec.spec} is a policy, not a codec; give codecs to a PerTensor "
+                                   "policy (auto:<codec> decides per bucket of a whole exchange: use it alone)")
         self.min_numel = min_numel
         self.skip_1d = skip_1d
         self.dense = build("none")
@@ -103,8 +108,60 @@ class PerTensor(Compressor):
     compress = decompress = compress_residual = aggregate = summand = from_sum = _refuse
 
 
-def _codec(codec: "str | Compressor", what: str) -> Compressor:
+def _codec(codec: "str | Compressor", where: str) -> Compressor:
+    """``build(codec)``, its error prefixed with ``where``."""
     try:
         return build(codec)
     except GradzipError as error:
-        raise GradzipError(f"PerTensor {what}: {error}") from None
+        raise GradzipError(f"{where}: {error}") from None
+
+
+@register_wrapper("auto")
+class Auto(Compressor):
+    """``auto:<codec>`` (``Auto("topk:ratio=0.01")``): per unit of an exchange's plan, ``codec``
+    or uncompressed (``none``), whichever takes less time by the measured (or declared) costs
+    (docs/algorithms.md §Auto codec choice; the rule is :func:`gradzip.exchange.planner.plan`'s, the
+    measurement :mod:`gradzip.exchange.calibration`'s). It goes where a codec goes in a method that
+    exchanges through PSync and in the DDP hook; the plan resolves it to ``codec`` or
+    ``none`` per tensor (``Plan.codecs``), and its own codec methods refuse to run.
+
+    The properties a method reads of its codec are ``codec``'s (``unbiased``, so error
+    feedback is on for a biased codec; ``shared_randomness``; ``sum_dtype`` for the
+    transports it allows), which stay right for the units sent uncompressed: ``none``'s
+    residual is zero and its allreduce needs nothing the codec's does not."""
+
+    name = "auto"
+
+    def __init__(self, codec: "str | Compressor"):
+        self.codec = _codec(codec, f"auto:{codec}")
+        if isinstance(self.codec, (PerTensor, Auto)):
+            raise GradzipError(f"auto:{self.codec.spec}: auto chooses between one codec and none per bucket; give it "
+                               "a codec, e.g. auto:topk:ratio=0.01")
+        if self.codec.name == "none":
+            raise GradzipError("auto:none chooses between none and none; use compressor='none'")
+        self.dense = build("none")
+        self.unbiased = self.codec.unbiased
+        self.shared_randomness = self.codec.shared_randomness
+        self.propagates_nonfinite = self.codec.propagates_nonfinite and self.dense.propagates_nonfinite
+
+    def sum_dtype(self, world_size: int, dtype: torch.dtype = torch.float32) -> torch.dtype | None:
+        return self.codec.sum_dtype(world_size, dtype)
+
+    @property
+    def spec(self) -> str:
+        return f"auto:{self.codec.spec}"
+
+    def __repr__(self) -> str:
+        return self.spec
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Auto) and other.codec == self.codec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    def _refuse(self, *args, **kwargs) -> Packet:
+        raise GradzipError(f"{self.spec} picks {self.codec.spec} or none per bucket of an exchange and is not a codec "
+                           "itself: use it as a method's compressor or the DDP hook's codec")
+
+    compress = decompress = compress_residual = aggregate = summand = from_sum = wire_nbytes = _refuse

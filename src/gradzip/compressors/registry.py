@@ -57,19 +57,37 @@ def _field_types(cls: type[Compressor]) -> dict[str, type]:
     return out
 
 
+#: ``prefix`` -> a class built from the rest of the spec (``auto:topk:ratio=0.01``): a policy
+#: over a whole codec spec, whose own ``:`` and ``,`` belong to the codec (:func:`register_wrapper`).
+_WRAPPERS: dict[str, Callable[[str], Compressor]] = {}
+
+
+def register_wrapper(prefix: str) -> Callable[[C], C]:
+    """Class decorator: ``build(f"{prefix}:<codec spec>")`` is ``cls(<codec spec>)``."""
+    def add(cls: C) -> C:
+        _WRAPPERS[prefix] = cls
+        return cls
+    return add
+
+
 def build(spec: "str | Compressor | None") -> Compressor:
     """Build a codec from a spec string (``"2bit:threshold=0.05"``); a codec passes through;
-    ``None`` means ``"none"`` (no compression)."""
+    ``None`` means ``"none"`` (no compression); ``"auto:<codec spec>"`` is a wrapper's
+    (:func:`register_wrapper`)."""
     if isinstance(spec, Compressor):
         return spec
     if spec is None:
         spec = "none"
     if not isinstance(spec, str):
         raise GradzipError(f"a compressor is a spec string or a Compressor, not {type(spec).__name__}")
+    prefix, colon, rest = spec.strip().partition(":")
+    if colon and prefix.strip().lower() in _WRAPPERS:
+        return _WRAPPERS[prefix.strip().lower()](rest)
     name, _, options = specs.split(spec)
     if name not in _REGISTRY:
         raise GradzipError(
             f"unknown compressor {name!r} in {spec!r}; valid names: {', '.join(names())}"
+            + "".join(f", or {prefix}:<codec spec>" for prefix in _WRAPPERS)
         )
     cls = _REGISTRY[name]
     types = _field_types(cls)

@@ -103,9 +103,10 @@ class HierarchicalPSync(PSync):
     def __init__(self, comm: Group, compressor="none", *, workers_per_node, seed: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_finite: bool = False, intra: str = "fp32",
                  transport: str = "auto", allow_twophase: bool = True, round_bytes: int | None = None,
-                 link=None):
+                 link=None, recalibrate_every: int | None = None):
         super().__init__(comm, compressor, seed=seed, bucket_bytes=bucket_bytes, check_finite=check_finite,
-                         transport=transport, allow_twophase=allow_twophase, round_bytes=round_bytes, link=link)
+                         transport=transport, allow_twophase=allow_twophase, round_bytes=round_bytes, link=link,
+                         recalibrate_every=recalibrate_every)
         n = comm.world_size
         k = check_workers_per_node(workers_per_node, n)
         if intra not in INTRA_DTYPES:
@@ -121,10 +122,16 @@ class HierarchicalPSync(PSync):
                            round_bytes=round_bytes, link=self.link.shared(k))
         self.server_errors = self.inner.server_errors
 
-    def _plan(self, specs, codecs) -> Plan:
+    def _plan(self, specs, codecs, link=None, costs=None, choices=None) -> Plan:
         return plan([s for s, _ in specs], codecs, self.comm.world_size, transport=self.transport,
-                    bucket_bytes=self.bucket_bytes, hierarchy=self.workers_per_node, link=self.link,
-                    dtypes=[d for _, d in specs], twophase=self.allow_twophase, intra=self.intra)
+                    bucket_bytes=self.bucket_bytes, hierarchy=self.workers_per_node, link=link or self.link,
+                    dtypes=[d for _, d in specs], twophase=self.allow_twophase, intra=self.intra,
+                    codec_costs=costs, choices=choices)
+
+    def _probe(self):
+        """auto decides per level: the units across nodes, on the uplink the node's k groups
+        across nodes share (probed by all k at once)."""
+        return self.cross_comm, self.workers_per_node
 
     def routes(self, tensors: Sequence, keys: Sequence[int] | None = None) -> list[str]:
         """The route of each tensor's exchange across nodes (its shard on this worker)."""
@@ -162,7 +169,7 @@ class HierarchicalPSync(PSync):
         tensors, complex_at = real_views(tensors)
         keys = list(range(len(tensors)) if keys is None else keys)
         if plan is None:
-            order, plan = self.exchange_plan(tensors, keys)
+            order, plan = self.exchange_plan(tensors, keys, step)
         else:
             order = list(range(len(tensors)))
         buckets = [self._start_bucket(b.inner[self.local_rank], [order[i] for i in b.tensors], tensors, keys,

@@ -28,20 +28,28 @@ one worker, or ``twophase=False`` (a method that reads whole-tensor packets). Th
 the alpha-beta one of ring collectives (:func:`collective_time`) on a :class:`Link`:
 ``link=None`` is :data:`DEFAULT_LINK` (10 Gbit/s, 20 µs a message), a rate string such as
 ``"100mbit"`` that bandwidth with the default latency.
+
+**auto:<codec>** (docs/algorithms.md §Auto codec choice; :class:`~gradzip.compressors.Auto`):
+per unit, the codec's buckets or the unit uncompressed (``none``), whichever has the smaller
+modelled time: each tensor's coding (:class:`CodecCost` of its codec in ``codec_costs``, by
+spec; free where none is given) plus the buckets' seconds on ``link``; ties go to
+uncompressed. Or, given ``choices`` (one codec spec per unit, in the plan's order: a decision
+made before, e.g. rank 0's, or a checkpoint's), exactly those. ``Plan.choices`` records what
+each unit took and ``Plan.codecs`` each tensor's codec, which PSync executes.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
 from ..comm.base import all_to_all_wire_bytes, allgather_wire_bytes, allreduce_wire_bytes
-from ..compressors import Compressor, PerTensor, build
+from ..compressors import Auto, Compressor, PerTensor, build
 from ..errors import GradzipError
 from ..units import format_rate, parse_rate
-from ..validation import is_int
+from ..validation import is_int, is_real
 
 TRANSPORTS = ("auto", "allreduce", "allgather", "twophase")
 ROUTES = ("allreduce", "allgather", "twophase", "hierarchical")
@@ -60,6 +68,12 @@ class Link:
 
     bytes_per_s: float
     latency_s: float = 20e-6
+
+    def __post_init__(self) -> None:
+        rate, latency = self.bytes_per_s, self.latency_s
+        if not (is_real(rate) and rate > 0) or not (is_real(latency) and 0 <= latency < math.inf):
+            raise GradzipError(f"Link({rate!r}, {latency!r}): a link needs bytes_per_s > 0 (inf: infinitely fast) "
+                               "and a finite latency_s >= 0, e.g. Link(1.25e8, 50e-6) or link='1gbit'")
 
     def __str__(self) -> str:
         return f"{format_rate(self.bytes_per_s * 8)}, {self.latency_s * 1e6:g} us"
@@ -83,7 +97,10 @@ def as_link(value, default: Link = DEFAULT_LINK) -> Link:
     if isinstance(value, Link):
         return value
     if isinstance(value, str):
-        bps = parse_rate(value)
+        try:
+            bps = parse_rate(value)
+        except GradzipError as error:
+            raise GradzipError(f"link={value!r}: {error}") from None
         if bps is None:
             raise GradzipError(f"link={value!r}: the model needs a finite rate such as '10gbit' or '100mbit'")
         return replace(default, bytes_per_s=bps / 8)
@@ -105,6 +122,19 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     if kind in ("all_to_all", "broadcast"):
         return (n - 1) * link.latency_s + nbytes / link.bytes_per_s
     raise GradzipError(f"unknown collective {kind!r}")
+
+
+@dataclass(frozen=True)
+class CodecCost:
+    """A codec's coding seconds for one tensor on one worker of ``n`` (docs/algorithms.md
+    §Auto codec choice): ``fixed_s + per_element_s · numel`` for compressing it with its
+    residual and decoding its aggregate (the route's ``from_sum``, or ``n`` packets)."""
+
+    fixed_s: float = 0.0
+    per_element_s: float = 0.0
+
+    def seconds(self, numel: int) -> float:
+        return self.fixed_s + self.per_element_s * numel
 
 
 # ----------------------------------------------------------------------------- wire sizes
@@ -262,6 +292,11 @@ class Plan:
     bucket_bytes: int
     link: Link
     shapes: tuple[tuple[int, ...], ...] = field(repr=False, default=())
+    #: the codec of each tensor (in the order of ``shapes``): what PSync compresses it with
+    codecs: tuple[Compressor, ...] = field(repr=False, default=())
+    #: auto:<codec>: the codec spec each unit took, in unit order (hierarchical: every local
+    #: rank's inner plan in turn, per unit); empty for any other codec
+    choices: tuple[str, ...] = ()
 
     def bytes_for(self, rank: int) -> int:
         """Bytes worker ``rank`` puts on the wire in one exchange of this plan."""
@@ -293,19 +328,29 @@ class Plan:
         order = [t for b in chosen for t in b.tensors]
         where = {t: i for i, t in enumerate(order)}
         buckets = tuple(replace(b, tensors=tuple(where[t] for t in b.tensors)) for b in chosen)
-        return replace(self, buckets=buckets, shapes=tuple(self.shapes[t] for t in order))
+        return replace(self, buckets=buckets, shapes=tuple(self.shapes[t] for t in order),
+                       codecs=tuple(self.codecs[t] for t in order) if self.codecs else ())
 
     def layout(self) -> str:
         """Every bucket's route and tensors, compactly (``"twophase[3,2] allreduce[1,0]"``):
         part of the settings every worker must agree on (two-phase numbers depend on it)."""
         return " ".join(f"{b.route}[{','.join(map(str, b.tensors))}]" for b in self.buckets)
 
+    def codec_of(self, bucket: Bucket) -> str:
+        """The spec of the codec a bucket's tensors travel with (``"mixed"``: a PerTensor
+        policy's bucket of several; hierarchical: the choices of its inner plans)."""
+        if bucket.route == "hierarchical":
+            return ",".join(dict.fromkeys(c for q in bucket.inner for c in q.choices)) or "?"
+        specs = {self.codecs[t].spec for t in bucket.tensors} if self.codecs else set()
+        return specs.pop() if len(specs) == 1 else "mixed"
+
     def describe(self) -> list[str]:
         """One line per bucket, then the totals: what ``opt.describe_plan()`` prints."""
         lines = []
         for i, b in enumerate(self.buckets):
             numel = sum(math.prod(self.shapes[t]) for t in b.tensors)
-            lines.append(f"bucket {i}: {b.route:<12} {len(b.tensors):>4} tensors {numel:>12,} elements "
+            codec = f"{self.codec_of(b):<16} " if self.choices else ""
+            lines.append(f"bucket {i}: {codec}{b.route:<12} {len(b.tensors):>4} tensors {numel:>12,} elements "
                          f"{b.nbytes:>12,} B/worker in  {b.bytes_for(0):>12,} B on the wire  "
                          f"{b.seconds * 1e3:8.3f} ms")
         lines.append(f"{len(self.buckets)} buckets, {self.bytes_per_worker:,.0f} B per worker, "
@@ -322,7 +367,8 @@ def check_transport(transport, where: str = "PSync") -> str:
 def plan(shapes: Sequence, compressor, world_size: int, *, transport: str = "auto",
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, hierarchy: int | None = None, link=None,
          dtypes: Sequence[torch.dtype] | None = None, twophase: bool = True, intra: str = "fp32",
-         intra_link=None) -> Plan:
+         intra_link=None, codec_costs: Mapping[str, CodecCost] | None = None,
+         choices: "Sequence[str] | None" = None) -> Plan:
     """The plan of one exchange of tensors of ``shapes`` (``torch.Size`` or tuples, in launch
     order; ``dtypes``: theirs, float32 when None) with ``compressor`` (a spec string, a
     :class:`~gradzip.compressors.Compressor`, or one codec per tensor) among ``world_size``
@@ -330,7 +376,10 @@ def plan(shapes: Sequence, compressor, world_size: int, *, transport: str = "aut
     (k = 1 gives the flat plan's bits through one-worker nodes); None: flat;
     ``link``: the link ``auto`` and the modelled seconds use (flat: a worker's link;
     hierarchical: the node's uplink, which the node's k exchanges share); ``intra_link``: the
-    links inside a node; ``twophase=False``: ``auto`` keeps to the exact transports."""
+    links inside a node; ``twophase=False``: ``auto`` keeps to the exact transports.
+    ``compressor="auto:<codec>"``: ``codec_costs`` (by codec spec) price each unit's coding
+    for the rule, or ``choices`` (one codec spec per unit, as ``Plan.choices`` lists them)
+    give the decision (module docstring)."""
     shapes = tuple(tuple(int(s) for s in shape) for shape in shapes)
     dtypes = tuple(dtypes) if dtypes is not None else (torch.float32,) * len(shapes)
     if len(dtypes) != len(shapes):
@@ -346,14 +395,88 @@ def plan(shapes: Sequence, compressor, world_size: int, *, transport: str = "aut
     k = 1 if hierarchy is None else hierarchy
     if not is_int(k) or k < 1 or world_size % k:
         raise GradzipError(f"plan: hierarchy must be an integer >= 1 dividing the {world_size} workers, got {hierarchy!r}")
+    auto = codecs[0] if single and codecs and isinstance(codecs[0], Auto) else None
+    chooser = choices if isinstance(choices, _Chooser) else _Chooser(auto, choices)
+    first = len(chooser.made)
     units = _units(shapes, dtypes, bucket_bytes)
+    resolved = list(codecs)
     if hierarchy is not None:
         buckets = [_hierarchical(u, shapes, dtypes, codecs, world_size, k, transport, bucket_bytes, link,
-                                 twophase, intra, as_link(intra_link, DEFAULT_INTRA_LINK)) for u in units]
+                                 twophase, intra, as_link(intra_link, DEFAULT_INTRA_LINK), codec_costs, chooser)
+                   for u in units]
+    elif auto is not None:
+        buckets = [b for u in units
+                   for b in _auto(u, shapes, dtypes, auto, resolved, world_size, transport, link, twophase,
+                                  codec_costs, chooser)]
     else:
         buckets = [b for u in units for b in _flat(u, shapes, dtypes, codecs, world_size, transport, link, twophase)]
     buckets.sort(key=lambda b: b.tensors[0] if b.tensors else -1)
-    return Plan(tuple(buckets), world_size, transport, int(bucket_bytes), link, shapes)
+    if chooser is not choices:   # the outermost plan: a given decision must cover it exactly
+        chooser.check_used()
+    return Plan(tuple(buckets), world_size, transport, int(bucket_bytes), link, shapes, tuple(resolved),
+                tuple(chooser.made[first:]))
+
+
+class _Chooser:
+    """auto's choice of each unit, in the plan's order: the given ones (a decision made
+    before), else the rule's (``decide``); it records them (``made``)."""
+
+    def __init__(self, auto: "Auto | None", given: Sequence[str] | None):
+        if given is not None and (isinstance(given, str) or not all(isinstance(c, str) for c in given)):
+            raise GradzipError(f"plan: choices must be a sequence of codec specs, one per unit, got {given!r}")
+        if given and auto is None:
+            raise GradzipError("plan: choices decide the units of an auto:<codec> exchange; this one has one codec "
+                               "(or a PerTensor policy) for every tensor")
+        if given is not None and auto is not None:
+            bad = sorted(set(given) - {auto.codec.spec, "none"})
+            if bad:
+                raise GradzipError(f"plan: the decision names {', '.join(bad)}, but {auto.spec} chooses between "
+                                   f"{auto.codec.spec} and none; give the decision of this codec")
+        self.given = None if given is None else list(given)
+        self.made: list[str] = []
+
+    def next(self, decide) -> str:
+        if self.given is None:
+            choice = decide()
+        elif len(self.made) < len(self.given):
+            choice = self.given[len(self.made)]
+        else:
+            raise GradzipError(f"plan: the decision has {len(self.given)} choices, fewer than this exchange's units; "
+                               "it was made for other tensors or another bucket_bytes")
+        self.made.append(choice)
+        return choice
+
+    def check_used(self) -> None:
+        if self.given is not None and len(self.given) != len(self.made):
+            raise GradzipError(f"plan: the decision has {len(self.given)} choices for {len(self.made)} units; it was "
+                               "made for other tensors or another bucket_bytes")
+
+
+def _unit_seconds(unit, shapes, buckets: list[Bucket], codec: Compressor, costs) -> float:
+    """``T_x(U)``: the unit's coding with ``codec`` (:class:`CodecCost`, free where none is
+    known) and its buckets' modelled seconds."""
+    cost = (costs or {}).get(codec.spec, CodecCost())
+    return sum(cost.seconds(math.prod(shapes[i])) for i in unit) + sum(b.seconds for b in buckets)
+
+
+def _auto(unit, shapes, dtypes, auto: "Auto", resolved: list, n: int, transport: str, link: Link,
+          twophase: bool, costs, chooser: _Chooser) -> list[Bucket]:
+    """auto's unit (docs/algorithms.md §Auto codec choice): its buckets with the codec or
+    uncompressed, by the rule or the given choice; sets ``resolved`` for its tensors."""
+    def buckets(codec: Compressor) -> list[Bucket]:
+        if codec is auto.dense:   # uncompressed: the exact allreduce, whatever transport the codec's takes
+            return _flat(unit, shapes, dtypes, [codec] * len(shapes), n, "auto", link, False)
+        return _flat(unit, shapes, dtypes, [codec] * len(shapes), n, transport, link, twophase)
+
+    def decide() -> str:
+        t_codec = _unit_seconds(unit, shapes, buckets(auto.codec), auto.codec, costs)
+        t_dense = _unit_seconds(unit, shapes, buckets(auto.dense), auto.dense, costs)
+        return auto.codec.spec if t_codec < t_dense else "none"
+
+    codec = auto.codec if chooser.next(decide) == auto.codec.spec else auto.dense
+    for i in unit:
+        resolved[i] = codec
+    return buckets(codec)
 
 
 def _codecs(compressor, shapes) -> tuple[list[Compressor], bool]:
@@ -423,7 +546,7 @@ def shard_bounds(d: int, k: int) -> list[tuple[int, int]]:
 
 
 def _hierarchical(unit, shapes, dtypes, codecs, n: int, k: int, transport: str, bucket_bytes: int, link: Link,
-                  twophase: bool, intra: str, intra_link: Link) -> Bucket:
+                  twophase: bool, intra: str, intra_link: Link, costs=None, chooser: "_Chooser | None" = None) -> Bucket:
     """The unit as one hierarchical bucket: a reduce-scatter inside the node (rows padded to
     the longest), per local rank the plan of its shards across the ``n/k`` nodes on its
     share of the uplink, an allgather of the fp32 aggregate shards inside the node."""
@@ -435,7 +558,8 @@ def _hierarchical(unit, shapes, dtypes, codecs, n: int, k: int, transport: str, 
     inner = tuple(
         plan([(b - a,) for i in unit for a, b in [shard_bounds(math.prod(shapes[i]), k)[j]]],
              [codecs[i] for i in unit], n // k, transport=transport, bucket_bytes=bucket_bytes,
-             link=link.shared(k), dtypes=[dtypes[i] for i in unit], twophase=twophase)
+             link=link.shared(k), dtypes=[dtypes[i] for i in unit], twophase=twophase, codec_costs=costs,
+             choices=chooser)
         for j in range(k))
     scatter = (k - 1) * (k * width * itemsize(INTRA_DTYPES[intra])) // k
     gather = allgather_wire_bytes(width * 4, k)

@@ -24,6 +24,11 @@ plan of an exchange; ``describe()`` reports it, ``bench.costs`` prices it.
   :mod:`gradzip.exchange.twophase` (slices of the bucket, a server error: it changes the numbers);
   ``"auto"`` (default) takes the exact routes and two-phase only where the link model says
   it costs at most half (``link``; :data:`gradzip.exchange.planner.DEFAULT_LINK` when None).
+* ``compressor="auto:<codec>"`` (docs/algorithms.md §Auto codec choice): each unit of the
+  plan goes with the codec or uncompressed, by rank 0's decision from costs every worker
+  measured (:mod:`gradzip.exchange.calibration`), made at the first exchange of a set of tensors (and
+  again every ``recalibrate_every`` steps); ``link``: declared, or None to measure it. The
+  decisions are the exchange's state (``state_dict()``), so a resume executes them unprobed.
 * One collective per bucket and route: one buffer per summand dtype for allreduce, raw bytes
   for allgather. Decoding is per tensor again. With integer summands, or on the in-process
   group, bucketing changes no bit on the exact transports; a float sum inside a real
@@ -61,10 +66,12 @@ import torch
 
 from .. import seeds
 from ..comm import Group, Work
-from ..compressors import Compressor, Packet, PerTensor, build
+from ..compressors import Auto, Compressor, Packet, PerTensor, build
 from ..errors import GradzipError
 from ..guards.nonfinite import NonFiniteAggregate, first_nonfinite
-from .planner import DEFAULT_BUCKET_BYTES, DEFAULT_LINK, TRANSPORTS, Bucket, Link, Plan, as_link, check_transport, plan
+from . import calibration
+from .planner import (DEFAULT_BUCKET_BYTES, DEFAULT_LINK, TRANSPORTS, Bucket, CodecCost, Link, Plan, as_link,
+                      check_transport, plan)
 from .complexes import real_views, with_complex
 from .memory import Spares, storages
 from .twophase import ServerErrors, TwoPhase, check_round_bytes, phase2_seed
@@ -152,7 +159,7 @@ class PSync:
     def __init__(self, comm: Group, compressor: "str | Compressor | None" = "none", *,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_finite: bool = False,
                  transport: str = "auto", allow_twophase: bool = True, round_bytes: int | None = None,
-                 link: "str | Link | None" = None):
+                 link: "str | Link | None" = None, recalibrate_every: int | None = None):
         self.comm = comm
         self.transport = check_transport(transport)
         #: two-phase: each phase's all-to-all in rounds of at most this many bytes per message
@@ -160,6 +167,10 @@ class PSync:
         self.round_bytes = check_round_bytes(round_bytes)
         #: the link ``auto`` prices transports on (:func:`gradzip.exchange.planner.as_link`)
         self.link = as_link(link)
+        #: auto:<codec>: the declared link (None: measured at the calibration)
+        self.declared_link = None if link is None else self.link
+        #: auto:<codec>: decide again at the first exchange ``recalibrate_every`` steps after a decision
+        self.recalibrate_every = calibration.check_recalibrate_every(recalibrate_every)
         # False: "auto" stays exact (a method that reads the packets, e.g. DGC's selection)
         self.allow_twophase = bool(allow_twophase)
         if transport == "twophase" and not allow_twophase:
@@ -188,6 +199,10 @@ class PSync:
                                "or 'allreduce'")
         self.server_errors = ServerErrors()   # the two-phase E_j (gradzip.exchange.twophase)
         self._plans: dict = {}
+        #: auto:<codec>: rank 0's decision per set of tensors ((shapes, dtypes), keys), in the order made
+        self.decisions: dict[tuple, calibration.Decision] = {}
+        #: bumped whenever a decision is made or loaded (the backward hooks' plans key on it)
+        self.plan_version = 0
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.timings = Timings()
@@ -214,34 +229,103 @@ class PSync:
         self.timings = Timings(**counters["timings"])
 
     def state_dict(self) -> dict:
-        """The exchange's own state: the two-phase server errors (``{"key:slice": E}``)."""
-        return {"server_errors": self.server_errors.state_dict()}
+        """The exchange's own state: the two-phase server errors (``{"key:slice": E}``) and,
+        for auto:<codec>, its decisions (``"auto"``: one entry per set of tensors)."""
+        state = {"server_errors": self.server_errors.state_dict()}
+        if self.decisions:
+            state["auto"] = calibration.save(self.decisions)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.server_errors.load_state_dict(state.get("server_errors", {}))
+        if isinstance(self.compressor, Auto):   # the decisions resume as they were (no probe)
+            self.decisions.clear()
+            self.decisions.update(calibration.load(state.get("auto", [])))
+            self.plan_version += 1
 
     # -- the plan -----------------------------------------------------------------------
-    def exchange_plan(self, tensors: Sequence, keys: Sequence[int] | None = None) -> tuple[list[int], Plan]:
+    def exchange_plan(self, tensors: Sequence, keys: Sequence[int] | None = None,
+                      step: int | None = None) -> tuple[list[int], Plan]:
         """The plan of an exchange of ``tensors`` (tensors, or shapes: float32) with ``keys``
         (default: their positions), and its order: the positions of the tensors in launch
-        order (descending key). The same on every worker; cached."""
+        order (descending key). The same on every worker; cached. auto:<codec>: the plan of
+        the decision for these tensors; ``step`` given (a call every worker makes at the same
+        point: the exchange's start, the first hook of a step), the decision is made first
+        where none is, or where ``recalibrate_every`` says so (collective); without a
+        decision, the rule's on the declared link with free coding (what ``describe()``
+        shows before the first exchange)."""
         keys = list(range(len(tensors))) if keys is None else list(keys)
         specs = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (tuple(t), torch.float32)
                  for t in tensors]
         specs = [(shape + (2,), dtype.to_real()) if dtype.is_complex else (shape, dtype)   # their real views
                  for shape, dtype in specs]
-        cached = (tuple(specs), tuple(keys))
+        order = sorted(range(len(specs)), key=lambda i: -keys[i])
+        ordered = tuple(specs[i] for i in order)
+        key = (ordered, tuple(keys[i] for i in order))
+        if step is not None and isinstance(self.compressor, Auto):
+            self._calibrate(key, tensors, step)
+        decision = self.decisions.get(key)
+        cached = (tuple(specs), tuple(keys), decision)
         if cached not in self._plans:
-            order = sorted(range(len(specs)), key=lambda i: -keys[i])
             codecs = [self.codec_for(keys[i], torch.empty(specs[i][0], dtype=specs[i][1], device="meta"))
                       for i in order]
-            self._plans[cached] = order, self._plan([specs[i] for i in order], codecs)
+            self._plans[cached] = order, (self._plan(ordered, codecs) if decision is None else
+                                          self._plan(ordered, codecs, decision.link, choices=decision.choices))
         return self._plans[cached]
 
-    def _plan(self, specs, codecs) -> Plan:
+    def prepare(self, tensors: Sequence, keys: Sequence[int] | None, step: int) -> None:
+        """Make the exchange's decision for these tensors where it is due (auto:<codec>;
+        collective): what the backward hooks call before they cut the step into buckets."""
+        self.exchange_plan(tensors, keys, step)
+
+    def _plan(self, specs, codecs, link: Link | None = None, costs: dict[str, CodecCost] | None = None,
+              choices: Sequence[str] | None = None) -> Plan:
         return plan([s for s, _ in specs], codecs, self.comm.world_size, transport=self.transport,
-                    bucket_bytes=self.bucket_bytes, link=self.link, dtypes=[d for _, d in specs],
-                    twophase=self.allow_twophase)
+                    bucket_bytes=self.bucket_bytes, link=link or self.link, dtypes=[d for _, d in specs],
+                    twophase=self.allow_twophase, codec_costs=costs, choices=choices)
+
+    def _probe(self) -> tuple[Group, int]:
+        """The group auto's link probe and decode timing run on, and how many such groups
+        share the probed link at once (the hierarchical exchange: its group across nodes)."""
+        return self.comm, 1
+
+    def _calibrate(self, key: tuple, tensors: Sequence, step: int) -> None:
+        """auto:<codec>: rank 0's decision for the tensors of ``key`` (docs/algorithms.md §Auto
+        codec choice), where none is or ``recalibrate_every`` steps have passed since the
+        last; the units that switch are logged. Counted as communication."""
+        old = self.decisions.get(key)
+        if old is not None and (self.recalibrate_every is None or step - old.step < self.recalibrate_every):
+            return
+        began = time.perf_counter()
+        specs, _ = key
+        codecs = [self.compressor] * len(specs)
+        # one link probe for every set of tensors: reuse the last measured link, except where it is a
+        # recalibration (then the first set due this step probes again)
+        latest = max((d for d in self.decisions.values() if d.measured), key=lambda d: d.step, default=None)
+        reuse = latest if latest is not None and (old is None or latest.step == step) else None
+        link = self.declared_link or (reuse.link if reuse is not None else None)
+        probe, share = self._probe()
+        device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        decision = calibration.decide(
+            self.comm, self.compressor, [s for s, _ in specs], [d for _, d in specs],
+            lambda link, costs: self._plan(specs, codecs, link, costs), step, link=link, probe=probe,
+            uplink_share=share, device=device, seed=self.seed)
+        if reuse is not None and self.declared_link is None:
+            decision = dataclasses.replace(decision, measured=True)
+        if old is not None:
+            for change in calibration.switches(old, decision):
+                calibration.log.warning("%s exchange (seed %d), step %d: %s", self.compressor.spec, self.seed, step,
+                                        change)
+        self.decisions[key] = decision
+        self.plan_version += 1
+        self.count_wait(began, time.perf_counter())
+
+    def describe_decisions(self) -> str | None:
+        """auto:<codec>: every decision in one line (``describe()``'s ``exchange i auto``), or
+        ``"not decided yet"``; None for any other codec."""
+        if not isinstance(self.compressor, Auto):
+            return None
+        return " | ".join(d.describe() for d in self.decisions.values()) or "not decided yet"
 
     def routes(self, tensors: Sequence, keys: Sequence[int] | None = None) -> list[str]:
         """The route of each tensor (or shape) of an exchange, in the order given."""
@@ -267,7 +351,8 @@ class PSync:
         keys = list(range(len(tensors)) if keys is None else keys)
         began = time.perf_counter()
         if plan is None:
-            order, plan = self.exchange_plan(tensors, keys)
+            order, plan = self.exchange_plan(tensors, keys, step)
+            began = time.perf_counter()   # a calibration counts as communication
         else:
             order = list(range(len(tensors)))
         residuals = [None] * len(tensors) if residual else None
@@ -275,11 +360,12 @@ class PSync:
                           codecs=[None] * len(tensors), reuse_aggregates=self.reuse_aggregates)
         for bucket in plan.buckets:
             members = [order[i] for i in bucket.tensors]
+            codecs = [plan.codecs[i] for i in bucket.tensors]
             if bucket.route == "twophase":
-                pending.twophase.append(self._start_twophase(tensors, members, keys, step, residuals))
+                pending.twophase.append(self._start_twophase(codecs[0], tensors, members, keys, step, residuals))
                 pending.packet_bytes += pending.twophase[-1].exchange.sent.wire.numel()
             else:
-                self._start_exact(bucket, members, tensors, keys, step, pending)
+                self._start_exact(bucket, members, codecs, tensors, keys, step, pending)
         self.payload_bytes += pending.packet_bytes
         ended = time.perf_counter()
         self._add_compress(ended - began)
@@ -310,15 +396,17 @@ class PSync:
         return codec
 
     # -- internals: starting a bucket -------------------------------------------------------
-    def _start_exact(self, bucket: Bucket, members: list[int], tensors, keys, step: int, pending: Pending) -> None:
-        """Compress the bucket's tensors (their residuals too, when asked) and launch its
-        collective: the members' summands (allreduce) or raw packets (allgather), back to back."""
+    def _start_exact(self, bucket: Bucket, members: list[int], codecs: list[Compressor], tensors, keys, step: int,
+                     pending: Pending) -> None:
+        """Compress the bucket's tensors with their codecs (the plan's; their residuals too,
+        when asked) and launch its collective: the members' summands (allreduce) or raw
+        packets (allgather), back to back."""
         n = self.comm.world_size
         spares = self.memory.packets([tensors[i] for i in members], [keys[i] for i in members])
         parts, sizes, private = [], [], False
-        for i, old in zip(members, spares):
+        for i, codec, old in zip(members, codecs, spares):
             t, key = tensors[i], keys[i]
-            codec = pending.codecs[i] = self.codec_for(key, t)
+            pending.codecs[i] = codec
             if pending.residual is not None:  # one fused pass where the codec has one (Compressor.compress_residual)
                 pending.residual[i] = self.memory.residual(key, t)
                 packet = codec.compress_residual(t.detach(), self._seed(step, key, codec), pending.residual[i],
@@ -342,14 +430,15 @@ class PSync:
         self.bytes_sent += work.nbytes
         pending.buckets.append(_Bucket(bucket.route, members, sizes, work, buffer if reusable else None))
 
-    def _start_twophase(self, tensors, members: list[int], keys, step: int, residuals) -> _TwoPhaseBucket:
-        """Phase 1 of a two-phase bucket (:class:`gradzip.exchange.twophase.TwoPhase`); the residual of
-        each member is its part of the bucket's residual."""
+    def _start_twophase(self, codec: Compressor, tensors, members: list[int], keys, step: int,
+                        residuals) -> _TwoPhaseBucket:
+        """Phase 1 of a two-phase bucket (:class:`gradzip.exchange.twophase.TwoPhase`) with ``codec``;
+        the residual of each member is its part of the bucket's residual."""
         flats = [tensors[i].detach().reshape(-1) for i in members]
         x = torch.cat(flats) if len(flats) > 1 else flats[0]
         r = None if residuals is None else torch.empty_like(x)
         key = keys[members[0]]
-        exchange = TwoPhase.start(self.compressor, self.comm, x, key, step, self._seed(step, key), r,
+        exchange = TwoPhase.start(codec, self.comm, x, key, step, self._seed(step, key, codec), r,
                                   self.round_bytes)
         self.bytes_sent += exchange.work.nbytes
         if r is not None:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import TorchGroup
-from ..compressors import Compressor, Packet, PerTensor, build
+from ..compressors import Auto, Compressor, Packet, PerTensor, build
 from ..errors import GradzipError
 from ..exchange import PSync, Timings
 from ..exchange.planner import check_transport
@@ -49,7 +49,7 @@ DROPPING_CODECS = ("topk", "randomk", "randblock", "dgc", "powersgd")
 
 def compress(model: torch.nn.Module, *, compressor: "str | Compressor | None" = "none", error_feedback=None,
              weights: "str | Compressor | None" = None, replicas=None, seed: int = 0, transport: str = "auto",
-             link=None, round_bytes: int | None = None) -> "FSDPCompression":
+             link=None, round_bytes: int | None = None, recalibrate_every: int | None = None) -> "FSDPCompression":
     """Install gradzip on every FSDP2 module of ``model`` (module docstring); returns the
     :class:`FSDPCompression` handle. Collective: every worker calls it, after ``fully_shard``
     and before the first forward.
@@ -60,10 +60,12 @@ def compress(model: torch.nn.Module, *, compressor: "str | Compressor | None" = 
     parameters' all-gather codec, None for FSDP2's own. ``replicas``: None (plain FSDP2),
     R (the FSDP modules shard over nodes of n/R workers, ranks node-major), or the 2-D
     ``DeviceMesh`` (replicate, shard) whose shard dimension the modules use, or its 1-D
-    replicate dimension. ``seed``, and for the replica PSync ``transport``, ``link`` and
-    ``round_bytes`` (as every method's)."""
+    replicate dimension. ``seed``, and for the replica PSync ``transport``, ``link``,
+    ``round_bytes`` and ``recalibrate_every`` (as every method's). ``compressor="auto:<codec>"``
+    (docs/algorithms.md §Auto codec choice) applies to HSDP's exchange across nodes only."""
     return FSDPCompression(model, compressor=compressor, error_feedback=error_feedback, weights=weights,
-                           replicas=replicas, seed=seed, transport=transport, link=link, round_bytes=round_bytes)
+                           replicas=replicas, seed=seed, transport=transport, link=link, round_bytes=round_bytes,
+                           recalibrate_every=recalibrate_every)
 
 
 class FSDPCompression:
@@ -73,7 +75,8 @@ class FSDPCompression:
     ``error_memory_bytes``, ``state_dict()`` / ``load_state_dict()`` (also through DCP),
     ``describe()``."""
 
-    def __init__(self, model, *, compressor, error_feedback, weights, replicas, seed, transport, link, round_bytes):
+    def __init__(self, model, *, compressor, error_feedback, weights, replicas, seed, transport, link, round_bytes,
+                 recalibrate_every=None):
         if not dist.is_available() or not dist.is_initialized():
             raise GradzipError("gradzip.integrations.fsdp.compress: torch.distributed is not initialised; FSDP2 runs in a process "
                                "group (torchrun, or gradzip train --fsdp)")
@@ -88,15 +91,20 @@ class FSDPCompression:
                                "from what forward computes with; use a dense codec such as 'int8', 'fp16' or 'bf16'")
         shard_ranks = _shard_ranks(modules)
         self.replicas, cross = _replica_group(replicas, self.world_size, shard_ranks)
+        if isinstance(self.weights, Auto) or (isinstance(self.codec, Auto) and cross is None):
+            raise GradzipError("gradzip.integrations.fsdp.compress: auto:<codec> chooses per bucket of a PSync exchange, which "
+                               "here is HSDP's exchange across nodes: give replicas= for compressor='auto:...', and a "
+                               "codec for FSDP's reduce-scatter and for weights")
         self.error_feedback = _error_feedback(error_feedback, self.codec, cross is not None)
         self.seed, self.transport = int(seed), check_transport(transport, "gradzip.integrations.fsdp.compress")
-        if cross is None and (transport != "auto" or link is not None or round_bytes is not None):
-            raise GradzipError("gradzip.integrations.fsdp.compress: transport, link and round_bytes set the exchange across nodes; "
-                               "give replicas= (HSDP), or leave them out")
+        if cross is None and (transport != "auto" or link is not None or round_bytes is not None
+                              or recalibrate_every is not None):
+            raise GradzipError("gradzip.integrations.fsdp.compress: transport, link, round_bytes and recalibrate_every set the "
+                               "exchange across nodes; give replicas= (HSDP), or leave them out")
         self._exchange = Exchange(self.codec, self.error_feedback, self.weights, self.seed)
         if cross is not None:
             self._exchange.psync = PSync(cross, self.codec or "none", seed=self.seed, transport=transport, link=link,
-                                         round_bytes=round_bytes)
+                                         round_bytes=round_bytes, recalibrate_every=recalibrate_every)
         self.modules, first = [], 0
         for key, (name, _, group) in enumerate(modules):
             shapes = [fp.padded_sharded_param_size for fp in group.fsdp_params]

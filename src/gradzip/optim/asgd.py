@@ -92,7 +92,8 @@ ORDERS = ("arrival", "round_robin")
 
 #: Codecs A-SGD cannot send to a server (module docstring).
 _REFUSED = {"dgc": "its packets carry the selected count outside the wire",
-            "powersgd": "its Q is state shared by a synchronous exchange"}
+            "powersgd": "its Q is state shared by a synchronous exchange",
+            "auto": "auto chooses per bucket of a synchronous PSync exchange, and pushes are point to point"}
 
 class ASGD(DistributedOptimizer):
     """A-SGD with a parameter server (module docstring; docs/algorithms.md §A-SGD).
@@ -118,9 +119,11 @@ class ASGD(DistributedOptimizer):
         if codec.name in _REFUSED:
             raise GradzipError(f"{name}: compressor {codec.spec!r} cannot be pushed to a parameter server "
                                f"({_REFUSED[codec.name]}); use another codec, e.g. topk:ratio=0.01")
-        require(kwargs.get("transport", "auto") == "auto" and kwargs.get("hierarchy") in (None, 1), name,
+        require(kwargs.get("transport", "auto") == "auto" and kwargs.get("hierarchy") in (None, 1)
+                and kwargs.get("link") is None and kwargs.get("recalibrate_every") is None, name,
                 "pushes go point to point to the parameter server, not through a PSync transport: leave "
-                "transport and hierarchy (CLI --transport, --workers-per-node) unset")
+                "transport, hierarchy, link and recalibrate_every (CLI --transport, --workers-per-node, --link, "
+                "--recalibrate-every) unset")
         super().__init__(params, lr, **kwargs)
         self.staleness = staleness
         self.order = order

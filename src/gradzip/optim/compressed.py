@@ -42,14 +42,16 @@ class Compressed(GradientExchange):
     hook (:class:`gradzip.integrations.ddp.CodecState`); ``True`` with an unbiased codec is refused.
     ``state_dict()`` holds the residuals, the counters and ``"inner"``: the inner
     optimizer's state dict. The common options: ``comm``, ``seed``, ``bucket_bytes``,
-    ``nonfinite``, ``overlap_backward``, ``transport``, ``hierarchy``; learning rate, momentum and weight decay are the
+    ``nonfinite``, ``overlap_backward``, ``transport``, ``hierarchy``, ``round_bytes``, ``link``,
+    ``recalibrate_every``; learning rate, momentum and weight decay are the
     inner optimizer's."""
 
     @refuses_unknown_options
     def __init__(self, inner: torch.optim.Optimizer, *, compressor: "str | Compressor" = "none",
                  error_feedback: bool | None = None, comm=None, seed: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise", overlap_backward: bool = True,
-                 transport: str = "auto", hierarchy: "int | str | None" = None, round_bytes: int | None = None):
+                 transport: str = "auto", hierarchy: "int | str | None" = None, round_bytes: int | None = None,
+                 link=None, recalibrate_every: int | None = None):
         name = type(self).__name__
         if not isinstance(inner, torch.optim.Optimizer) or isinstance(inner, DistributedOptimizer):
             raise GradzipError(
@@ -69,7 +71,8 @@ class Compressed(GradientExchange):
         require(len(params) > 0, name, "the inner optimizer has no parameters")
         super().__init__(params, 0.0, comm=comm, seed=seed, bucket_bytes=bucket_bytes, nonfinite=nonfinite,
                          overlap_backward=overlap_backward, transport=transport, hierarchy=hierarchy,
-                         round_bytes=round_bytes)
+                         round_bytes=round_bytes, link=link,
+                         recalibrate_every=recalibrate_every)
         self.param_groups = inner.param_groups   # one list: schedulers act on the inner's groups
         self.defaults = inner.defaults
         self.inner = inner

@@ -76,7 +76,8 @@ class DiLoCo(DistributedOptimizer):
                  outer_momentum: float = 0.9, outer_nesterov: bool = True, compressor: str = "none",
                  fragments: "int | Sequence[Sequence[torch.Tensor]]" = 1, delay: int = 0, alpha: float = 0.0,
                  comm=None, seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
-                 transport: str = "auto", hierarchy: "int | str | None" = None, round_bytes: int | None = None):
+                 transport: str = "auto", hierarchy: "int | str | None" = None, round_bytes: int | None = None,
+                 link=None, recalibrate_every: int | None = None):
         name = type(self).__name__
         require(isinstance(inner, torch.optim.Optimizer) and not isinstance(inner, DistributedOptimizer), name,
                 f"inner must be a torch.optim.Optimizer over the model's parameters (e.g. torch.optim.AdamW"
@@ -101,7 +102,8 @@ class DiLoCo(DistributedOptimizer):
                                       "must finish before the next fragment's starts")
         super().__init__(params, float(outer_lr), comm=comm, momentum=float(outer_momentum),
                          nesterov=outer_nesterov, weight_decay=0.0, seed=seed, bucket_bytes=bucket_bytes, nonfinite=nonfinite,
-                         transport=transport, hierarchy=hierarchy, round_bytes=round_bytes)
+                         transport=transport, hierarchy=hierarchy, round_bytes=round_bytes, link=link,
+                         recalibrate_every=recalibrate_every)
         self.inner = inner
         self.H = H
         self.fragment_count = P
@@ -253,7 +255,8 @@ class DiLoCoMethod(DiLoCo):
                  compressor: str = "none", fragments: int = 1, delay: int = 0, alpha: float = 0.0,
                  comm=None, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
-                 transport: str = "auto", hierarchy: "int | str | None" = None, round_bytes: int | None = None):
+                 transport: str = "auto", hierarchy: "int | str | None" = None, round_bytes: int | None = None,
+                 link=None, recalibrate_every: int | None = None):
         name = type(self).__name__
         check_hyperparameters(name, lr, momentum, weight_decay, nesterov)
         require(inner in self.INNER, name, f"inner must be one of {', '.join(self.INNER)}, got {inner!r}")
@@ -272,7 +275,8 @@ class DiLoCoMethod(DiLoCo):
         super().__init__(opt, H=H, outer_lr=outer_lr, outer_momentum=outer_momentum,
                          outer_nesterov=outer_nesterov, compressor=compressor, fragments=fragments,
                          delay=delay, alpha=alpha, comm=comm, seed=seed, bucket_bytes=bucket_bytes,
-                         nonfinite=nonfinite, transport=transport, hierarchy=hierarchy, round_bytes=round_bytes)
+                         nonfinite=nonfinite, transport=transport, hierarchy=hierarchy, round_bytes=round_bytes,
+                         link=link, recalibrate_every=recalibrate_every)
 
 
 def _fragments(name: str, fragments, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -88,6 +88,8 @@ class RunConfig:
     transport: str = "auto"       # PSync transport: auto, allreduce, allgather, twophase
     workers_per_node: int | None = None  # hierarchical exchange with k workers per node (None: flat)
     round_bytes: int | None = None  # two-phase: each all-to-all in rounds of at most this many bytes per message
+    link: str | None = None       # the link the plans are priced on ("1gbit"); None: auto measures it
+    recalibrate_every: int | None = None  # auto:<codec>: steps between decisions (None: once)
     checkpoint_dir: str | None = None   # write checkpoints here (per rank, atomically)
     checkpoint_every: int = 0     # steps between checkpoints; 0: at the end of every epoch
     resume: bool = False          # continue from the newest checkpoint in checkpoint_dir, if any
@@ -118,7 +120,10 @@ def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOpti
                weight_decay=cfg.weight_decay, seed=cfg.seed, nonfinite=cfg.nonfinite,
                **({"hierarchy": cfg.workers_per_node} if cfg.workers_per_node is not None else {}),
                **({"transport": cfg.transport} if cfg.transport != "auto" else {}),
-               **({"round_bytes": cfg.round_bytes} if cfg.round_bytes is not None else {}), **options)
+               **({"round_bytes": cfg.round_bytes} if cfg.round_bytes is not None else {}),
+               **({"link": cfg.link} if cfg.link is not None else {}),
+               **({"recalibrate_every": cfg.recalibrate_every} if cfg.recalibrate_every is not None else {}),
+               **options)
 
 
 def check_large_batch(cfg: RunConfig) -> None:

@@ -68,9 +68,10 @@ def check(cfg, workers: int | None = None, backend: str = "gloo") -> None:
     if cfg.nonfinite == "skip":
         raise GradzipError(f"{name} runs cannot skip a non-finite step on every worker (FSDP2 applies what it "
                            "reduced); use --nonfinite raise or off")
-    if name == "fsdp" and (cfg.transport != "auto" or cfg.round_bytes is not None):
-        raise GradzipError("--transport and --round-bytes apply to hsdp's exchange across nodes; fsdp's "
-                           "reduce-scatter is one all-to-all")
+    if name == "fsdp" and (cfg.transport != "auto" or cfg.round_bytes is not None or cfg.link is not None
+                           or cfg.recalibrate_every is not None):
+        raise GradzipError("--transport, --round-bytes, --link and --recalibrate-every apply to hsdp's exchange "
+                           "across nodes; fsdp's reduce-scatter is one all-to-all")
     if backend == "threads":
         raise GradzipError(f"{name} runs FSDP2, which needs torch.distributed processes: use --backend gloo")
 
@@ -177,7 +178,8 @@ def prepare(cfg, model: torch.nn.Module, comm: Group, device: torch.device) -> t
     handle = compress(model, compressor=cfg.options.get("compressor"), weights=cfg.options.get("weights"),
                       error_feedback=error_feedback(cfg.options), seed=cfg.seed,
                       **({} if replicas is None else {"replicas": mesh, "transport": cfg.transport,
-                                                      "round_bytes": cfg.round_bytes}))
+                                                      "round_bytes": cfg.round_bytes, "link": cfg.link,
+                                                      "recalibrate_every": cfg.recalibrate_every}))
     return model, ShardedOptimizer(model, handle, comm, cfg)
 
 

@@ -14,7 +14,9 @@ import torch.distributed as dist
 
 from ...compressors import Compressor, PerTensor, build
 from ...errors import GradzipError
-from ...exchange import DEFAULT_BUCKET_BYTES, PSync
+from ...exchange import DEFAULT_BUCKET_BYTES, PSync, calibration
+from ...exchange.calibration import check_recalibrate_every
+from ...exchange.planner import Link, as_link
 from ...guards.nonfinite import all_finite
 from ...validation import refuses_unknown_options
 from .state import HookState, views
@@ -39,7 +41,11 @@ class CodecState(HookState):
     ``True`` with an unbiased codec is refused, as is the single-round ``powersgd`` codec
     unless ``single_round_powersgd=True`` (the two-round PowerSGD is :func:`powersgd_hook`).
     ``codec`` may be a :class:`gradzip.PerTensor` policy (a codec per parameter; its name
-    rules need ``model=``). ``start_iter``: the first ``start_iter`` steps allreduce the
+    rules need ``model=``), or ``"auto:<codec>"`` (docs/algorithms.md §Auto codec choice:
+    per unit of each DDP bucket's plan, the codec or uncompressed, decided at the bucket's
+    first step from measured costs, or the declared ``link``; again every
+    ``recalibrate_every`` steps; the decisions are in :attr:`decisions` and the
+    ``state_dict()``). ``start_iter``: the first ``start_iter`` steps allreduce the
     gradients uncompressed, without error feedback (a dense warm-up, as PowerSGD's
     ``start_iter``); compression starts at step ``start_iter + 1``.
     ``nonfinite``: see :meth:`HookState.settle`."""
@@ -48,13 +54,22 @@ class CodecState(HookState):
     def __init__(self, codec: "str | Compressor" = "none", *, error_feedback: bool | None = None,
                  model: torch.nn.Module | None = None, process_group: Any = None, seed: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
-                 single_round_powersgd: bool = False, start_iter: int = 0):
+                 single_round_powersgd: bool = False, start_iter: int = 0, link: "str | Link | None" = None,
+                 recalibrate_every: int | None = None):
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise GradzipError(f"DDP hook: start_iter must be an integer >= 0 (dense steps before "
                                f"compression starts), got {start_iter!r}")
         self.start_iter = start_iter
         self.codec = build(codec)
-        if self.codec.name == "powersgd" and single_round_powersgd is not True:
+        try:
+            self.link = None if link is None else as_link(link)
+        except GradzipError as exc:
+            raise GradzipError(f"DDP hook: {exc}") from None
+        self.recalibrate_every = check_recalibrate_every(recalibrate_every, "DDP hook")
+        #: auto:<codec>: the decisions per set of tensors (PSync.decisions), kept here so that
+        #: they survive pickling and the state_dict
+        self.decisions: dict = {}
+        if getattr(self.codec, "codec", self.codec).name == "powersgd" and single_round_powersgd is not True:
             raise GradzipError(
                 f"DDP hook: {self.codec.spec!r} is the single-round PowerSGD codec, which diverges where "
                 "PowerSGD is expected; use PowerSGD's hook: model.register_comm_hook("
@@ -86,8 +101,9 @@ class CodecState(HookState):
         if self._psync is None:
             # exact transports only: the hook's state has no place for two-phase server errors
             self._psync = PSync(self.comm, self.codec, seed=self.seed, bucket_bytes=self.bucket_bytes,
-                                allow_twophase=False)
+                                allow_twophase=False, link=self.link, recalibrate_every=self.recalibrate_every)
             self._psync.names = self.names
+            self._psync.decisions = self.decisions   # shared: made there, kept here
         return self._psync
 
     @property
@@ -99,6 +115,9 @@ class CodecState(HookState):
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("start_iter", 0)
+        state.setdefault("link", None)
+        state.setdefault("recalibrate_every", None)
+        state.setdefault("decisions", {})
         super().__setstate__(state)
         self._psync = self._dense = None
 
@@ -112,7 +131,8 @@ class CodecState(HookState):
         self._check_fresh()
         return {"codec": self.codec.spec, "error_feedback": self.error_feedback, "seed": self.seed,
                 **self.counters(), "start_iter": self.start_iter,
-                "residuals": {k: v.clone() for k, v in self.residuals.items()}}
+                "residuals": {k: v.clone() for k, v in self.residuals.items()},
+                **({"auto": calibration.save(self.decisions)} if self.decisions else {})}
 
     def load_state_dict(self, state: dict) -> None:
         if state["codec"] != self.codec.spec:
@@ -125,6 +145,7 @@ class CodecState(HookState):
         self.error_feedback, self.seed = bool(state["error_feedback"]), int(state["seed"])
         self.load_counters(state)
         self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
+        self.decisions = calibration.load(state.get("auto", []))   # auto:<codec>: executed as saved
 
     def _finish_all(self) -> bool:
         """Wait for every bucket of the step, apply ``nonfinite``, write the buckets and the
@@ -157,7 +178,7 @@ def hook(codec: "str | Compressor" = "none", error_feedback: bool | None = None,
     """A :class:`CodecState` for :func:`codec_hook`:
     ``ddp.register_comm_hook(gradzip.integrations.ddp.hook("topk:ratio=0.01", model=ddp), gradzip.integrations.ddp.codec_hook)``.
     ``options``: ``model``, ``process_group``, ``seed``, ``bucket_bytes``, ``nonfinite``,
-    ``single_round_powersgd``, ``start_iter``. ``codec``: a spec, a codec or a
+    ``single_round_powersgd``, ``start_iter``, ``link``, ``recalibrate_every``. ``codec``: a spec, a codec or a
     :class:`gradzip.PerTensor` policy."""
     return CodecState(codec, error_feedback=error_feedback, **options)
 

@@ -8,7 +8,7 @@ across workers once before the first collective and again after a change
 communicate the same gradients again (or step inside their ``no_sync()``).
 
 The host class provides ``comm``, ``param_groups``, ``steps``, ``replicas_differ``,
-``_hierarchy``, ``_exchanges``, ``transports()``, ``exchange_plans()``, ``_all_params()``
+``_hierarchy``, ``_declared_link``, ``_exchanges``, ``transports()``, ``exchange_plans()``, ``_all_params()``
 and the flags ``_verified`` / ``_ddp``.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ def derived_setting(name: str) -> bool:
     settings (the world size, parameter shapes and values, an exchange's transport plan):
     a comparison of settings names the setting that differs before these."""
     return (name in ("world size", "parameter shapes") or name.startswith("parameter #")
-            or (name.startswith("exchange ") and name.endswith(" transport")))
+            or (name.startswith("exchange ") and name.endswith((" transport", " auto"))))
 
 
 class Agreement:
@@ -53,9 +53,13 @@ class Agreement:
                        if not k.startswith("_") and k not in ("steps", "skipped_steps")
                        and isinstance(v, (bool, int, float, str))})
         plans = self.transports()
+        if self._declared_link is not None:   # only then: settings (and checkpoints) without it stay as they were
+            fields["link"] = str(self._declared_link)
         for i, psync in enumerate(self._exchanges):
             fields[f"exchange {i} codec"] = psync.compressor.spec
             fields[f"exchange {i} transport"] = plans[f"exchange {i}"]
+            if psync.describe_decisions() is not None:   # auto:<codec>: rank 0's decisions (or none yet)
+                fields[f"exchange {i} auto"] = psync.describe_decisions()
             if "twophase" in plans[f"exchange {i}"]:   # its buckets are part of the numbers
                 fields[f"exchange {i} two-phase buckets"] = self.exchange_plans()[f"exchange {i}"].layout()
         if self._hierarchy > 1:   # only then: settings (and checkpoints) of flat runs stay as they were

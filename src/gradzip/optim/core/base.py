@@ -42,7 +42,8 @@ import torch
 from ... import comm as comm_lib
 from ...errors import GradzipError
 from ...exchange import DEFAULT_BUCKET_BYTES, PSync
-from ...exchange.planner import check_transport
+from ...exchange.calibration import check_recalibrate_every
+from ...exchange.planner import Link, as_link, check_transport
 from ...exchange.twophase import check_round_bytes
 from ...exchange.hierarchy import check_workers_per_node
 from ...guards.nonfinite import NONFINITE_POLICIES
@@ -92,7 +93,7 @@ class DistributedOptimizer(Agreement, ExchangeOwner, NonFiniteGuard, Participati
                  momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
                  transport: str = "auto", hierarchy: "int | str | None" = None, round_bytes: int | None = None,
-                 **options: Any):
+                 link: "str | Link | None" = None, recalibrate_every: int | None = None, **options: Any):
         name = type(self).__name__
         refuse_unknown_options(name, [k for k in options if k not in self.group_options],
                                constructor_options(type(self), stop=DistributedOptimizer))
@@ -104,6 +105,11 @@ class DistributedOptimizer(Agreement, ExchangeOwner, NonFiniteGuard, Participati
         require(is_int(seed), name, f"seed must be an integer, got {seed!r}")
         check_transport(transport, name)
         check_round_bytes(round_bytes, name)
+        try:
+            declared = None if link is None else as_link(link)
+        except GradzipError as exc:
+            raise GradzipError(f"{name}: {exc}") from None
+        check_recalibrate_every(recalibrate_every, name)
         require(transport != "twophase" or not self.reads_packets, name,
                 "transport='twophase' is not available: this method reads the whole-tensor packets of its "
                 "exchange; use transport='auto', 'allreduce' or 'allgather'")
@@ -119,6 +125,11 @@ class DistributedOptimizer(Agreement, ExchangeOwner, NonFiniteGuard, Participati
         #: two-phase: each all-to-all in rounds of at most this many bytes per message (None:
         #: whole messages; PSync's round_bytes); an int joins the settings compared across workers
         self.round_bytes = round_bytes
+        #: the link every exchange's plan is priced on (auto's choices, two-phase): declared, or
+        #: None (auto:<codec> measures it; the others take the default, 10 Gbit/s)
+        self._declared_link = declared
+        #: auto:<codec>: steps between decisions (None: decided once)
+        self.recalibrate_every = recalibrate_every
         try:   # k workers per node: every exchange hierarchical (gradzip.exchange.hierarchy); 1 = flat PSync
             self._hierarchy = check_workers_per_node(hierarchy, self.comm.world_size)
         except GradzipError as exc:

@@ -4,8 +4,9 @@ concept (building each PSync a method's box uses, with the run's transport, hier
 seeds and tracer; and accounting for all of them) that no box reads.
 
 The host class provides ``comm``, ``seed``, ``bucket_bytes``, ``nonfinite``,
-``transport``, ``_hierarchy``, ``reads_packets``, ``steps``, ``param_groups``,
-``_keys``, ``_all_params()`` and the lists ``_exchanges`` and ``_names``.
+``transport``, ``round_bytes``, ``_declared_link``, ``recalibrate_every``, ``_hierarchy``,
+``reads_packets``, ``steps``, ``param_groups``, ``_keys``, ``_all_params()`` and the lists
+``_exchanges`` and ``_names``.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class ExchangeOwner:
         applies to its exchange across nodes)."""
         common = dict(seed=seeds.exchange_seed(self.seed, salt), bucket_bytes=self.bucket_bytes,
                       check_finite=self.nonfinite != "off", transport=transport or self.transport,
-                      allow_twophase=not self.reads_packets, round_bytes=self.round_bytes)
+                      allow_twophase=not self.reads_packets, round_bytes=self.round_bytes, link=self._declared_link,
+                      recalibrate_every=self.recalibrate_every)
         if self._hierarchy > 1:
             psync = HierarchicalPSync(comm or self.comm, compressor, workers_per_node=self._hierarchy, **common)
         else:
@@ -61,6 +63,17 @@ class ExchangeOwner:
         """The plans as text, a line per bucket (``print(opt.describe_plan())``)."""
         return "\n".join(f"{name} ({psync.compressor.spec}):\n  " + "\n  ".join(p.describe())
                          for (name, p), psync in zip(self.exchange_plans().items(), self._exchanges))
+
+    def auto_decisions(self) -> dict[str, str]:
+        """Per auto:<codec> exchange, its decisions in one line (``PSync.describe_decisions``):
+        the run's summary (``auto``)."""
+        return {f"exchange {i}": x.describe_decisions() for i, x in enumerate(self._exchanges)
+                if x.describe_decisions() is not None}
+
+    def auto_choices(self) -> list[str]:
+        """The codec every unit of every auto:<codec> decision took (``"none"``: uncompressed),
+        exchange by exchange: how many buckets auto compresses (the projections count them)."""
+        return [c for x in self._exchanges for d in x.decisions.values() for c in d.choices]
 
     def transports(self) -> dict[str, str]:
         """Per exchange, its ``transport`` setting and the transport it takes for each

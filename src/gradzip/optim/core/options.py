@@ -11,7 +11,7 @@ from ...validation import is_real, require
 
 #: Options every method takes; the rest of a method's keyword-only options are its own.
 COMMON_OPTIONS = ("lr", "comm", "momentum", "nesterov", "weight_decay", "seed", "bucket_bytes", "nonfinite",
-                  "transport", "hierarchy", "round_bytes")
+                  "transport", "hierarchy", "round_bytes", "link", "recalibrate_every")
 
 #: The largest finite float32: a learning rate or decay above it overflows the update.
 FLOAT32_MAX = 3.4028234663852886e38

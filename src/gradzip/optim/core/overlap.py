@@ -75,7 +75,8 @@ class _Plan:
     key: reverse parameter order)."""
 
     def __init__(self, pairs: list[tuple[dict, torch.Tensor]], psync, keys: list[int]):
-        self.key = _plan_key(pairs, psync)
+        self.key = _plan_key(pairs, psync)   # auto:<codec>: and its decision (PSync.plan_version)
+        self.pairs = pairs
         self.group = {p: g for g, p in pairs}
         params = [p for _, p in pairs]
         order, self.exchange = psync.exchange_plan(params, keys)
@@ -85,7 +86,7 @@ class _Plan:
 
 
 def _plan_key(pairs, psync) -> tuple:
-    return (id(psync), *((id(g), id(p)) for g, p in pairs))
+    return (id(psync), psync.plan_version, *((id(g), id(p)) for g, p in pairs))
 
 
 class _Run:
@@ -252,16 +253,21 @@ class GradientExchange(DistributedOptimizer):
         if self._run is None:
             verifying = not self._verified
             self.verify_once()   # before the first collective of this optimizer
-            if self._plan is None or verifying:   # else the set last agreed on (a change: step() exchanges again)
-                self._replan(self.participating())
+            # the set last agreed on, else the participating one (a change: step() exchanges again)
+            self._replan(self.participating() if self._plan is None or verifying else self._plan.pairs)
             self._run = self._new_run()
         return self._run
 
     def _replan(self, pairs: list) -> None:
         """Buckets over ``pairs``, a set the workers agree on (the settings check, or
-        :meth:`agree`); kept where it is the plan's already."""
-        if self._plan is None or self._plan.key != _plan_key(pairs, self.launch_psync()):
-            self._plan = _Plan(pairs, self.launch_psync(), self.keys([p for _, p in pairs]))
+        :meth:`agree`); kept where it is the plan's already. auto:<codec>: the launching
+        PSync's decision for that set is made first where it is due (collective: every worker
+        calls this at the same point, before the step's first bucket)."""
+        psync, params = self.launch_psync(), [p for _, p in pairs]
+        keys = self.keys(params)
+        psync.prepare(params, keys, self.steps + 1)
+        if self._plan is None or self._plan.key != _plan_key(pairs, psync):
+            self._plan = _Plan(pairs, psync, keys)
 
     def _new_run(self) -> _Run:
         self.start_undo_log()

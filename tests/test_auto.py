@@ -1,0 +1,349 @@
+"""auto:<codec> (docs/algorithms.md §Auto codec choice): the rule by hand; the decision agreed
+from every worker's measurements (rank 0's) and recorded; a resume that executes the saved
+decision without probing; the two extreme links against the fixed runs, bit for bit; no error
+lost when a unit switches under EF-SGD; the one-line errors; the DDP hook; threads and gloo."""
+import collections
+import logging
+import math
+import time
+
+import pytest
+import torch
+
+import cases_auto
+import gradzip
+import gradzip.ddp
+from gradzip import simulate
+from gradzip.exchange import calibration, planner
+from gradzip.comm import make_group
+from gradzip.compressors import Auto, build
+from gradzip.errors import GradzipError
+from gradzip.exchange import Link, PSync, plan
+from gradzip.comm.launch import run_processes
+from gradzip.exchange.planner import CodecCost
+
+SHAPES = [(64, 32), (64,), (8, 64), (8,), (8, 8), (8,), (2, 8), (2,)]   # cases_auto.model()'s parameters
+LAUNCH = SHAPES[::-1]   # the plan's order: descending key
+
+
+# -- the rule by hand ------------------------------------------------------------------------
+def test_the_rule_by_hand():
+    """n = 2, 100 Mbit/s (12.5 MB/s), 20 us, 1bit at 300 us + 2 ns/element, none at 1 us + 0.1
+    ns/element. Units at 1024 B, in launch order: the five small tensors, the 8x64 weight, the
+    64-bias, the 64x32 weight. The 64x32 weight: 1bit allgathers 2048/8 + 8·32 = 512 B: 20 +
+    512/12.5 = 60.96 us on the link plus 304.096 us of coding (365.1 us) against the fp32
+    allreduce of 8192 B: 2·20 + 8192/12.5 = 695.36 us plus 1.2 us: 1bit. The 8x64 weight: 1bit
+    300 + 1.024 + 20 + (64 + 8·64)/12.5 = 367.1 us against 1.05 + 40 + 2048/12.5 = 204.9 us:
+    none; the bias and the small tensors: none (1bit's 300 us a call). A free link: none
+    everywhere; a link no byte crosses: 1bit everywhere."""
+    costs = {"1bit": CodecCost(300e-6, 2e-9), "none": CodecCost(1e-6, 1e-10)}
+    p = plan(LAUNCH, "auto:1bit", 2, bucket_bytes=cases_auto.BUCKET_BYTES, link="100mbit", codec_costs=costs)
+    assert [[LAUNCH[i] for i in b.tensors] for b in p.buckets] == [[(2,), (2, 8), (8,), (8, 8), (8,)], [(8, 64)],
+                                                                   [(64,)], [(64, 32)]]
+    assert p.choices == ("none", "none", "none", "1bit")
+    assert [b.route for b in p.buckets] == ["allreduce", "allreduce", "allreduce", "allgather"]
+    assert [c.spec for c in p.codecs] == ["none"] * 7 + ["1bit"]
+    assert p.buckets[3].seconds == pytest.approx(20e-6 + 512 / 12.5e6)
+    assert p.buckets[1].seconds == pytest.approx(40e-6 + 2048 / 12.5e6)
+    assert 304.096e-6 + p.buckets[3].seconds < 1.2192e-6 + 40e-6 + 8192 / 12.5e6
+    assert plan(LAUNCH, "auto:1bit", 2, bucket_bytes=1024, link=cases_auto.FAST, codec_costs=costs).choices == ("none",) * 4
+    assert plan(LAUNCH, "auto:1bit", 2, bucket_bytes=1024, link=cases_auto.SLOW, codec_costs=costs).choices == ("1bit",) * 4
+    # a decision given is executed as it is; one of another length or codec is refused
+    given = plan(LAUNCH, "auto:1bit", 2, bucket_bytes=1024, choices=["1bit", "none", "none", "none"])
+    assert given.choices == ("1bit", "none", "none", "none") and given.buckets[-1].route == "allreduce"
+    for bad, match in ((["1bit"], "fewer than this exchange's units"), (["1bit"] * 5, "5 choices for 4 units"),
+                       (["2bit"] * 4, "chooses between 1bit and none")):
+        with pytest.raises(GradzipError, match=match):
+            plan(LAUNCH, "auto:1bit", 2, bucket_bytes=1024, choices=bad)
+
+
+def test_hierarchical_plans_decide_per_level():
+    """hierarchy k = 2 of 4: each local rank's shard plan across the 2 nodes decides its own
+    units on its half of the uplink; the decision lists them in turn."""
+    costs = {"1bit": CodecCost(300e-6, 2e-9), "none": CodecCost(1e-6, 1e-10)}
+    p = plan(LAUNCH, "auto:1bit", 4, hierarchy=2, bucket_bytes=cases_auto.BUCKET_BYTES, link="100mbit",
+             codec_costs=costs)
+    inner = [q.choices for b in p.buckets for q in b.inner]
+    assert p.choices == sum(inner, ()) and inner[-1] == inner[-2] == ("1bit",) and "none" in p.choices
+    again = plan(LAUNCH, "auto:1bit", 4, hierarchy=2, bucket_bytes=cases_auto.BUCKET_BYTES, choices=p.choices)
+    assert again.choices == p.choices
+
+
+def test_the_link_fit_and_the_codec_fit_by_hand():
+    """fit_link: seconds made by the ring formulas on 1 Gbit/s, 50 us come back; fit_line: a
+    line through three points, clipped at zero."""
+    true = Link(1.25e8, 50e-6)
+    seconds = [planner.collective_time(kind, s, 4, true) for kind in ("allreduce", "allgather")
+               for s in calibration.LINK_PROBE_BYTES]
+    fitted = calibration.fit_link(seconds, 4)
+    assert fitted.bytes_per_s == pytest.approx(1.25e8) and fitted.latency_s == pytest.approx(50e-6)
+    flat = calibration.fit_link([6e-4, 6e-4, 3e-4, 3e-4], 4)   # no time grows with the size: latency only
+    assert flat.bytes_per_s > 1e15 and flat.latency_s == pytest.approx(1e-4)
+    assert calibration.fit_link([1e-3] * 4, 1) == Link(math.inf, 0.0)
+    fitted = calibration.fit_line([(x, 1e-5 + 1e-9 * x) for x in (64, 1000, 5000)])
+    assert (fitted.fixed_s, fitted.per_element_s) == pytest.approx((1e-5, 1e-9))
+    assert calibration.fit_line([(64, 3e-5), (1000, 1e-5)]).per_element_s == 0.0
+
+
+def test_a_small_probe_finds_the_per_call_cost_through_noise(monkeypatch):
+    """A codec whose first five calls on each shape come 2 ms late (a loaded host preempting
+    the worker): best of 3 would price every call at 2 ms; a small probe is timed
+    SMALL_REPEATS times, so the per-call cost comes out as the undisturbed call's."""
+    codec = build("none")
+    calls = collections.Counter()
+    plain = type(codec).compress_residual
+
+    def late(self, x, seed, residual, **kwargs):
+        calls[tuple(x.shape)] += 1
+        if calls[tuple(x.shape)] <= 5:
+            time.sleep(2e-3)
+        return plain(self, x, seed, residual, **kwargs)
+
+    monkeypatch.setattr(type(codec), "compress_residual", late)
+    cost = calibration.measure_codec(codec, [(10,), (8, 8)], 2)
+    assert all(count > 5 for count in calls.values()) and cost.fixed_s < 1e-3
+
+
+# -- agreement, record, resume ------------------------------------------------------------------
+def test_decisions_agree_although_workers_measured_differently(monkeypatch):
+    """Every worker's codec probe says something else (the k-th call of the run: k ms a call);
+    every worker executes rank 0's decision from the largest of them, which differs from what
+    the cheapest worker alone would have chosen."""
+    seen = []
+
+    def measured(codec, shapes, n, dtype=torch.float32, device="cpu", seed=0):
+        cost = CodecCost(1e-6 if codec.name == "none" else 1e-4 * (1 + 9 * len(seen)), 0.0)
+        seen.append((codec.spec, cost))
+        return cost
+
+    monkeypatch.setattr(calibration, "measure_codec", measured)
+    options = {"lr": 0.1, "compressor": "auto:1bit", "link": "100mbit"}
+    results = simulate(3, lambda comm: cases_auto.train(comm, "efsgd", options, steps=2))
+    decisions = [r[2] for r in results]
+    assert decisions[0]["exchange 0 auto"].startswith("step 1: ") and all(d == decisions[0] for d in decisions)
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0][0], r[0]))
+    worst = max(c.fixed_s for spec, c in seen if spec == "1bit")
+    rule = plan(LAUNCH, "auto:1bit", 3, bucket_bytes=cases_auto.BUCKET_BYTES, link="100mbit",
+                codec_costs={"1bit": CodecCost(worst, 0.0), "none": CodecCost(1e-6, 0.0)}).choices
+    cheapest = plan(LAUNCH, "auto:1bit", 3, bucket_bytes=cases_auto.BUCKET_BYTES, link="100mbit",
+                    codec_costs={"1bit": CodecCost(1e-4, 0.0), "none": CodecCost(1e-6, 0.0)}).choices
+    assert f"({','.join(rule)})" in decisions[0]["exchange 0 auto"] and rule != cheapest
+
+
+@pytest.mark.slow
+def test_decisions_agree_and_resume_bit_exactly_on_gloo():
+    """Real probes (codec and link) on 2 gloo processes: one decision on both, identical
+    replicas; a resumed optimizer executes the saved decision without probing and repeats the
+    uninterrupted run bit for bit."""
+    results = run_processes(2, cases_auto.resume_without_probing, "efsgd", {"lr": 0.1, "compressor": "auto:1bit"})
+    (straight0, resumed0), (straight1, _) = results
+    assert straight0[2] == straight1[2] and "(measured)" in straight0[2]["exchange 0 auto"]
+    assert all(torch.equal(a, b) for a, b in zip(straight0[0], straight1[0]))
+    assert all(torch.equal(a, b) for a, b in zip(straight0[0], resumed0[0])) and resumed0[2] == straight0[2]
+    saved = straight0[1]["gradzip"]["exchange_states"][0]["auto"]
+    assert len(saved) == 1 and saved[0]["step"] == 1 and len(saved[0]["choices"]) == 4
+
+
+def test_a_run_resumed_from_its_checkpoint_keeps_the_decision(tmp_path, monkeypatch):
+    """The training loop (gradzip train): EF-SGD auto:1bit on digits, 2 threads, checkpoints
+    every 8 steps; a run interrupted after step 27 and resumed from its checkpoint of step 24
+    probes nothing after the resume, records the same decision in its summary and ends with
+    the uninterrupted run's history bit for bit."""
+    import cases
+    from gradzip.train.config import RunConfig
+    from gradzip.train.loop import run_worker
+
+    resumed_flag = {"on": False}
+
+    def costs(*args, **kwargs):
+        assert not resumed_flag["on"], "a resumed run probed instead of executing its saved decision"
+        return cases_auto.fixed_costs(*args, **kwargs)
+
+    monkeypatch.setattr(calibration, "measure_codec", costs)
+    base = RunConfig(algo="efsgd", options={"compressor": "auto:1bit"}, link="100mbit", epochs=2, progress=False,
+                     checkpoint_every=8, lr=0.05)
+    whole = gradzip.simulate(2, lambda c: run_worker(c, RunConfig(**{**vars(base), "checkpoint_dir": f"{tmp_path}/w"})))
+    cut = RunConfig(**{**vars(base), "checkpoint_dir": f"{tmp_path}/cut", "resume": True})
+    with pytest.raises(cases.Interrupted):
+        gradzip.simulate(2, lambda c: run_worker(c, cut, after_step=cases.interrupt_after(cases.INTERRUPT_AFTER)))
+    resumed_flag["on"] = True
+    resumed = gradzip.simulate(2, lambda c: run_worker(c, cut))
+    assert resumed[0]["summary"]["resumed_from_step"] == 24
+    decided = whole[0]["summary"]["auto"]["exchange 0"]
+    assert decided.startswith("step 1: ") and resumed[0]["summary"]["auto"]["exchange 0"] == decided
+    cases.assert_bitwise_equal(whole[0]["history"], resumed[0]["history"], "history")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_resume_executes_the_saved_decision_on_threads(monkeypatch, overlap):
+    """The fixed costs give a mixed decision; a resume keeps it bit for bit (no probe); the
+    hooked backward and the one-call step agree."""
+    monkeypatch.setattr(calibration, "measure_codec", cases_auto.fixed_costs)
+    options = {"lr": 0.1, "compressor": "auto:1bit", "link": "100mbit", "overlap_backward": overlap}
+    results = simulate(2, lambda comm: cases_auto.resume_without_probing(comm, "efsgd", options))
+    for straight, resumed in results:
+        assert all(torch.equal(a, b) for a, b in zip(straight[0], resumed[0]))
+        assert resumed[2] == straight[2] and "(none,none,none,1bit)" in straight[2]["exchange 0 auto"]
+    other = simulate(2, lambda comm: cases_auto.train(comm, "efsgd", {**options, "overlap_backward": not overlap},
+                                                      steps=6))
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0][0], other[0][0]))
+
+
+# -- the extreme links: the codec's run, the uncompressed run ----------------------------------
+METHODS = {
+    "ssgd": ("ssgd", {"lr": 0.1, "momentum": 0.9}),
+    "efsgd": ("efsgd", {"lr": 0.1}),
+    "efsgd-in-step": ("efsgd", {"lr": 0.1, "overlap_backward": False, "weight_decay": 0.01}),
+    "csea": ("csea", {"lr": 0.1}),
+    "qsparse": ("qsparse", {"lr": 0.1, "H": 2}),
+    "cser-c2": ("cser", {"lr": 0.1, "H": 2, "c1": "topk:ratio=0.5"}),
+    "onebitadam": ("onebitadam", {"lr": 0.01, "freeze_step": 1}),
+}
+CODEC_OPTION = {"cser-c2": "c2"}
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("codec", ["1bit", "topk:ratio=0.1"])
+def test_extreme_links_give_the_fixed_runs_bit_for_bit(name, codec):
+    """A link no byte crosses: auto:C is C's run (every unit's C packets are smaller); a free
+    link: auto:C is the uncompressed run. Threads, 2 workers, both links declared."""
+    method, options = METHODS[name]
+    key = CODEC_OPTION.get(name, "compressor")
+
+    def run(c, link):
+        return simulate(2, lambda comm: cases_auto.train(comm, method, {**options, key: c, "link": link}))
+
+    for link, fixed, expected in ((cases_auto.SLOW, codec, codec), (cases_auto.FAST, "none", "none")):
+        auto, alone = run(f"auto:{codec}", link), run(fixed, link)
+        for (pa, _, decided), (pb, _, _) in zip(auto, alone):
+            assert all(torch.equal(a, b) for a, b in zip(pa, pb)), (name, link)
+            text = next(iter(decided.values()))
+            assert f"{expected} x" in text and ("none x" in text) == (expected == "none"), text
+
+
+@pytest.mark.slow
+def test_extreme_links_on_gloo_and_the_hierarchy():
+    """The same on 2 gloo processes (EF-SGD, one-call step), and on 4 threads as 2 nodes of 2."""
+    for rank in run_processes(2, cases_auto.extremes, {"lr": 0.1, "overlap_backward": False}):
+        for auto, fixed in rank:
+            assert all(torch.equal(a, b) for a, b in zip(auto, fixed))
+    for rank in simulate(4, lambda comm: cases_auto.extremes(comm, {"lr": 0.1, "hierarchy": 2})):
+        for auto, fixed in rank:
+            assert all(torch.equal(a, b) for a, b in zip(auto, fixed))
+
+
+# -- residual folding ------------------------------------------------------------------------
+def test_a_switch_under_efsgd_loses_no_error(monkeypatch, caplog):
+    """recalibrate_every=1 with a codec cost that alternates: the large weight's unit goes
+    1bit, none, 1bit, none. Every step, every tensor: Σ_i e_i' + n·A = Σ_i (e_i + η g_i)
+    (what was owed is either still owed or sent); after an uncompressed step the errors are
+    0 (folded in and sent); each switch is logged."""
+    monkeypatch.setattr(calibration, "measure_codec", cases_auto.Alternating())
+    n = 3
+    with caplog.at_level(logging.WARNING, logger="gradzip.exchange.calibration"):
+        results = simulate(n, lambda comm: cases_auto.ef_steps(comm))
+    steps = len(results[0])
+    choices = [results[0][t][4] for t in range(steps)]
+    assert [c[-1] for c in choices] == ["1bit", "none", "1bit", "none"]
+    assert all(r[t][4] == choices[t] for r in results for t in range(steps))
+    for t in range(steps):
+        for k in range(len(SHAPES)):
+            owed = sum(r[t][0][k] + r[t][1][k] for r in results)
+            kept = sum(r[t][2][k] for r in results) + n * results[0][t][3][k]
+            assert torch.allclose(owed, kept, atol=1e-6), (t, k)
+        if choices[t][-1] == "none":
+            assert all(bool((r[t][2][0] == 0).all()) for r in results)   # the 64x32 weight's error: sent
+        else:
+            assert any(bool((r[t][2][0] != 0).any()) for r in results)
+    switched = [rec.getMessage() for rec in caplog.records if "bucket 3: " in rec.getMessage()]
+    assert len(switched) == n * 3 and "bucket 3: 1bit -> none" in switched[0]
+
+
+# -- errors ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("link, match", [
+    ("fast", "link='fast': bad bandwidth 'fast'"),
+    ("-1gbit", "bad bandwidth '-1gbit'"),
+    ("inf", "needs a finite rate"),
+    (3.5, "link must be None, a rate"),
+])
+def test_bad_links_are_one_line_errors(link, match):
+    comm = make_group(1)[0]
+    net = cases_auto.model()
+    makers = [lambda: planner.as_link(link), lambda: PSync(comm, "auto:1bit", link=link),
+              lambda: gradzip.optim.EFSGD(net.parameters(), lr=0.1, compressor="auto:1bit", link=link),
+              lambda: gradzip.ddp.hook("auto:1bit", link=link)]
+    for make in makers:
+        with pytest.raises(GradzipError, match=match) as error:
+            make()
+        assert "\n" not in str(error.value)
+
+
+def test_bad_link_objects_and_options_are_one_line_errors():
+    for args in ((-1.0,), (0.0,), (float("nan"),), (1e9, -1e-6), (1e9, math.inf)):
+        with pytest.raises(GradzipError, match="a link needs bytes_per_s > 0"):
+            Link(*args)
+    net = cases_auto.model()
+    for bad in (0, -3, 1.5, "2"):
+        with pytest.raises(GradzipError, match="recalibrate_every must be an integer >= 1"):
+            gradzip.optim.SSGD(net.parameters(), lr=0.1, compressor="auto:1bit", recalibrate_every=bad)
+    for spec, match in (("auto:none", "auto:none chooses between none and none"),
+                        ("auto:zip", "auto:zip: unknown compressor 'zip'"),
+                        ("auto:auto:1bit", "give it a codec")):
+        with pytest.raises(GradzipError, match=match):
+            build(spec)
+    with pytest.raises(GradzipError, match="is a policy, not a codec"):
+        gradzip.PerTensor(default="auto:1bit")
+    with pytest.raises(GradzipError, match="not a codec itself"):
+        build("auto:1bit").compress(torch.zeros(3))
+    with pytest.raises(GradzipError, match="cannot be pushed to a parameter server"):
+        gradzip.optim.ASGD(net.parameters(), lr=0.1, compressor="auto:1bit")
+
+
+def test_the_auto_policy_reads_as_its_codec():
+    a = build("auto:topk:ratio=0.01")
+    assert isinstance(a, Auto) and a.spec == "auto:topk:ratio=0.01" and build(a.spec) == a
+    assert not a.unbiased and a.sum_dtype(4) is None and build("auto:randomk:ratio=0.1").sum_dtype(4) is not None
+    assert build("auto:qsgd").unbiased and a != build("auto:1bit")
+
+
+# -- the DDP hook, the CLI ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_ddp_hook_on_gloo():
+    """auto:1bit in the DDP hook: a link no byte crosses gives the 1bit hook's run, a free one
+    the none hook's; the decisions are in the hook's state_dict."""
+    results = run_processes(2, cases_auto.ddp_runs)
+    for rank in results:
+        for auto, fixed in rank:
+            assert all(torch.equal(a, b) for a, b in zip(auto, fixed))
+
+
+@pytest.mark.slow
+def test_the_ddp_hook_resumes_its_decisions_bit_exactly_on_gloo():
+    """The hook's decisions (measured on 2 gloo processes) are one on both ranks, saved in its
+    state_dict; a new hook state that loads them executes them without probing and repeats
+    the uninterrupted run bit for bit."""
+    (straight0, resumed0, made0, kept0), (straight1, resumed1, made1, _) = run_processes(2, cases_auto.ddp_resume)
+    assert made0 == made1 and made0 and kept0 == made0
+    assert all(torch.equal(a, b) for a, b in zip(straight0, straight1))
+    assert all(torch.equal(a, b) for a, b in zip(straight0, resumed0))
+    assert all(torch.equal(a, b) for a, b in zip(straight1, resumed1))
+
+
+def test_cli_train_with_auto_and_a_declared_link(tmp_path, capsys):
+    import json
+
+    from gradzip.cli import main
+
+    out = tmp_path / "run"
+    code = main(["train", "--algo", "efsgd", "--compressor", "auto:1bit", "--link", "1gbit", "--workers", "2",
+                 "--backend", "threads", "--epochs", "1", "--model", "mlp:hidden=16", "--out", str(out), "--quiet",
+                 "--no-plot", "--batch-size", "64"])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["auto"]["exchange 0"].startswith("step 1: ") and "1 Gbit/s" in summary["auto"]["exchange 0"]
+    capsys.readouterr()
+    for link, message in (("fast", "bad bandwidth 'fast'"), ("-1gbit", "bad bandwidth '-1gbit'")):
+        with pytest.raises(SystemExit):
+            main(["train", "--compressor", "auto:1bit", f"--link={link}"])
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
