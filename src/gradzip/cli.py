@@ -76,7 +76,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("task")
     g.add_argument("--dataset", default="digits",
                    help=f"one of {', '.join(datasets.names())} (digits is embedded; default: %(default)s)")
-    g.add_argument("--data-dir", help="directory with the dataset's files (mnist, fashion-mnist, cifar10)")
+    g.add_argument("--data-dir", help="directory with the dataset's files (mnist, fashion-mnist, cifar10, text:file=NAME)")
     g.add_argument("--download", action="store_true",
                    help="download missing dataset files into --data-dir (checksums verified)")
     g.add_argument("--model", default="mlp", help=f"one of {', '.join(models.names())} (default: %(default)s)")
@@ -167,6 +167,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--out", help="directory for metrics.jsonl, summary.json and accuracy.png")
     o.add_argument("--no-plot", action="store_true", help="skip accuracy.png")
+    o.add_argument("--eval-every", type=positive_int, default=None, metavar="STEPS",
+                   help="evaluate (a record in metrics.jsonl) every STEPS steps too, not only at each epoch's end")
     o.add_argument("--trace", metavar="FILE",
                    help="write a Chrome/Perfetto trace (one track per worker, one span per phase); "
                         "compare writes one file per method, FILE with the method's name added")
@@ -253,7 +255,7 @@ def _configs(args) -> list:
                   lr_scaling=args.lr_scaling, base_batch=args.base_batch or 0, warmup_epochs=args.warmup_epochs,
                   sam_rho=args.sam_rho, transport=args.transport, round_bytes=args.round_bytes,
                   workers_per_node=args.workers_per_node,
-                  straggler=stragglers.canonical(args.straggler), **_checkpointing(args))
+                  straggler=stragglers.canonical(args.straggler), eval_every=args.eval_every or 0, **_checkpointing(args))
     given = _given_options(args)
     if args.command == "train":
         algo = _train_algo(args)
@@ -363,6 +365,7 @@ def _validate(cfgs, workers: int, backend: str = "gloo") -> None:
 
     ds = datasets.load(cfgs[0].dataset, cfgs[0].data_dir, download=cfgs[0].download)
     model = models.build(cfgs[0].model, ds.input_shape, ds.num_classes)
+    models.check_fits(cfgs[0].model, model, ds.train_x[:1], ds.train_y[:1], cfgs[0].dataset)
     for cfg in cfgs:
         if sharded.is_sharded(cfg.algo):
             sharded.check(cfg, workers, backend)

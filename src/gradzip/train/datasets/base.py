@@ -12,7 +12,10 @@ class Dataset:
 
     ``train_x`` / ``test_x`` are float32, ``(N, C, H, W)`` for images or ``(N, F)`` for
     flat features, normalized with the train split's per-channel mean and std;
-    ``train_y`` / ``test_y`` are int64 class indices in ``[0, num_classes)``.
+    ``train_y`` / ``test_y`` are int64 class indices in ``[0, num_classes)``. A
+    language-modelling dataset (``text``) holds token ids instead: int64 ``(N, T)`` inputs
+    and ``(N, T)`` targets, a class per position. ``info``: what else identifies the data
+    (e.g. the corpus's source, size and hash), recorded in ``summary.json``.
     """
 
     name: str
@@ -21,11 +24,17 @@ class Dataset:
     test_x: torch.Tensor = field(repr=False)
     test_y: torch.Tensor = field(repr=False)
     num_classes: int
+    info: dict = field(default_factory=dict, repr=False)
 
     @property
     def input_shape(self) -> tuple:
         """One sample's shape: ``(C, H, W)`` for images, ``(features,)`` for flat data."""
         return tuple(self.train_x.shape[1:])
+
+    @property
+    def targets_per_sample(self) -> int:
+        """Targets each sample carries: 1 for classification, ``T`` for a sequence of ``T`` tokens."""
+        return max(1, self.train_y[0].numel()) if len(self.train_y) else 1
 
     def __repr__(self) -> str:
         return (f"Dataset({self.name!r}, train={len(self.train_y)}, test={len(self.test_y)}, "
