@@ -317,6 +317,7 @@ RESUME_RUNS = {
     "odsgd": {"warmup_steps": 5}, "cdsgd": {"warmup_steps": 5, "k": 3}, "cpsgd": {"k": 4},
     "lars": {"compressor": "topk:ratio=0.1"}, "lamb": {}, "adamw": {"compressor": "topk:ratio=0.1"},
     "diloco": {"inner": "sgd", "H": 6, "fragments": 2, "delay": 1, "alpha": 0.5, "compressor": "topk:ratio=0.3"},
+    "sparseloco": {"inner": "sgd", "H": 7, "compressor": "topk:ratio=0.3"},
     "asgd": {"order": "round_robin", "compressor": "topk:ratio=0.1"},  # the deterministic schedule
     # eps 1e-3: digits' constant pixels leave v ≈ 0 where the 1-bit momentum is not 0 (docs/adaptive.md)
     "onebitadam": {"freeze_step": 20, "eps": 1e-3}, "onebitlamb": {"freeze_step": 20, "eps": 1e-3},
@@ -384,6 +385,7 @@ SHORT_RUNS = {
     "lars": {"momentum": 0.9, "compressor": "topk:ratio=0.3"}, "lamb": {"compressor": "topk:ratio=0.3"},
     "adamw": {"weight_decay": 0.01},
     "diloco": {"H": 4, "fragments": 2, "delay": 1, "alpha": 0.5, "inner": "sgd", "compressor": "topk:ratio=0.3"},
+    "sparseloco": {"H": 2, "inner": "sgd", "compressor": "topk:ratio=0.3"},
     "asgd": {"order": "round_robin", "compressor": "topk:ratio=0.3", "momentum": 0.9},  # deterministic order
     "onebitadam": {"freeze_step": 2}, "onebitlamb": {"freeze_step": 2},
     "zerooneadam": {"var_freeze_step": 4, "var_update_scaler": 1, "local_step_scaler": 1},
