@@ -318,13 +318,14 @@ RESUME_RUNS = {
     "lars": {"compressor": "topk:ratio=0.1"}, "lamb": {}, "adamw": {"compressor": "topk:ratio=0.1"},
     "diloco": {"inner": "sgd", "H": 6, "fragments": 2, "delay": 1, "alpha": 0.5, "compressor": "topk:ratio=0.3"},
     "sparseloco": {"inner": "sgd", "H": 7, "compressor": "topk:ratio=0.3"},
+    "demo": {"compressor": "dct:chunk=8,topk=4"},
     "asgd": {"order": "round_robin", "compressor": "topk:ratio=0.1"},  # the deterministic schedule
     # eps 1e-3: digits' constant pixels leave v ≈ 0 where the 1-bit momentum is not 0 (docs/adaptive.md)
     "onebitadam": {"freeze_step": 20, "eps": 1e-3}, "onebitlamb": {"freeze_step": 20, "eps": 1e-3},
     "zerooneadam": {"var_freeze_step": 20, "var_update_scaler": 3, "local_step_scaler": 5, "eps": 1e-3},
 }
 #: Common settings other than resume_runs' own, per method (Adam-type methods take no momentum).
-RESUME_COMMON = {"lamb": {"momentum": 0.0}, "adamw": {"momentum": 0.0},
+RESUME_COMMON = {"lamb": {"momentum": 0.0}, "adamw": {"momentum": 0.0}, "demo": {"momentum": 0.0, "lr": 0.002},
                  **{m: {"momentum": 0.0, "lr": 0.002} for m in ("onebitadam", "onebitlamb", "zerooneadam")}}
 INTERRUPT_AFTER = 27
 
@@ -386,6 +387,7 @@ SHORT_RUNS = {
     "adamw": {"weight_decay": 0.01},
     "diloco": {"H": 4, "fragments": 2, "delay": 1, "alpha": 0.5, "inner": "sgd", "compressor": "topk:ratio=0.3"},
     "sparseloco": {"H": 2, "inner": "sgd", "compressor": "topk:ratio=0.3"},
+    "demo": {"compressor": "dct:chunk=2,topk=2"},
     "asgd": {"order": "round_robin", "compressor": "topk:ratio=0.3", "momentum": 0.9},  # deterministic order
     "onebitadam": {"freeze_step": 2}, "onebitlamb": {"freeze_step": 2},
     "zerooneadam": {"var_freeze_step": 4, "var_update_scaler": 1, "local_step_scaler": 1},

@@ -24,6 +24,7 @@ EXTRA_SPECS = [
     "topk:ratio=0.3",
     "topk2bit:ratio=0.3",
     "int4:block=5",
+    "dct:chunk=3,topk=2",
     "randomk:ratio=0.3,unbiased=true",
     "randblock:ratio=0.25",
     "randblock:in=2,out=3,layer=1",
@@ -445,6 +446,12 @@ def expected_nbytes(spec: str, shape) -> int:
     index_bytes = sparse_index_dtype(d).itemsize
     if name == "topk":
         return (4 + index_bytes) * keep_count(c.ratio, d)
+    if name == "dct":   # per chunk k' values and in-chunk indices
+        from gradzip.compressors.dct import chunk_size
+        rows, cols = (shape[0] if shape else 1, cols) if len(shape) >= 2 else (1, d)
+        c1, c2 = chunk_size(rows, c.chunk), chunk_size(cols, c.chunk)
+        k = min(c.topk, c1 * c2)
+        return (rows // c1) * (cols // c2) * k * (4 + sparse_index_dtype(c1 * c2).itemsize)
     if name == "topk2bit":   # indices, 2-bit codes, τ and M
         k = keep_count(c.ratio, d)
         return index_bytes * k + math.ceil(k / 4) + 8
@@ -667,7 +674,7 @@ def test_received_packet_with_shared_meta_decodes():
 # -- spec strings --------------------------------------------------------------------------
 def test_registry_order_and_build():
     assert names() == ("none fp16 bf16 2bit 1bit sign scaled_sign qsgd terngrad int8 int4 topk randomk randblock dgc "
-                       "powersgd topk2bit").split()
+                       "powersgd topk2bit dct").split()
     c = build("topk:ratio=0.01")
     assert c.name == "topk" and c.ratio == 0.01 and str(c) == "topk:ratio=0.01"
     assert build(None) == build("none") and build(c) is c
