@@ -4,6 +4,7 @@ benchmarks/ writes through it, into its topic's page under ``docs/benchmarks/`` 
 the index is ``docs/benchmarks/README.md``) or into a page of ``docs/`` (``DOCS``)."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -41,3 +42,9 @@ def replace_marked(begin: str, end: str, body: str, doc: Path, title: str = "# B
     text = doc.read_text() if doc.exists() else f"{title}\n\n{begin}\n{end}\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(with_marked(text, begin, end, body))
+
+
+def host() -> str:
+    """The machine a section was measured on, as its text says it: ``"2 cores (load average
+    9.3 at the end, from other jobs)"``."""
+    return f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f} at the end, from other jobs)"

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.docs_section import PAGES, replace_section
+from benchmarks.docs_section import PAGES, host, replace_section
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     shown = "gradzip compare " + " ".join(["--out", "runs/compare", *args.extra])
     text = (f"`{shown}` (defaults: digits, mlp, 4 gloo worker processes, {summaries[0]['epochs']} epochs, "
             f"{len(summaries)} methods) took **{wall:.1f} s** wall time end to end, measured by "
-            f"`python -m benchmarks.main_job --write`. Its printed table:\n\n```\n{printed}\n```\n")
+            f"`python -m benchmarks.main_job --write` on {host()}. Its printed table:\n\n```\n{printed}\n```\n")
     print(text)
     if args.write:
         replace_section("Main job wall time", text, PAGES / "main-job.md")

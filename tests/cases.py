@@ -130,6 +130,16 @@ def check_collectives(out, rank, n):
     assert out["bytes"] == expected
 
 
+def leave_marks(comm, path):
+    """Print a line (not flushed) and register an atexit hook that would write a file."""
+    import atexit
+    import pathlib
+
+    atexit.register(lambda: pathlib.Path(f"{path}.{comm.rank}").write_text("finalised"))
+    print(f"rank {comm.rank} was here")
+    return comm.rank
+
+
 def fail_on_rank(comm, bad):
     if comm.rank == bad:
         raise RuntimeError("deliberate failure")

@@ -59,6 +59,53 @@ def partial_pairs(comm, uses_per_rank, methods=tuple(cases.SHORT_RUNS)):
             for m in methods}
 
 
+# -- the set of parameters taking part (issue 35, item 5) ------------------------------------
+#: Before step 3, rank 0 freezes B and rank 1 freezes A (same shapes: averaged together before).
+SWAPPED = {3: ((("B", False),), (("A", False),))}
+#: Before step 3, rank 0 freezes A, rank 1 nothing (different counts: the collectives differ).
+ONE_SIDED = {3: ((("A", False),), ())}
+#: Every rank freezes B before step 2 and unfreezes it before step 4: a change made alike.
+ALIKE = {2: ((("B", False),), (("B", False),)), 4: ((("B", True),), (("B", True),))}
+
+
+def train_with_freezing(comm, method: str, options: dict, changes: dict, overlap=None, steps: int = 6):
+    """``steps`` steps of ``method`` on :class:`TwoBranch` (both branches in every loss), with
+    ``changes[t][rank]``: ``(name, requires_grad)`` pairs set before step t's backward.
+    ``{"refused": message, "step": t, "untouched": the step changed no parameter}``, or
+    ``{"params": final parameters, "B while frozen": B after steps 1 and 3}``."""
+    import gradzip
+    from gradzip.errors import GradzipError
+
+    model = TwoBranch()
+    extra = {} if overlap is None else {"overlap_backward": overlap}
+    opt = gradzip.optim.METHODS[method](model.parameters(), comm=comm, lr=0.05, **options, **extra)
+    seen_b = []
+    try:
+        for t in range(1, steps + 1):
+            for name, flag in changes.get(t, ((),) * comm.world_size)[comm.rank]:
+                getattr(model, name).requires_grad_(flag)
+            x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x[:, :4], ("A", "B")), y).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            try:
+                opt.step()
+            except GradzipError as error:
+                untouched = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+                return {"refused": str(error), "step": t, "untouched": untouched}
+            if t in (1, 3):
+                seen_b.append(model.B.detach().clone())
+    finally:
+        if hasattr(opt, "close"):
+            opt.close()
+    return {"params": [p.detach().clone() for p in model.parameters()], "B while frozen": seen_b}
+
+
+def freezing_runs(comm, changes: dict, runs):
+    """``train_with_freezing`` for every ``(method, overlap)`` of ``runs``."""
+    return {(m, o): train_with_freezing(comm, m, cases.SHORT_RUNS[m], changes, overlap=o) for m, o in runs}
+
+
 # -- codec overflow (issue 12, item 4) -----------------------------------------------------
 #: (method, options, lr, finite gradient value that the codec or the sum turns into Inf /
 #: NaN, ranks whose gradient holds it)

@@ -36,6 +36,18 @@ OVERLAPPED = {
 BUCKET_BYTES = 100
 
 
+#: Gradient edits between backward and ``step()`` that no version counter sees (issue 35,
+#: item 1): through ``.data``, new memory under the same tensor, a numpy view.
+EDITS = {
+    "data_mul": lambda ps: [p.grad.data.mul_(0.5) for p in ps],
+    "data_clamp": lambda ps: [p.grad.data.clamp_(-0.01, 0.01) for p in ps],
+    "data_zero": lambda ps: ps[0].grad.data.zero_(),
+    "data_neg": lambda ps: [p.grad.data.neg_() for p in ps],
+    "data_assign": lambda ps: [setattr(p.grad, "data", p.grad.data * 2) for p in ps],
+    "numpy": lambda ps: ps[-1].grad.numpy().__imul__(3),
+}
+
+
 def make_opt(model, comm, name: str, overlap: bool, **extra):
     import gradzip
 
@@ -67,7 +79,8 @@ def train(comm, name: str, how: str = "hooked", steps: int = 5, **extra):
     * ``"accumulate"`` / ``"accumulate_off"``: two micro-batches per step, the first inside
       ``opt.accumulate()`` (hooked) / plain (off);
     * ``"scheduler"`` / ``"scheduler_off"``: a StepLR stepped after every step;
-    * ``"clip"`` / ``"clip_off"``: clip_grad_norm_ between backward and step().
+    * ``"clip"`` / ``"clip_off"``: clip_grad_norm_ between backward and step();
+    * a key of :data:`EDITS` (``+ "_off"``): that edit between backward and step().
 
     Returns (final parameters, final state_dict)."""
     off = how.endswith("off")
@@ -100,6 +113,8 @@ def train(comm, name: str, how: str = "hooked", steps: int = 5, **extra):
             loss_of(model, t, comm).backward()
             if how.startswith("clip"):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            elif how.removesuffix("_off") in EDITS:
+                EDITS[how.removesuffix("_off")](list(model.parameters()))
             opt.step()
         if sched is not None:
             sched.step()

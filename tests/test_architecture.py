@@ -92,3 +92,30 @@ def test_importing_gradzip_pulls_in_no_plotting_no_sklearn_and_nothing_torch_doe
     added = eval(out.stdout)  # a printed list of names
     assert not {"matplotlib", "sklearn", "scipy", "tqdm"} & set(added), added
     assert "gradzip" in added
+
+
+def test_a_workers_run_imports_neither_scikit_learn_nor_torch_dynamo():
+    """What one worker of ``gradzip train`` does (data, model, optimizer, steps, evaluation,
+    a checkpoint), and gradzip's plain optimizers (LARS, LAMB, SAM), import neither
+    scikit-learn (with the SciPy modules it loads: longer than ``import torch``) nor
+    ``torch._dynamo`` (which torch's optimizer methods import on their first call: about as
+    long as ``import torch``) — docs/benchmarks/startup.md."""
+    code = ("import sys, tempfile, torch\n"
+            "from gradzip.comm import simulate\n"
+            "from gradzip.train.config import RunConfig\n"
+            "from gradzip.train.loop import run_worker\n"
+            "with tempfile.TemporaryDirectory() as ckpt:\n"
+            "    cfg = RunConfig(algo='efsgd', options={'compressor': 'topk:ratio=0.1'}, label='efsgd', lr=0.1,\n"
+            "                    epochs=1, progress=False, checkpoint_dir=ckpt)\n"
+            "    simulate(1, lambda comm: run_worker(comm, cfg))\n"
+            "from gradzip.optim import LAMB, LARS, SAM\n"
+            "p = torch.nn.Parameter(torch.ones(3))\n"
+            "for opt in (LARS([p], lr=0.1), LAMB([p], lr=0.1), SAM(LARS([p], lr=0.1))):\n"
+            "    p.grad = torch.ones(3)\n"
+            "    opt.step(lambda: (p * p).sum().backward()) if isinstance(opt, SAM) else opt.step()\n"
+            "    opt.zero_grad()\n"
+            "    opt.load_state_dict(opt.state_dict())\n"
+            "print(sorted(m for m in ('sklearn', 'scipy.stats', 'torch._dynamo') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"

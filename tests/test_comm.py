@@ -111,6 +111,16 @@ def test_gloo_worker_error_is_reraised_with_rank():
         run_processes(2, cases.fail_on_rank, 1)
 
 
+@pytest.mark.slow
+def test_gloo_workers_leave_without_finalisation_once_their_output_is_flushed(tmp_path, capfd):
+    """A worker ends right after its report (the interpreter's finalisation, which takes
+    seconds with torch loaded, is skipped: no atexit hook runs), its output flushed."""
+    assert run_processes(2, cases.leave_marks, str(tmp_path / "mark")) == [0, 1]
+    assert list(tmp_path.iterdir()) == []
+    out = capfd.readouterr().out
+    assert "rank 0 was here" in out and "rank 1 was here" in out
+
+
 def test_process_gone_counts_ended_and_zombie_processes():
     """``comm.liveness.process_gone``: this process is alive; a child that exited and was
     not reaped (a zombie) is gone, and so is it once reaped."""

@@ -144,6 +144,24 @@ def test_digits_deterministic_and_independent_of_seed(digits):
         assert torch.equal(a, b)
 
 
+def test_digits_split_is_scikit_learns():
+    """The split gradzip computes itself (scikit-learn is no longer imported to load the
+    digits) is the one ``train_test_split(stratify=y, random_state=0)`` gives, order
+    included: on the digits' labels and on label sets whose shares tie."""
+    from sklearn.model_selection import train_test_split
+    from gradzip.train.datasets import digits as digits_module
+
+    with gzip.open(digits_module._data_file(), "rt") as f:
+        y_digits = np.loadtxt(f, delimiter=",")[:, -1].astype(np.int64)
+    rng = np.random.RandomState(5)
+    for y, n_test, seed in [(y_digits, 360, 0), (rng.randint(0, 7, 203), 41, 3),
+                            (np.repeat(np.arange(4), [5, 5, 5, 6]), 7, 1), (np.array([2, 0, 1, 2, 1, 0, 0, 1]), 3, 9)]:
+        index = np.arange(len(y))
+        want_train, want_test = train_test_split(index, test_size=n_test, stratify=y, random_state=seed)
+        train, test = digits_module.stratified_split(y, n_test, seed)
+        assert np.array_equal(train, want_train) and np.array_equal(test, want_test)
+
+
 # ----------------------------------------------------------------------------- synthetic
 
 
@@ -197,6 +215,21 @@ def test_synthetic_is_learnable():
 def test_synthetic_bad_options(spec, match):
     with pytest.raises(GradzipError, match=match):
         data.load(spec)
+
+
+def test_synthetic_too_large_to_generate_is_one_line(monkeypatch):
+    """Issue 35 item 12: 10^10 features per sample (800 TB to generate) was a raw allocation
+    traceback; now one line naming the size, the memory available and the fix, before
+    anything is allocated (also for a size that would fit a larger machine)."""
+    with pytest.raises(GradzipError, match=r"1x100000x100000 .* need about [\d,]+ GB of memory .* smaller shape"):
+        data.load("synthetic:shape=1x100000x100000")
+    from gradzip.train.datasets import generated
+    monkeypatch.setattr(generated, "_available_bytes", lambda: 10**6)
+    with pytest.raises(GradzipError, match=r"need about 0.00924 GB .* the 0.001 GB available") as error:
+        data.load("synthetic:n=300,test=60,shape=3x32x32")
+    assert "\n" not in str(error.value)
+    monkeypatch.setattr(generated, "_available_bytes", lambda: None)   # unknown: not refused
+    assert len(data.load("synthetic:n=30,test=6,shape=3x8x8").train_x) == 30
 
 
 # ----------------------------------------------------------------------------- shard

@@ -307,6 +307,24 @@ def test_common_option_of_the_wrong_type_raises_gradzip_error(key, value):
     assert_readable(str(exc.value), key)
 
 
+@pytest.mark.parametrize("algo", sorted(METHODS))
+@pytest.mark.parametrize("comm", ["gloo", 2, object()])
+def test_comm_of_the_wrong_type_is_one_line_for_every_method(algo, comm):
+    """Issue 35 item 12: ``comm=`` of another type was a raw AttributeError; the shared
+    constructor (``gradzip.comm.resolve``) names it and what to pass."""
+    with pytest.raises(GradzipError) as exc:
+        METHODS[algo](tiny_params(), lr=0.1, comm=comm)
+    assert_readable(str(exc.value), "comm must be a gradzip.comm.Group")
+
+
+@pytest.mark.parametrize("call", [lambda: gradzip.broadcast_parameters(torch.nn.Linear(2, 2), comm="gloo"),
+                                  lambda: gradzip.evaluation.evaluation_model(torch.nn.Linear(2, 2), comm="gloo")])
+def test_comm_of_the_wrong_type_is_one_line_for_the_functions_taking_one(call):
+    with pytest.raises(GradzipError) as exc:
+        call()
+    assert_readable(str(exc.value), "comm must be a gradzip.comm.Group")
+
+
 # ============================================================================ worker counts
 
 

@@ -253,3 +253,36 @@ def test_add_param_group_mid_run_as_torch_does():
     with pytest.raises(GradzipError, match=r"param_groups\[1\]\.momentum must be in \[0, 1\), got 5"):
         SSGD(cases.tiny_model().parameters(), lr=0.1).add_param_group(
             {"params": torch.nn.Linear(2, 2).parameters(), "momentum": 5})
+
+
+def test_torch_optimizer_methods_skip_the_dynamo_wrapper_only_while_dynamo_is_not_imported(monkeypatch):
+    """``torch._disable_dynamo`` wraps add_param_group, zero_grad, state_dict and
+    load_state_dict; its first call imports torch._dynamo (as long as ``import torch``).
+    gradzip calls the wrapped function while nothing could be compiling (torch._dynamo not
+    imported), the wrapper once it is."""
+    import functools
+    import sys
+
+    from gradzip.optim import eager
+
+    called = []
+
+    def inner(x):
+        called.append(("inner", x))
+
+    @functools.wraps(inner)
+    def wrapper(x):
+        called.append(("wrapper", x))
+
+    assert eager._zero_grad.__wrapped__ is torch.optim.Optimizer.zero_grad.__wrapped__   # torch's own function
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = SSGD([p], lr=0.1)
+    opt.zero_grad()
+    assert p.grad is None and opt.state_dict()["param_groups"][0]["lr"] == 0.1
+    guarded = eager._eager(wrapper)
+    monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
+    guarded(1)
+    monkeypatch.setitem(sys.modules, "torch._dynamo", object())
+    guarded(2)
+    assert called == [("inner", 1), ("wrapper", 2)]

@@ -104,6 +104,31 @@ def test_loop_variants_equal_the_one_call_path(how):
             _same_but_bucketing(a, b, f"{name} {how}")
 
 
+@pytest.mark.parametrize("edit", sorted(cases_overlap.EDITS))
+def test_gradient_edits_no_version_counter_sees_equal_the_one_call_path(edit):
+    """Issue 35 item 1: ``p.grad.data.mul_(c)``, ``.clamp_()``, ``.zero_()``, ``p.grad.data =
+    ...`` or a numpy view's edit between backward and ``step()`` went unnoticed (the unedited
+    gradient was sent); the fingerprint taken in the hook sees them: every worker exchanges
+    again from the edited gradients, the bits of ``overlap_backward=False``."""
+    for name in ("ssgd", "efsgd-topk", "bitsgd", "csea", "dgc", "cser"):
+        for a, b in gradzip.simulate(2, lambda c: (cases_overlap.train(c, name, edit),
+                                                   cases_overlap.train(c, name, edit + "_off"))):
+            assert sum(x["payload_bytes"] for x in a[1]["gradzip"]["exchanges"]) > \
+                sum(x["payload_bytes"] for x in b[1]["gradzip"]["exchanges"]), f"{name} {edit}: not exchanged again"
+            _same_but_bucketing((a[0], _without_bytes(a[1])), (b[0], _without_bytes(b[1])), f"{name} {edit}")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_gradient_zeroed_through_data_leaves_the_parameter_unchanged(overlap):
+    """The issue's reproduction: S-SGD on one parameter, backward, ``p.grad.data.zero_()``."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = gradzip.optim.SSGD([p], lr=0.1, overlap_backward=overlap)
+    (p * 2).sum().backward()
+    p.grad.data.zero_()
+    opt.step()
+    assert torch.equal(p.detach(), torch.ones(3))
+
+
 def _without_bytes(state):
     return {**state, "gradzip": {**state["gradzip"], "exchanges": []}}
 

@@ -96,7 +96,8 @@ def test_the_main_jobs_projection_credits_the_exchange_during_backward():
                    "batch_size_per_worker": 8, "training_samples": steps * 4 * 8, "parameter_shapes": shapes,
                    "bytes_sent_per_worker": 0.0, "time_compute_s": 0.2, "time_compress_s": 0.0, "time_update_s": 0.02}
         return {"summary": summary, "history": history}
-    on, off = projection.project_runs([run({"bucket_bytes": 4096}), run({"overlap_backward": False})], [1e6])
+    on, off = [r["projections"] for r in
+               projection.project_runs([run({"bucket_bytes": 4096}), run({"overlap_backward": False})], [1e6])]
     assert off[0]["iteration_s"] == pytest.approx(0.01 + off[0]["communicate_s"] + 0.001)
     # the first bucket (2048 of 2640 elements) communicates behind the rest of backward
     assert 0 < off[0]["iteration_s"] - on[0]["iteration_s"] <= 0.01 * 2 / 3 * 2048 / 2640 + 1e-9

@@ -453,6 +453,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def run() -> None:
+    """The ``gradzip`` command (console script, ``python -m gradzip``): :func:`main` on the
+    command line, then out with its exit code, stdout and stderr flushed, without the
+    interpreter's finalisation: tearing down torch's modules took 2 to 3 s on the loaded
+    2-core machine, a quarter of a short run (docs/benchmarks/startup.md). Everything a
+    command writes is written and closed by then, and its worker processes are joined."""
+    try:
+        code = main()
+    except SystemExit as exc:   # argparse: --help, a usage error
+        code = exc.code
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 def _main(args, argv, parser) -> int:
     try:
         if args.command == "bench":
@@ -484,10 +502,9 @@ def _main(args, argv, parser) -> int:
     except KeyboardInterrupt:
         print("gradzip: interrupted", file=sys.stderr)
         return 130
-    try:  # the results first, optional outputs after: a failing trace loses nothing else
+    try:  # the results first, what is derived from them after: a failing plot or trace loses nothing else
         if not (os.environ.get("RANK", "0") != "0" and _under_torchrun(args.workers)):
-            _project(per_worker[0], rates, workers_at)
-            _report(args, per_worker[0])
+            _report(args, per_worker[0], rates, workers_at)
         if traces:
             _write_traces(traces, per_worker)
     except OSError as exc:
@@ -550,16 +567,33 @@ def _run_emulated(parser, args, rates: list[float]) -> int:
 
 
 def _project(runs: list[dict], rates: list[float], workers_at: list[int] | None) -> None:
-    """Every run's projections (``summary["projections"]``) at those rates and worker counts
-    (none for a one-worker run without ``--workers-at``: it sends nothing)."""
-    runs = [r for r in runs if not sharded.is_sharded(r["summary"]["method"])]   # FSDP2: no timeline model
-    if not runs or not rates or (workers_at is None and all(r["summary"]["workers"] == 1 for r in runs)):
+    """Every run's projection into its summary (``projections``, or ``projection_skipped``: a
+    method the profile cannot run, a sharded run) at those rates and worker counts (none for a
+    one-worker run without ``--workers-at``: it sends nothing). The projection is derived
+    output: one that fails is a note on stderr, never the loss of the run."""
+    if not rates or (workers_at is None and all(r["summary"]["workers"] == 1 for r in runs)):
         return
-    for run, rows in zip(runs, projection.project_runs(runs, rates, workers_at)):
-        run["summary"]["projections"] = rows
+    for run in runs:
+        if sharded.is_sharded(run["summary"]["method"]):
+            run["summary"]["projection_skipped"] = "FSDP2 / HSDP runs have no timeline model"
+    runs = [r for r in runs if "projection_skipped" not in r["summary"]]
+    if not runs:
+        return
+    try:
+        added = projection.project_runs(runs, rates, workers_at)
+    except GradzipError as exc:
+        print(f"gradzip: note: no projection: {exc}", file=sys.stderr)
+        return
+    for run, fields in zip(runs, added):
+        run["summary"].update(fields)
 
 
-def _report(args, runs: list[dict]) -> None:
+def _report(args, runs: list[dict], rates: list[float], workers_at: list[int] | None) -> None:
+    """The runs' records written (``--out``) before anything derived from them, then the
+    projection, the table, the summary again with the projections, and the plot."""
+    if args.out:
+        report.write(args.out, runs, plot=False)
+    _project(runs, rates, workers_at)
     print(report.table([r["summary"] for r in runs]))
     if args.out:
         out = report.write(args.out, runs, plot=not args.no_plot)
@@ -567,4 +601,4 @@ def _report(args, runs: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -41,7 +41,7 @@ def evaluation_model(model: torch.nn.Module, optimizer: "torch.optim.Optimizer |
     if not isinstance(model, torch.nn.Module):
         raise GradzipError(f"evaluation_model: model must be a torch.nn.Module, got {type(model).__name__}; "
                            "pass the model the optimizer trains (model.module for a DDP-wrapped one)")
-    group = comm if comm is not None else getattr(optimizer, "comm", None) or comm_lib.default()
+    group = comm_lib.resolve(comm if comm is not None else getattr(optimizer, "comm", None), "evaluation_model")
     evaluation_parameters = getattr(optimizer, "evaluation_parameters", None)
     override = evaluation_parameters() if evaluation_parameters is not None else None  # waits for CD-SGD's exchange
     replicas_differ = bool(getattr(optimizer, "replicas_differ", False))

@@ -32,6 +32,10 @@ plan of an exchange; ``describe()`` reports it, ``bench.costs`` prices it.
 ``start()`` compresses and launches the collectives asynchronously, bucket by bucket, and
 returns a :class:`Pending`; ``Pending.wait()`` decodes. ``__call__`` does both.
 
+Complex tensors travel as their real views (``torch.view_as_real``: float, last dimension
+2), as torch's optimizers treat complex parameters: every codec, transport, seed and
+bucket sees that real tensor, and the aggregates and residuals come back complex.
+
 Overflow guard (``check_finite=True``, what the optimizers set unless ``nonfinite="off"``):
 a codec can turn finite inputs into Inf/NaN (fp16 above 65504, QSGD's norm of 1e20, a sum
 of two 3e38). ``wait()`` checks the decoded aggregates (one sum per tensor, an exact look
@@ -159,6 +163,49 @@ class Pending:
         return self._result
 
 
+def real_views(tensors: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Tensor], list[int]]:
+    """``tensors`` with every complex one as its real view (module docstring), and the
+    positions of those."""
+    at = [i for i, t in enumerate(tensors) if t.is_complex()]
+    return ([torch.view_as_real(t) if t.is_complex() else t for t in tensors] if at else tensors), at
+
+
+def as_complex(tensors, at: list[int]):
+    """The real views at positions ``at`` of the list ``tensors`` as complex tensors again
+    (copied where their layout cannot be viewed so); anything but a list as it is."""
+    if not at or not isinstance(tensors, list):
+        return tensors
+    out = list(tensors)
+    for i in at:
+        t = out[i]
+        if t.stride(-1) != 1 or t.storage_offset() % 2 or any(s % 2 for s in t.stride()[:-1]):
+            t = t.clone(memory_format=torch.contiguous_format)
+        out[i] = torch.view_as_complex(t)
+    return out
+
+
+class _ComplexPending:
+    """An exchange with complex tensors in flight as their real views: its residuals and
+    what ``wait()`` returns are complex again; everything else is the exchange's."""
+
+    def __init__(self, pending, at: list[int]):
+        self.pending, self.at = pending, at
+        self.residual = as_complex(pending.residual, at)
+
+    def __getattr__(self, name: str):
+        return getattr(self.pending, name)
+
+    def wait(self) -> Result:
+        result = self.pending.wait()
+        return dataclasses.replace(result, aggregate=as_complex(result.aggregate, self.at),
+                                   residual=as_complex(result.residual, self.at))
+
+
+def with_complex(pending, at: list[int]):
+    """``pending`` as it is, or (complex tensors at ``at``) wrapped to return them complex."""
+    return _ComplexPending(pending, at) if at else pending
+
+
 class PSync:
     """Compress → exchange → decode for one worker, along the exchange's plan (see the
     module docstring)."""
@@ -244,6 +291,8 @@ class PSync:
         keys = list(range(len(tensors))) if keys is None else list(keys)
         specs = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (tuple(t), torch.float32)
                  for t in tensors]
+        specs = [(shape + (2,), dtype.to_real()) if dtype.is_complex else (shape, dtype)   # their real views
+                 for shape, dtype in specs]
         cached = (tuple(specs), tuple(keys))
         if cached not in self._plans:
             order = sorted(range(len(specs)), key=lambda i: -keys[i])
@@ -277,6 +326,7 @@ class PSync:
         for the shared random seeds and the launch order. ``plan``: a plan of these tensors
         in the order given (``Plan.select`` of the exchange's plan: a bucket launched on its
         own, as the backward hooks do)."""
+        tensors, complex_at = real_views(tensors)
         keys = list(range(len(tensors)) if keys is None else keys)
         began = time.perf_counter()
         if plan is None:
@@ -298,7 +348,7 @@ class PSync:
         self._add_compress(ended - began)
         if self.tracer is not None:
             self.tracer.add("compress", began, ended, bytes=pending.packet_bytes)
-        return pending
+        return with_complex(pending, complex_at)
 
     @property
     def guards_inputs(self) -> bool:

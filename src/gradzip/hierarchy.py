@@ -34,7 +34,7 @@ import torch
 
 from .comm import Group
 from .errors import GradzipError
-from .exchange import DEFAULT_BUCKET_BYTES, Pending, PSync, Result, Timings
+from .exchange import DEFAULT_BUCKET_BYTES, Pending, PSync, Result, Timings, real_views, with_complex
 from .planner import INTRA_DTYPES, Plan, plan, shard_bounds
 from .validation import is_int
 
@@ -165,6 +165,7 @@ class HierarchicalPSync(PSync):
               residual: bool = True, plan: Plan | None = None) -> _HierPending:
         """Per bucket of the plan: reduce-scatter inside the node (waited for), then start the
         PSync across nodes."""
+        tensors, complex_at = real_views(tensors)
         keys = list(range(len(tensors)) if keys is None else keys)
         if plan is None:
             order, plan = self.exchange_plan(tensors, keys)
@@ -172,7 +173,7 @@ class HierarchicalPSync(PSync):
             order = list(range(len(tensors)))
         buckets = [self._start_bucket(b.inner[self.local_rank], [order[i] for i in b.tensors], tensors, keys,
                                       step, residual) for b in plan.buckets]
-        return _HierPending(self, list(tensors), buckets, residual)
+        return with_complex(_HierPending(self, list(tensors), buckets, residual), complex_at)
 
     def _start_bucket(self, inner_plan: Plan, members: list[int], tensors, keys, step: int,
                       residual: bool) -> _HierBucket:

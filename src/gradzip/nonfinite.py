@@ -42,10 +42,11 @@ class NonFiniteAggregate(GradzipError):
 
 def first_nonfinite(tensors: Sequence[torch.Tensor]) -> int:
     """Position of the first tensor holding a NaN or Inf, or -1: one sum per tensor (a sum is
-    finite iff every element is, unless it overflows), an exact look only where it is not."""
+    finite iff every element is, unless it overflows; a complex tensor's over its real view,
+    both parts), an exact look only where it is not."""
     if not tensors:
         return -1
-    sums = torch.stack([t.detach().sum().float() for t in tensors])
+    sums = torch.stack([(torch.view_as_real(t) if t.is_complex() else t).detach().sum().float() for t in tensors])
     if bool(torch.isfinite(sums).all()):
         return -1
     return next((i for i, t in enumerate(tensors) if not bool(torch.isfinite(t).all())), -1)

@@ -24,7 +24,7 @@ def broadcast_parameters(module_or_params: "torch.nn.Module | Iterable[torch.Ten
     into every worker's, in place. Collective: every worker calls it with the same model
     structure. ``comm=None``: the default torch.distributed group when one is initialised,
     else a world of one (nothing to do)."""
-    group = comm if comm is not None else comm_lib.default()
+    group = comm_lib.resolve(comm, "broadcast_parameters")
     if isinstance(module_or_params, torch.nn.Module):
         tensors = list(module_or_params.parameters()) + list(module_or_params.buffers())
     elif isinstance(module_or_params, torch.Tensor):

@@ -35,7 +35,10 @@ therefore exactly the per-tensor rule of earlier versions.
 
 The server error ``E_j`` is exchange state, keyed ``(bucket key, slice j)``: stable across
 resume (:meth:`ServerErrors.state_dict`) since the plan is. An exchange updates it only
-once its aggregate passed the overflow check, so a skipped step leaves it as it was.
+once its aggregate passed the overflow check, so a skipped step leaves it as it was. When
+the parameters taking part change (a layer frozen or unfrozen, :mod:`gradzip.optim.participation`),
+the buckets and their slices change with them: every ``E_j`` starts from zero again (one
+that does not fit its slice is never added).
 """
 from __future__ import annotations
 
@@ -156,7 +159,7 @@ class TwoPhase:
         error = None
         if b > a:
             codec.aggregate_slices(received, [(0, b - a)], s, self._template(rank))
-            if server_error is not None:
+            if server_error is not None and server_error.numel() == b - a:   # else another bucket's since
                 s.add_(server_error)
             error = torch.empty_like(s)
             back = codec.compress_slices(s, [(0, b - a)], [seed], error)

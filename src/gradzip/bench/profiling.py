@@ -7,7 +7,9 @@ on this machine. So a method added later is modelled without changes to the benc
 What the profile reads from the method is its public contract: ``step()``, ``timings``,
 ``tracer``, the step counter ``steps``, the class attribute ``overlaps_exchange`` (the
 exchange of step t runs while step t+1 computes) with ``synchronize()`` (wait for it),
-and ``close()`` where a method has a background thread to stop.
+and ``close()`` where a method has a background thread to stop. A method whose class says
+``collective_exchanges = False`` (A-SGD: point to point to a parameter server) cannot run
+on a recording group: :func:`profile_method` raises :class:`Unprofilable` for it.
 
 It also notes every PSync exchange a step starts (:class:`Exchange`: codec, tensor
 shapes, and which of the recorded collectives were its own), so the model can price the
@@ -28,10 +30,15 @@ import torch
 
 from ..comm.base import Group, Work
 from ..compressors import build
+from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, PSync
 from ..trace import Tracer
 from ..train.config import method_class
 from .costs import ExchangeCost, collective_time, hierarchical_cost
+
+
+class Unprofilable(GradzipError):
+    """The method's exchanges are not collectives on its group, so it cannot be profiled."""
 
 
 class _DryRun(Exception):
@@ -304,6 +311,9 @@ def _steps(algo, options, shapes, workers, steps, warmup, dry=False):
     timing. Dry: every step on a fresh optimizer whose step counter is set to ``t - 1``
     (so periodic steps come out right), its collectives sized but never decoded."""
     cls = method_class(algo)
+    if not getattr(cls, "collective_exchanges", True):
+        raise Unprofilable(f"{cls.__name__} exchanges point to point, not through collectives, so it cannot be "
+                           "profiled on a recording group and the timeline model has no price for its exchanges")
     params = _parameters(shapes)
     grads = [p.grad.clone() for p in params]
 

@@ -430,6 +430,9 @@ class ASGD(DistributedOptimizer):
     worker is done: call it on every worker after its last step (the training loop does).
     """
 
+    collective_exchanges = False   # pushes and pulls go point to point to the server
+    complex_parameters = False   # its server updates real entries (optim.participation)
+
     def __init__(self, params, lr, *, staleness: int | None = None, compressor: str = "none",
                  order: str = "arrival", **kwargs):
         name = type(self).__name__
@@ -459,6 +462,7 @@ class ASGD(DistributedOptimizer):
         self._wire_sent = 0     # this worker's pushes that crossed a network
         self._timings = Timings()
         self._closed = False
+        self._served = tuple(self._keys[p] for _, p in self.participating())   # the server's parameters
         self._link = self._connect()
 
     # -- counters (read-only; per worker, so not settings: describe() leaves them out) -------
@@ -523,6 +527,7 @@ class ASGD(DistributedOptimizer):
         loss, pairs, params, skipped = self.begin_step(closure)
         if skipped:
             return loss
+        self._check_served(params)
         began = time.perf_counter()
         packets, residuals = [], []
         for key, (group, p) in enumerate(pairs):
@@ -559,6 +564,23 @@ class ASGD(DistributedOptimizer):
         self._wire_sent += wire
         self._load_reply(reply, params)
         return loss
+
+    def exchanges_at(self, step: int) -> bool:
+        """Never a collective: the pushes go to the server, which holds the parameters
+        that took part when it was built; :meth:`_check_served` compares against those."""
+        return False
+
+    def _check_served(self, params: list[torch.Tensor]) -> None:
+        """Refuse (one line, nothing pushed) a set of parameters taking part other than the
+        server's: a parameter frozen or unfrozen since the optimizer was built."""
+        keys = tuple(self._keys[p] for p in params)
+        if keys != self._served:
+            self.steps -= 1   # this step never happened
+            changed = sorted(set(keys) ^ set(self._served))
+            raise GradzipError(
+                f"ASGD: parameter(s) #{', #'.join(map(str, changed))} were frozen or unfrozen (requires_grad) after "
+                f"the optimizer was built; its parameter server holds the {len(self._served)} parameters that took "
+                "part then: set requires_grad before building the optimizer, alike on every worker")
 
     def _refuse_overflow(self, packets: list[Packet]) -> None:
         """The server applies every push as it comes, so a packet that decodes to NaN/Inf

@@ -29,15 +29,8 @@ parameters' values (:mod:`gradzip.consistency`; replicas must start equal:
 :meth:`~gradzip.optim.guard.NonFiniteGuard.codec_overflow`). Neither touches residuals,
 momentum or the step counter when it stops a step.
 
-**Missing gradients** (``params_with_grad``): every parameter of the optimizer that
-requires a gradient takes part in every step; one whose ``.grad`` is None on a worker
-counts as a zero gradient there (its ``.grad`` is set to zeros), as under
-``DistributedDataParallel(find_unused_parameters=True)``. Every worker thus exchanges the
-same tensors in the same order whatever its backward touched, with no collective to agree
-on the set. A parameter no worker touched still gets weight decay, momentum and any
-residual carried over (like DDP + ``torch.optim.SGD``, unlike ``torch.optim.SGD`` alone,
-which skips it): it stays unchanged only with ``weight_decay=0`` and no momentum / residual
-left. Parameters with ``requires_grad=False`` (frozen) never take part.
+Which parameters take part in a step (held once, dense gradients, missing ones as zeros,
+frozen ones never, the same on every worker) is :mod:`gradzip.optim.participation`.
 """
 from __future__ import annotations
 
@@ -58,9 +51,11 @@ from ..nonfinite import NONFINITE_POLICIES
 from ..replicas import parameter_digest
 from ..validation import constructor_options, is_int, refuse_unknown_options, require
 from ..version import __version__
+from .eager import EagerOptimizer
 from .exchanges import ExchangeOwner
 from .guard import NonFiniteGuard
 from .options import check_group, check_hyperparameters
+from .participation import Participation
 
 
 def derived_setting(name: str) -> bool:
@@ -71,7 +66,7 @@ def derived_setting(name: str) -> bool:
             or (name.startswith("exchange ") and name.endswith(" transport")))
 
 
-class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer):
+class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, Participation, EagerOptimizer):
     """Base of every method. ``comm=None``: the default torch.distributed group when one is
     initialised, else a world of one."""
 
@@ -93,6 +88,10 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
     #: set them too): CD-SGD's ``local_lr``, the Adam methods' ``betas`` and ``eps``. Any other
     #: keyword that reaches this constructor is refused, naming the closest valid option.
     group_options: tuple[str, ...] = ()
+    #: Every exchange is a collective on the method's group, so a step can run on a group that
+    #: records its collectives (:mod:`gradzip.bench.profiling`: ``gradzip bench model`` and the
+    #: projection of a run). False for a method that talks point to point (A-SGD's server).
+    collective_exchanges: bool = True
 
     @classmethod
     def default_lr(cls, options: dict) -> float:
@@ -122,7 +121,7 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
         defaults = dict(lr=float(lr), momentum=float(momentum), nesterov=bool(nesterov),
                         weight_decay=float(weight_decay), **options)
         super().__init__(params, defaults)
-        self.comm = comm if comm is not None else comm_lib.default()
+        self.comm = comm_lib.resolve(comm, name)
         self.comm.claim(self._all_params(), name)   # in-process workers: no parameter shared by two
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
@@ -183,7 +182,8 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
         refuse DDP double communication and compare settings across workers
         (:meth:`verify_consistent`); list the parameters that take part
         (:meth:`params_with_grad`: missing gradients become zeros); check every worker's
-        gradients for NaN/Inf (``nonfinite``); count the step (from 1).
+        gradients for NaN/Inf (``nonfinite``); agree on the set across workers where this
+        step exchanges it (:meth:`agree`); count the step (from 1).
 
         Returns ``(loss, pairs, params, skipped)``: ``pairs`` the ``(group, param)`` of
         :meth:`params_with_grad`, ``params`` their parameters. ``skipped``: the workers
@@ -199,7 +199,10 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
         self.verify_once()
         pairs = self.params_with_grad()
         params = [p for _, p in pairs]
-        if self.nonfinite != "off" and not self.gradients_finite(params):
+        first_bad = self.first_bad_gradient(params)     # "raise": raised here, before anything is sent
+        if self.nonfinite == "skip" or self.exchanges_at(self.steps + 1):   # the same set on every worker
+            first_bad = max(row[0] for row in self.agree([first_bad], pairs))
+        if first_bad >= 0:                                  # "skip": every worker skips this step
             self.skipped_steps += 1
             return loss, pairs, params, True
         self.steps += 1
@@ -290,20 +293,6 @@ class DistributedOptimizer(ExchangeOwner, NonFiniteGuard, torch.optim.Optimizer)
                 "step and communicate on every micro-batch. Step once the gradients are complete: under "
                 "Accelerate `if accelerator.sync_gradients: opt.step(); opt.zero_grad()` inside accumulate(), "
                 "elsewhere after the last backward, outside no_sync()")
-
-    def participating(self) -> list[tuple[dict, torch.Tensor]]:
-        """``(group, param)`` for every parameter that requires a gradient, in a fixed order,
-        the same on every worker."""
-        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
-
-    def params_with_grad(self) -> list[tuple[dict, torch.Tensor]]:
-        """:meth:`participating`, with a missing ``.grad`` set to zeros first (module
-        docstring: DDP's ``find_unused_parameters`` semantics)."""
-        pairs = self.participating()
-        for _, p in pairs:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return pairs
 
     def keys(self, params: Sequence[torch.Tensor]) -> list[int]:
         """Stable per-parameter keys (its position in the optimizer) for shared seeds."""

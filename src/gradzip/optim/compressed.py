@@ -31,6 +31,7 @@ from .lamb import LAMB
 from .lars import LARS
 from .options import no_momentum, parse_betas
 from .overlap import GradientExchange
+from .participation import hold_once
 
 
 class Compressed(GradientExchange):
@@ -63,6 +64,7 @@ class Compressed(GradientExchange):
         require(not (error_feedback and codec.unbiased), name,
                 f"error feedback with the unbiased codec {codec.spec!r} accumulates its variance and "
                 "diverges; leave error_feedback unset (off for unbiased codecs)")
+        hold_once(inner, name)   # the groups are shared (below): each parameter once
         params = [p for g in inner.param_groups for p in g["params"]]
         require(len(params) > 0, name, "the inner optimizer has no parameters")
         super().__init__(params, 0.0, comm=comm, seed=seed, bucket_bytes=bucket_bytes, nonfinite=nonfinite,
@@ -82,6 +84,7 @@ class Compressed(GradientExchange):
         if not hasattr(self, "inner"):   # the base constructor's own groups
             return super().add_param_group(param_group)
         self.inner.add_param_group(param_group)
+        hold_once(self.inner, type(self).__name__)
         if self.param_groups is not self.inner.param_groups:
             self.param_groups = self.inner.param_groups
         self.joined(self.param_groups[-1]["params"])

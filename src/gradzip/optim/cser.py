@@ -108,6 +108,10 @@ class CSER(GradientExchange):
             p.sub_(e).add_(agg).add_(r)                              # x ← x − e + e'
             e.copy_(r)                                               # e ← e_new
 
+    def exchanges_at(self, step: int) -> bool:
+        """Every step with a gradient codec; without one (CSER-PL) every H steps."""
+        return self.psync2 is not None or step % self.H == 0
+
     @torch.no_grad()
     def step(self, closure=None):
         if self.overlap_backward:   # GradientExchange's: the gradient exchange started in backward

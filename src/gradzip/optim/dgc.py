@@ -58,6 +58,8 @@ class DGC(GradientExchange):
     gradient is. ``clip_norm > 0`` needs every gradient's norm first: ``step()`` does all.
     """
 
+    complex_parameters = False   # its box reads real entries (optim.participation)
+
     reads_packets = True  # _mask_and_apply reads each tensor's selected indices from its packet
 
     def __init__(self, params, lr, *, ratio: float = 0.001, sample_ratio: float = 0.01,

@@ -54,6 +54,7 @@ from ..trace import maybe_span
 from ..validation import is_int, is_real, refuses_unknown_options, require
 from .base import DistributedOptimizer
 from .options import FLOAT32_MAX, check_hyperparameters, no_momentum
+from .participation import hold_once
 from .ratios import check_period
 
 
@@ -90,6 +91,7 @@ class DiLoCo(DistributedOptimizer):
                 "outer_nesterov=True needs outer_momentum > 0 (for plain outer SGD pass outer_nesterov=False)")
         require(is_int(delay) and delay >= 0, name, f"delay (τ, in steps) must be an integer >= 0, got {delay!r}")
         require(is_real(alpha) and 0 <= alpha <= 1, name, f"alpha must be a number in [0, 1], got {alpha!r}")
+        hold_once(inner, name)
         params = [p for g in inner.param_groups for p in g["params"]]
         parts = _fragments(name, fragments, params)
         P = len(parts)
@@ -135,6 +137,12 @@ class DiLoCo(DistributedOptimizer):
             return self.codec_overflow(overflow, loss)
         return loss
 
+    def exchanges_at(self, step: int) -> bool:
+        """The steps a fragment's exchange starts (the set's agreement:
+        :mod:`gradzip.optim.participation`)."""
+        r, h = step % self.H, self.H // self.fragment_count
+        return any(r == ((f + 1) * h - self.delay) % self.H for f in range(self.fragment_count))
+
     def _start(self, f: int) -> None:
         """``Δ_i,p = θ̂_p − x_i,p`` (+ ``e_i``) into PSync, left in flight."""
         params = [p for p in self._fragments[f] if p.requires_grad]
@@ -171,7 +179,7 @@ class DiLoCo(DistributedOptimizer):
     def _received(self) -> list[torch.Tensor]:
         """The in-flight exchange's aggregates (waiting for them the first time)."""
         fragment, params, pending = self._inflight
-        if isinstance(pending, Pending):   # PSync counts the wait (Timings.wait_s)
+        if not isinstance(pending, list):   # in flight (PSync counts the wait: Timings.wait_s)
             pending = pending.wait().aggregate
             self._inflight = (fragment, params, pending)
         return pending

@@ -6,7 +6,7 @@ no box reads.
 
 Two checks, one policy (``nonfinite``, :data:`gradzip.nonfinite.NONFINITE_POLICIES`):
 
-- **the gradients**, before anything is compressed or sent (:meth:`gradients_finite`,
+- **the gradients**, before anything is compressed or sent (:meth:`first_bad_gradient`,
   called by ``begin_step``); ``"skip"`` agrees across workers first. Under ``"raise"`` a
   method whose exchange finds a bad gradient by itself (:meth:`gradients_checked_by_exchange`:
   S-SGD with ``none`` / ``fp16`` / ``bf16``) leaves them unread: one pass less per step;
@@ -96,7 +96,7 @@ class NonFiniteGuard:
         """Whether, under ``"raise"``, this step's exchange finds a NaN/Inf in any worker's
         gradient by itself: its input keeps the gradient's non-finite values and its PSync's
         aggregate check catches them (:attr:`gradzip.exchange.PSync.guards_inputs`). Then
-        the gradients are not read before the exchange (:meth:`gradients_finite`, the
+        the gradients are not read before the exchange (:meth:`first_bad_gradient`, the
         hooks) and :meth:`codec_overflow` names the gradient. False here; S-SGD's say."""
         return False
 
@@ -121,23 +121,18 @@ class NonFiniteGuard:
                 f"parameter #{index} (shape {tuple(p.shape)}); {where}. Lower the learning rate or clip "
                 "gradients, or skip such steps on every worker with nonfinite='skip' (CLI: --nonfinite skip).")
 
-    def gradients_finite(self, params: list[torch.Tensor]) -> bool:
-        """Whether this step may go on. ``"raise"``: this worker's gradients are checked
-        locally (no collective) and a NaN/Inf raises :class:`NonFiniteGradient` here, before
-        anything is sent; the peers then stop at their next collective with a
-        ``PeerFailure`` naming this rank. ``"skip"``: every worker must skip the same steps,
-        so the workers agree first (one control allgather of 8 bytes per worker per step)
-        and all skip if any worker's gradient is not finite. ``"raise"`` where
-        :meth:`gradients_checked_by_exchange`: nothing read here (True)."""
-        if self.nonfinite == "raise" and self.gradients_checked_by_exchange():
-            return True
+    def first_bad_gradient(self, params: list[torch.Tensor]) -> int:
+        """This worker's first parameter (position in ``params``) whose gradient holds a
+        NaN/Inf, or -1. ``"raise"``: checked locally (no collective) and a NaN/Inf raises
+        :class:`NonFiniteGradient` here, before anything is sent; the peers then stop at
+        their next collective with a ``PeerFailure`` naming this rank. ``"skip"``: the
+        position, which the workers then agree on (``begin_step``: one control allgather
+        per step; every worker skips if any found one). ``"off"``, and ``"raise"`` where
+        :meth:`gradients_checked_by_exchange`: nothing read here (-1)."""
+        if self.nonfinite == "off" or (self.nonfinite == "raise" and self.gradients_checked_by_exchange()):
+            return -1
         first_bad = first_nonfinite([p.grad for p in params])
-        if self.nonfinite == "raise":
-            if first_bad >= 0:
-                raise NonFiniteGradient(self._bad_gradient_message(
-                    self.comm.rank, first_bad, params[first_bad],
-                    "stopped before anything was compressed, sent or updated"))
-            return True
-        if self.comm.world_size > 1:
-            first_bad = max(self.comm.allgather_control(torch.tensor([first_bad])).reshape(-1).tolist())
-        return first_bad < 0
+        if self.nonfinite == "raise" and first_bad >= 0:
+            raise NonFiniteGradient(self._bad_gradient_message(
+                self.comm.rank, first_bad, params[first_bad], "stopped before anything was compressed, sent or updated"))
+        return first_bad

@@ -6,10 +6,12 @@ from __future__ import annotations
 import torch
 
 from ..validation import is_real, refuses_unknown_options, require
+from .eager import EagerOptimizer
 from .lars import check_common, excluded
+from .participation import require_dense
 
 
-class LAMB(torch.optim.Optimizer):
+class LAMB(EagerOptimizer):
     """LAMB, per parameter tensor ``w`` with gradient ``g`` (betas β1, β2, ε, weight decay λ)::
 
         m ← β1·m + (1−β1)·g;   v ← β2·v + (1−β2)·g²
@@ -20,7 +22,8 @@ class LAMB(torch.optim.Optimizer):
 
     ``exclude_1d=True`` (default): 1-D tensors take ``q = 1`` and ``λ = 0``. No gradient
     clipping. State per parameter: ``step`` (t, from 1), ``exp_avg`` (m), ``exp_avg_sq`` (v).
-    A parameter without a gradient is skipped (its t does not advance)."""
+    A parameter without a gradient is skipped (its t does not advance). A complex parameter
+    is taken as its real view (``torch.view_as_real``), as torch's Adam does."""
 
     @refuses_unknown_options
     def __init__(self, params, lr: float, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
@@ -45,6 +48,8 @@ class LAMB(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for index, p in enumerate(p for g in self.param_groups for p in g["params"]):   # before any update
+            require_dense(p, "LAMB", index)
         for group in self.param_groups:
             (b1, b2), eps = group["betas"], group["eps"]
             for p in group["params"]:
@@ -60,6 +65,8 @@ class LAMB(torch.optim.Optimizer):
                 state["step"] += 1
                 t = state["step"]
                 m, v = state["exp_avg"], state["exp_avg_sq"]
+                if torch.is_complex(p):   # as torch's Adam: a complex tensor is its real view
+                    p, g, m, v = (torch.view_as_real(t) for t in (p, g, m, v))
                 m.mul_(b1).add_(g, alpha=1 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 r = (m / (1 - b1 ** t)).div_((v / (1 - b2 ** t)).sqrt_().add_(eps))

@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 
 from ..validation import is_real, refuses_unknown_options, require
+from .eager import EagerOptimizer
 from .options import FLOAT32_MAX
+from .participation import require_dense
 
 
 def check_common(name: str, lr, weight_decay, eps, exclude_1d, where: str = "") -> None:
@@ -25,7 +27,7 @@ def excluded(p: torch.Tensor, group: dict) -> bool:
     return group["exclude_1d"] and p.dim() <= 1
 
 
-class LARS(torch.optim.Optimizer):
+class LARS(EagerOptimizer):
     """LARS, per parameter tensor ``w`` with gradient ``g`` (momentum m, weight decay λ,
     trust coefficient τ)::
 
@@ -57,6 +59,8 @@ class LARS(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for index, p in enumerate(p for g in self.param_groups for p in g["params"]):   # before any update
+            require_dense(p, "LARS", index)
         for group in self.param_groups:
             m, tau, eps = group["momentum"], group["trust_coefficient"], group["eps"]
             for p in group["params"]:

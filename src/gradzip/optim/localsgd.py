@@ -28,6 +28,10 @@ class LocalSGD(DistributedOptimizer):
         self.H = H
         self.psync = self.make_psync("none")
 
+    def exchanges_at(self, step: int) -> bool:
+        """Only every H steps (the set's agreement: :mod:`gradzip.optim.participation`)."""
+        return step % self.H == 0
+
     @torch.no_grad()
     def step(self, closure=None):
         loss, pairs, params, skipped = self.begin_step(closure)

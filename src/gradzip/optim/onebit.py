@@ -78,6 +78,7 @@ class _CompressedAdaptive(DistributedOptimizer):
     """What 1-bit Adam, 0/1 Adam and 1-bit LAMB share (module docstring)."""
 
     group_options = ("betas", "eps")
+    complex_parameters = False   # their moments (v = g²) read real entries (optim.participation)
 
     @classmethod
     def default_lr(cls, options: dict) -> float:

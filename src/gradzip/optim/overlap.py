@@ -31,11 +31,13 @@ composition (≈ 1 ulp, as any change of ``bucket_bytes``).
   :class:`GradzipError`; accumulate over micro-batches inside ``with opt.accumulate():``
   (hooks idle, like DDP's ``no_sync``), the last backward outside it; inside ``no_sync()`` of
   a DDP wrapper with DDP's no-op hook (Accelerate's ``accumulate()``) the hooks idle too;
-* a gradient changed between backward and ``step()`` (clipping, editing by hand; seen by its
-  tensor or version counter): the exchange already started from the old one. The control
-  allgather tells every worker; all discard it and exchange again from the current
-  gradients (exact; twice the traffic, counted: ``overlap_backward=False`` if you clip every
-  step);
+* a gradient changed between backward and ``step()`` (clipping, editing by hand, also through
+  ``p.grad.data`` or outside torch; seen by its tensor, its version counter or a fingerprint
+  of its values, :mod:`gradzip.fingerprint`): the exchange already started from the old one.
+  The control allgather tells every worker; all discard it and exchange again from the
+  current gradients (exact; twice the traffic, counted: ``overlap_backward=False`` if you
+  clip every step). The fingerprint costs two passes over each gradient in its hook and two
+  at ``step()``, about four ``sum()`` calls;
 * hyper-parameters (lr, momentum, weight decay) are read when the gradient is ready: an LR
   scheduler stepped after ``step()`` (the usual place) acts on the next step, as without hooks.
 
@@ -60,6 +62,7 @@ import torch
 
 from ..errors import GradzipError
 from ..exchange import Pending
+from ..fingerprint import fingerprint
 from ..nonfinite import NonFiniteAggregate, first_nonfinite
 from ..validation import require
 from .base import DistributedOptimizer
@@ -94,7 +97,7 @@ class _Run:
         self.counters = counters                           # every exchange's byte counters before it
         self.pairs: list[tuple[dict, torch.Tensor]] = []   # the step's (group, param), set by step()
         self.inputs: dict[torch.Tensor, torch.Tensor] = {}
-        self.seen: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}  # hooked: (grad, version)
+        self.seen: dict[torch.Tensor, tuple] = {}  # hooked: (grad, its version, its fingerprint)
         self.missing = [len(b) for b in plan.buckets]      # members not fed yet, per bucket
         self.launched: list[list[tuple[list, Pending]]] = []   # per bucket: (members, pending) per exchange
         self.poisoned = False                              # "raise": a non-finite gradient; launch no more
@@ -237,25 +240,37 @@ class GradientExchange(DistributedOptimizer):
                     "gradient before step(), after its exchange had started; accumulate micro-batches "
                     "inside `with opt.accumulate():` (the last backward outside it), or pass "
                     "overlap_backward=False")
+            if p.grad.layout != torch.strided:   # refused (check_dense), the step as if never begun
+                self._run = None
+                self._discard(run, uncount=True)
+                self.check_dense(p)
             self._feed(run, p)
-            run.seen[p] = (p.grad, p.grad._version)
+            run.seen[p] = (p.grad, p.grad._version, fingerprint(p.grad))
             self._launch_ready(run)
 
     def _current_run(self) -> _Run:
         if self._run is None:
+            verifying = not self._verified
             self.verify_once()   # before the first collective of this optimizer
-            pairs = self.participating()
-            if self._plan is None or self._plan.key != _plan_key(pairs, self.launch_psync()):
-                self._plan = _Plan(pairs, self.launch_psync(), self.keys([p for _, p in pairs]))
+            if self._plan is None or verifying:   # else the set last agreed on (a change: step() exchanges again)
+                self._replan(self.participating())
             self._run = self._new_run()
         return self._run
+
+    def _replan(self, pairs: list) -> None:
+        """Buckets over ``pairs``, a set the workers agree on (the settings check, or
+        :meth:`agree`); kept where it is the plan's already."""
+        if self._plan is None or self._plan.key != _plan_key(pairs, self.launch_psync()):
+            self._plan = _Plan(pairs, self.launch_psync(), self.keys([p for _, p in pairs]))
 
     def _new_run(self) -> _Run:
         self.start_undo_log()
         return _Run(self._plan, self.steps + 1, [(x.bytes_sent, x.payload_bytes) for x in self._exchanges])
 
     def _feed(self, run: _Run, p: torch.Tensor) -> None:
-        if self.nonfinite != "off" and not self.gradients_checked_by_exchange() and first_nonfinite([p.grad]) >= 0:
+        if not p.requires_grad:                  # frozen since the plan: never applied (the step exchanges again)
+            run.inputs[p] = torch.zeros_like(p)
+        elif self.nonfinite != "off" and not self.gradients_checked_by_exchange() and first_nonfinite([p.grad]) >= 0:
             run.poisoned = run.poisoned or self.nonfinite == "raise"
             run.bad.add(self._keys[p])
             run.inputs[p] = torch.zeros_like(p)  # never applied: the step raises or is skipped
@@ -308,7 +323,7 @@ class GradientExchange(DistributedOptimizer):
         self._run = None                         # this step consumes it, whatever happens
         pairs = run.pairs = self.params_with_grad()   # a missing gradient becomes zeros
         params = [p for _, p in pairs]
-        stale = any(p.grad is not grad or p.grad._version != version for p, (grad, version) in run.seen.items())
+        stale = _changed_since_hooks(run)
         if stale:                                # a non-finite gradient a hook saw may be replaced since
             run.poisoned = False
         else:                                    # the hooks checked theirs; feeding checks the rest
@@ -319,19 +334,21 @@ class GradientExchange(DistributedOptimizer):
             first_bad = min((i for i, p in enumerate(params) if self._keys[p] in run.bad), default=-1)
         if self.nonfinite == "raise" and first_bad >= 0:  # what was sent stays counted
             self.restore_replaced()
-            self.gradients_finite(params)        # raises NonFiniteGradient, naming rank and parameter
+            self.first_bad_gradient(params)      # raises NonFiniteGradient, naming rank and parameter
         self._feed_rest(run)                     # every bucket launched before the agreement
-        flags = torch.tensor([[first_bad, int(stale)]])
-        if self.comm.world_size > 1:             # the one control collective of the step
-            began = time.perf_counter()          # behind the buckets: it waits for their traffic
-            flags = self.comm.allgather_control(flags).reshape(-1, 2)
+        moved = _plan_key(pairs, self.launch_psync()) != run.plan.key   # the set changed since the plan
+        began = time.perf_counter()              # the one control collective of the step (and the set's
+        flags = self.agree([first_bad, int(stale or moved)], pairs,   # agreement), behind the buckets:
+                           cleanup=lambda: self._discard(run, uncount=True))   # it waits for their traffic
+        if self.comm.world_size > 1:
             self._exchanges[0].count_wait(began, time.perf_counter())
-        if int(flags[:, 0].max()) >= 0:          # "skip": every worker skips this step
+        if max(row[0] for row in flags) >= 0:    # "skip": every worker skips this step
             self._discard(run, uncount=True)
             self.skipped_steps += 1
             return loss, run, True
-        if int(flags[:, 1].max()) > 0:           # a gradient changed after its hook: all exchange again
-            self._discard(run, uncount=False)  # the traffic happened: it stays counted
+        if max(row[1] for row in flags) > 0:     # a gradient changed after its hook, or the (agreed) set
+            self._discard(run, uncount=False)    # since the plan: all exchange again; the traffic stays counted
+            self._replan(pairs)
             run = self._new_run()
             run.pairs = pairs
             self._feed_rest(run)
@@ -352,6 +369,20 @@ class GradientExchange(DistributedOptimizer):
         if overflows:
             raise min(overflows, key=lambda e: e.index)
         return results
+
+
+def _changed_since_hooks(run: _Run) -> bool:
+    """Whether a gradient the hooks fed changed since: another tensor, its version counter,
+    or its values (:func:`gradzip.fingerprint.fingerprint`: edits through ``.data``, or
+    outside torch, that no version counter sees); one comparison per device."""
+    if any(p.grad is not grad or p.grad._version != version for p, (grad, version, _) in run.seen.items()):
+        return True
+    then: dict = {}
+    now: dict = {}
+    for p, (_, _, taken) in run.seen.items():
+        then.setdefault(taken.device, []).append(taken)
+        now.setdefault(taken.device, []).append(fingerprint(p.grad))
+    return any(not torch.equal(torch.cat(then[d]), torch.cat(now[d])) for d in then)
 
 
 def _remove_hooks(handles: list) -> None:

@@ -53,6 +53,8 @@ class PowerSGD(DistributedOptimizer):
       are whatever optimizer runs after the hook.
     """
 
+    complex_parameters = False   # its box reads real entries (optim.participation)
+
     def __init__(self, params, lr, *, rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
                  warm_start: bool = True, use_error_feedback: bool = True,
                  orthogonalization_epsilon: float = 0.0, **kwargs):

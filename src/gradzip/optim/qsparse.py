@@ -47,6 +47,10 @@ class QSparseLocalSGD(DistributedOptimizer):
         self.rc = rc
         self.psync = self.make_psync(codec if is_auto(compressor) else compressor)
 
+    def exchanges_at(self, step: int) -> bool:
+        """Only every H steps (the set's agreement: :mod:`gradzip.optim.participation`)."""
+        return step % self.H == 0
+
     @torch.no_grad()
     def step(self, closure=None):
         loss, pairs, params, skipped = self.begin_step(closure)

@@ -9,10 +9,11 @@ import torch
 
 from ..errors import GradzipError
 from ..validation import is_real, refuses_unknown_options, require
+from .eager import EagerOptimizer
 from .options import FLOAT32_MAX
 
 
-class SAM(torch.optim.Optimizer):
+class SAM(EagerOptimizer):
     """SAM with radius ``rho`` around ``inner``; ``step(closure)`` needs the closure (two
     forward/backward passes on the same batch)::
 

@@ -12,6 +12,12 @@ the seconds injected are also recorded as ``straggler_delay_s``), *compress* (co
 compress, decode, packing — measured inside PSync), *communicate* (time blocked waiting
 for collectives) and *update* (the rest of ``optimizer.step()``). Bytes are what this
 worker's exchanges put on the wire (``gradzip.comm.base`` explains the count).
+
+One-time costs (numba compiling or loading its kernels, first-use allocation, the first
+forward and backward) land in the first steps a process runs. The summary's
+``steady_step_s`` holds each phase's seconds per step without them: measured over the steps
+after this process's first :func:`warmup_steps`, their count in ``steady_steps``
+(the projection of :mod:`gradzip.train.projection` rests on them).
 """
 from __future__ import annotations
 
@@ -50,6 +56,12 @@ def _phase_times(compute_s: float, step_s: float, t) -> list[float]:
     ``optimizer.step()`` that was neither codec work nor waiting on the network."""
     return [compute_s, t.compress_s, t.communicate_s, t.wait_s,
             max(0.0, step_s - t.wait_s - t.inline_compress_s)]
+
+
+def warmup_steps(steps: int, steps_per_epoch: int) -> int:
+    """Of the ``steps`` a process runs, how many are left out of ``steady_step_s`` as warm-up:
+    the first epoch, or the first half of a shorter run (none of a one-step run)."""
+    return min(steps_per_epoch, steps // 2)
 
 
 def _exchange_blocked_s(opt) -> float:
@@ -111,6 +123,9 @@ class _Job:
     straggler: stragglers.Straggler | None = None
     last_compute_s: float = 0.0    # the previous step's compute without its delay (slow:rank=R,factor=F)
     run: int = 0                   # the run's identity, recorded in its checkpoints (checkpoint.new_run)
+    started: int = 0               # steps done when this process began (a resumed run: more than 0)
+    warm_at: int = 0               # steps done when this process's warm-up ends (warmup_steps)
+    warm: tuple[int, list[float]] | None = None   # (steps done, phase times) at that point
 
     @property
     def total(self) -> int:
@@ -139,6 +154,9 @@ def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | 
     job.bar = _progress(cfg, comm, job.total, job.state.done)
     comm.barrier()  # start every worker's clock together
     job.began = time.perf_counter() - job.state.wall_time_s
+    job.started = job.state.done
+    job.warm_at = job.started + warmup_steps(job.total - job.started, job.steps_per_epoch)
+    _mark_warm(job)
     first_epoch, first_batch = divmod(job.state.done, job.steps_per_epoch)
     for epoch in range(first_epoch + 1, cfg.epochs + 1):
         _train_epoch(job, epoch, first_batch if epoch == first_epoch + 1 else 0)
@@ -232,6 +250,7 @@ def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
             job.tracer.add("step", t1, t2, cat="optimizer", step=opt.steps)
         state.loss_sum += loss.detach().to(state.loss_sum.device, state.loss_sum.dtype)
         state.done += 1
+        _mark_warm(job)
         if job.bar is not None:
             job.bar.update(1)
         if job.after_step is not None:
@@ -241,6 +260,12 @@ def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
         if cfg.checkpoint_dir and cfg.checkpoint_every and state.done % cfg.checkpoint_every == 0 \
                 and b < job.steps_per_epoch - 1:  # at an epoch's end: after its record
             _save(job)
+
+
+def _mark_warm(job: _Job) -> None:
+    """Note the phase times once this process's warm-up steps are done."""
+    if job.state.done == job.warm_at:
+        job.warm = (job.state.done, _phase_times(job.state.compute_s, job.state.step_s, job.opt.timings))
 
 
 def _sam_step(job: _Job, idx) -> tuple[torch.Tensor, float]:
@@ -316,9 +341,13 @@ def _record(job: _Job, epoch: float) -> dict[str, Any]:
 def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[str, Any]:
     """The run's summary; collective (one allgather of every worker's phase times)."""
     comm, cfg, state, opt, history = job.comm, job.cfg, job.state, job.opt, job.state.history
-    mine = torch.tensor([*_phase_times(state.compute_s, state.step_s, opt.timings), state.straggler_s,
-                         state.compute_s + state.step_s], dtype=torch.float64)
-    per_worker = comm.allgather(mine)  # one row of phase times (and injected delay, time in steps) per worker
+    phases = _phase_times(state.compute_s, state.step_s, opt.timings)
+    warm_steps, warm = job.warm
+    mine = torch.tensor([*phases, state.straggler_s, *warm, state.compute_s + state.step_s], dtype=torch.float64)
+    # one row per worker: phase times, injected delay, phase times at warm-up's end, time in steps
+    per_worker = comm.allgather(mine)
+    warm_phases = per_worker[:, len(PHASES) + 1:2 * len(PHASES) + 1]
+    steady = (per_worker[:, :len(PHASES)] - warm_phases).mean(0) / max(state.done - warm_steps, 1)
     wall = time.perf_counter() - job.began
     final_loss = history[-1].get("test_loss") if history else None
     per_sample = job.ds.targets_per_sample
@@ -369,6 +398,10 @@ def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[st
         # phase times: mean over workers, and every worker's own row
         **{f"time_{k}_s": per_worker[:, i].mean().item() for i, k in enumerate(PHASES)},
         "time_per_worker_s": {k: per_worker[:, i].tolist() for i, k in enumerate(PHASES)},
+        # seconds per step after this process's warm-up (mean over workers), and on how many steps
+        "steady_step_s": {k: steady[i].item() for i, k in enumerate(PHASES)},
+        "steady_steps": state.done - warm_steps,
+        "warmup_steps": warm_steps - job.started,
         "straggler": job.straggler.spec if job.straggler is not None else None,
         "straggler_delay_s": per_worker[:, len(PHASES)].tolist(),   # injected, per worker (in time_compute_s)
     }

@@ -18,9 +18,16 @@ COLUMNS = [  # header, summary key, format
     ("time s", "wall_time_s", "{:.1f}"),
     ("compute s", "time_compute_s", "{:.2f}"),
     ("compress s", "time_compress_s", "{:.2f}"),
-    ("comm s", "time_communicate_s", "{:.2f}"),
     ("wait s", "time_wait_s", "{:.2f}"),
 ]
+#: What the time columns measure (summary.json also has ``time_communicate_s``: seconds spent
+#: waiting on collectives on any thread; it is not a column because on the training thread it
+#: is ``wait s`` itself, and the network time of a collective running behind the backward pass
+#: or a step's computation is not measured).
+TIME_LEGEND = ("time s: training wall time (set-up excluded); compute s: forward and backward; compress s: codec "
+               "work, wherever it ran; wait s: time the training thread was blocked on the exchange (its "
+               "collectives, and for a method that exchanges in the background, as OD-SGD and CD-SGD, on that "
+               "exchange, codec work included); seconds per worker, mean over the workers")
 
 
 def _cell(summary: dict[str, Any], key: str, fmt: str) -> str:
@@ -46,35 +53,28 @@ _LM_ONLY = {"final_test_loss": "tokens_per_s"}
 
 
 def table(summaries: Sequence[dict[str, Any]]) -> str:
-    """A plain-text table of the runs, one row each; with the runs' ``projections``
-    (:mod:`gradzip.train.projection`) one column per (worker count, link rate), labelled
-    as projections, and a note under the table saying what they are."""
+    """A plain-text table of the runs, one row each, and what its time columns measure; with
+    the runs' ``projections`` (:mod:`gradzip.train.projection`) one column per (worker count,
+    link rate), labelled as projections ("-" for a run not projected), and the projection's
+    lines under the table (:func:`gradzip.train.projection.legend`)."""
     columns = COLUMNS + [c for c in OCCASIONAL if any(s.get(_LM_ONLY.get(c[1], c[1])) for s in summaries)]
     rows = [[h for h, _, _ in columns]] + [[_cell(s, k, f) for _, k, f in columns] for s in summaries]
-    projected = summaries and all(s.get("projections") for s in summaries)
-    if projected:
-        rows[0] += [projection.column(p) for p in summaries[0]["projections"]]
-        for row, s in zip(rows[1:], summaries):
-            row += [projection.cell(p) for p in s["projections"]]
-        columns = columns + [None] * len(summaries[0]["projections"])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+    heads = next((s["projections"] for s in summaries if s.get("projections")), [])
+    rows[0] += [projection.column(p) for p in heads]
+    for row, s in zip(rows[1:], summaries):
+        row += [projection.cell(p) for p in s["projections"]] if s.get("projections") else ["-"] * len(heads)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    if projected:
-        first = summaries[0]["projections"][0]
-        lines.append(f"proj.: PROJECTED, not measured: seconds per epoch the timeline model (gradzip bench model) "
-                     f"predicts from this run's measured compute, codec and update times and its bytes, per link "
-                     f"rate and worker count (alpha {first['alpha_s'] * 1e6:g} us); (Nx): speed-up over "
-                     f"{first['speedup_over']}")
-    return "\n".join(lines)
+    return "\n".join(lines + [TIME_LEGEND] + projection.legend(summaries))
 
 
 def write(out_dir: str | Path, runs: Sequence[dict[str, Any]], *, plot: bool = True) -> Path:
     """``metrics.jsonl`` (one record per evaluation, every run), ``summary.json`` (the
-    summary of a single run, or a list for several) and ``accuracy.png``, each written
-    whole or not at all (:func:`gradzip.files.write_atomically`: a full disk leaves the
-    previous file, never an empty or truncated one)."""
+    summary of a single run, or a list for several) and, with ``plot``, ``accuracy.png``,
+    each written whole or not at all (:func:`gradzip.files.write_atomically`: a full disk
+    leaves the previous file, never an empty or truncated one)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "metrics.jsonl", "".join(json.dumps(record) + "\n" for run in runs for record in run["history"]))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -26,6 +27,40 @@ def _parse_shape(text: str) -> tuple:
         raise GradzipError(f"synthetic shape must be CxHxW (e.g. 3x32x32) or a feature count "
                            f"(e.g. 784) with positive sizes, got {text!r}.")
     return shape
+
+
+def _available_bytes() -> int | None:
+    """Memory this process can still allocate without swapping (Linux ``MemAvailable``,
+    else free physical pages); None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _check_memory(n: int, test: int, shape: tuple) -> None:
+    """Refuse, in one line, a task too large to generate here. Peak use is at most two
+    float32 arrays per split (inputs + their noise) and two per latent basis image: about
+    ``8·dim·(n + test + 16)`` bytes."""
+    dim = math.prod(shape)
+    need = 8 * dim * (n + test + _SYNTH_LATENT)
+    available = _available_bytes()
+    if available is not None and need > available:
+        raise GradzipError(
+            f"synthetic: {n} + {test} samples of shape {'x'.join(map(str, shape))} ({dim:,} features each) "
+            f"need about {_gb(need)} of memory to generate, more than the {_gb(available)} "
+            "available here; use a smaller shape or fewer samples (n=, test=).")
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:,.0f} GB" if nbytes >= 1e11 else f"{nbytes / 1e9:.3g} GB"
 
 
 def parse_options(options: list[specs.Option]) -> dict:
@@ -77,6 +112,7 @@ def synthetic(n: int = 8192, test: int = 2048, shape: tuple | str = (1, 28, 28),
     n, test, classes, seed = int(n), int(test), int(classes), int(seed)
     dim = math.prod(shape)
     r = _SYNTH_LATENT
+    _check_memory(n, test, shape)
 
     g = torch.Generator().manual_seed(seeds.hashed("synthetic-teacher", seed, shape, classes))
     if len(shape) == 3:

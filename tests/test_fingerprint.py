@@ -1,0 +1,45 @@
+"""gradzip.fingerprint: equal values give equal bytes; the edits a gradient sees between
+backward and step() (issue 35 item 1) change them, in every floating dtype."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradzip.fingerprint import ROW, fingerprint
+
+EDITS = {
+    "scale": lambda x: x.mul_(0.5),
+    "sign flip": lambda x: x.neg_(),
+    "zero": lambda x: x.zero_(),
+    "clamp": lambda x: torch.view_as_real(x).clamp_(-0.1, 0.1) if x.is_complex() else x.clamp_(-0.1, 0.1),
+    "swap two entries": lambda x: x[:2].copy_(x[:2].flip(0)),
+    "one ulp": lambda x: _bits(x)[0].add_(1),
+    "tiny noise in the last entry": lambda x: x[-1:].add_(x[-1:].abs() * 1e-6),
+}
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    flat = torch.view_as_real(x).reshape(-1) if x.is_complex() else x.reshape(-1)
+    return flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[flat.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64])
+@pytest.mark.parametrize("n", [1, 2, 7, ROW, 3 * ROW + 5])
+def test_every_edit_changes_the_fingerprint_and_a_copy_does_not(dtype, n):
+    g = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype) + 0.25
+    before = fingerprint(g)
+    assert before.dtype == torch.uint8 and torch.equal(before, fingerprint(g.clone()))
+    for name, edit in EDITS.items():
+        x = g.clone()
+        edit(x)
+        if torch.equal(_bits(x), _bits(g)):   # e.g. swapping one entry with itself
+            continue
+        assert not torch.equal(fingerprint(x), before), f"{name} not seen ({dtype}, {n} entries)"
+
+
+def test_symmetric_values_flipped_are_seen_and_empty_tensors_have_one():
+    """A sign flip of ``[1, -1]`` keeps the plain sum and the bit-pattern sum: the
+    position-weighted sums see it."""
+    for g in (torch.tensor([1.0, -1.0]), torch.tensor([1.0, 1.0, -1.0, -1.0])):
+        assert not torch.equal(fingerprint(g), fingerprint(-g))
+    assert fingerprint(torch.empty(0)).numel() == 0
