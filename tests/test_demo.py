@@ -150,18 +150,8 @@ def test_matches_a_hand_written_reference_of_the_box(name):
 
 def test_resume_is_bit_identical():
     def resumable(comm, steps, saved=None):
-        model = cases.tiny_model()
-        opt = DeMo(model.parameters(), 0.01, comm=comm, compressor="dct:chunk=2,topk=1")
-        first = 1
-        if saved is not None:
-            model.load_state_dict(saved["model"])
-            opt.load_state_dict(saved["opt"])
-            first = saved["done"] + 1
-        for t in range(first, steps + 1):
-            opt.zero_grad()
-            loss_of(model, t, comm.rank, comm.world_size).backward()
-            opt.step()
-        return {"model": model.state_dict(), "opt": opt.state_dict(), "done": steps}
+        return cases.train_resumable(
+            comm, lambda m: DeMo(m.parameters(), 0.01, comm=comm, compressor="dct:chunk=2,topk=1"), steps, saved)
 
     def worker(comm):
         return resumable(comm, 8), resumable(comm, 8, saved=resumable(comm, 3))

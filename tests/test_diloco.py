@@ -234,18 +234,7 @@ def test_explicit_fragment_lists_equal_the_strided_default():
 
 
 def _resumable(comm, steps, saved=None, options=None):
-    model = cases.tiny_model()
-    opt = DiLoCo(adamw(list(model.parameters())), comm=comm, **options)
-    first = 1
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        first = saved["done"] + 1
-    for t in range(first, steps + 1):
-        opt.zero_grad()
-        loss_of(model, t, comm.rank, comm.world_size).backward()
-        opt.step()
-    return {"model": model.state_dict(), "opt": opt.state_dict(), "done": steps}
+    return cases.train_resumable(comm, lambda m: DiLoCo(adamw(list(m.parameters())), comm=comm, **options), steps, saved)
 
 
 @pytest.mark.parametrize("options", [dict(H=4, fragments=2, delay=1, alpha=0.5, compressor="topk:ratio=0.3"),

@@ -139,18 +139,8 @@ def test_the_error_memory_is_what_the_codec_left_and_the_replicas_agree_after_a_
 
 
 def _resumable(comm, steps, saved=None):
-    model = cases.tiny_model()
-    opt = SparseLoCo(adamw(list(model.parameters())), comm=comm, H=3, compressor="topk:ratio=0.3")
-    first = 1
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        first = saved["done"] + 1
-    for t in range(first, steps + 1):
-        opt.zero_grad()
-        loss_of(model, t, comm.rank, comm.world_size).backward()
-        opt.step()
-    return {"model": model.state_dict(), "opt": opt.state_dict(), "done": steps}
+    return cases.train_resumable(
+        comm, lambda m: SparseLoCo(adamw(list(m.parameters())), comm=comm, H=3, compressor="topk:ratio=0.3"), steps, saved)
 
 
 def test_resume_mid_period_is_bit_identical():

@@ -272,6 +272,15 @@ def _int_option(name: str, key: str, value: str, low: int) -> int:
     return v
 
 
+def _attention_options(name: str, opts: dict) -> dict:
+    """A transformer's ``layers``, width ``d`` and ``heads`` (``d`` a multiple of ``heads``)."""
+    sizes = {key: _int_option(name, key, opts[key], 1) for key in ("layers", "d", "heads")}
+    if sizes["d"] % sizes["heads"]:
+        raise GradzipError(f"model {name!r} option d must be a multiple of heads, got d={sizes['d']}, "
+                           f"heads={sizes['heads']}.")
+    return sizes
+
+
 def _norm_option(name: str, opts: dict) -> str:
     norm = opts["norm"].lower()
     if norm not in ("bn", "gn", "none"):
@@ -387,12 +396,7 @@ def _transformer(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
     if len(shape) != 1:
         raise GradzipError(f"model 'transformer' needs token sequences (N, T) as input, got input_shape "
                            f"{shape}; use it with a sequence dataset such as 'modadd'.")
-    layers = _int_option("transformer", "layers", opts["layers"], 1)
-    d = _int_option("transformer", "d", opts["d"], 1)
-    heads = _int_option("transformer", "heads", opts["heads"], 1)
-    if d % heads:
-        raise GradzipError(f"model 'transformer' option d must be a multiple of heads, got d={d}, heads={heads}.")
-    return TinyTransformer(shape[0], num_classes, layers=layers, d=d, heads=heads)
+    return TinyTransformer(shape[0], num_classes, **_attention_options("transformer", opts))
 
 
 @register("gpt", layers="4", d="128", heads="4", context="auto")
@@ -400,16 +404,12 @@ def _gpt(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
     if len(shape) != 1:
         raise GradzipError(f"model 'gpt' needs token sequences (N, T) as input, got input_shape {shape}; use it "
                            f"with a language-modelling dataset such as 'text'.")
-    layers = _int_option("gpt", "layers", opts["layers"], 1)
-    d = _int_option("gpt", "d", opts["d"], 1)
-    heads = _int_option("gpt", "heads", opts["heads"], 1)
-    if d % heads:
-        raise GradzipError(f"model 'gpt' option d must be a multiple of heads, got d={d}, heads={heads}.")
+    sizes = _attention_options("gpt", opts)
     context = shape[0] if opts["context"] == "auto" else _int_option("gpt", "context", opts["context"], 1)
     if context < shape[0]:
         raise GradzipError(f"model 'gpt' option context={context} is shorter than the dataset's sequences "
                            f"({shape[0]} tokens); raise it or leave it at auto.")
-    return GPT(num_classes, context, layers=layers, d=d, heads=heads)
+    return GPT(num_classes, context, **sizes)
 
 
 @register("mlp10m", params="10000000")

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+
+from ... import specs
+from ...errors import GradzipError
 
 
 @dataclass
@@ -59,3 +63,27 @@ def normalize(train_x: torch.Tensor, test_x: torch.Tensor):
         x = x.float().contiguous()
         out.append(x.sub_(mean).div_(std))
     return out[0], out[1]
+
+
+#: How :func:`typed_options` names what a converter expects.
+_EXPECTED = {int: "an integer", float: "a number"}
+
+
+def typed_options(dataset: str, options: list[specs.Option], kinds: dict[str, Callable[[str], object]],
+                  example: str, names: dict[str, str] | None = None) -> dict:
+    """A dataset spec's options as its loader's keyword arguments: each key (case-insensitive)
+    one of ``kinds``, its value converted by ``kinds[key]`` (``int``, ``float``, ``str``, or a
+    parser that raises its own :class:`GradzipError`), under ``names.get(key, key)``. A key
+    not in ``kinds`` or an item without ``=`` names the valid keys and ``example``; a value
+    ``int`` / ``float`` refuses names what it needs."""
+    out: dict = {}
+    for opt in options:
+        key = opt.key.lower()
+        if not opt.has_value or key not in kinds:
+            raise GradzipError(f"bad {dataset} option {opt.item!r}; options are {', '.join(kinds)} (e.g. {example}).")
+        try:
+            out[(names or {}).get(key, key)] = kinds[key](opt.value)
+        except ValueError:
+            raise GradzipError(f"{dataset} option {key} needs {_EXPECTED.get(kinds[key], 'another value')}, got "
+                               f"{opt.value!r}.") from None
+    return out

@@ -33,30 +33,17 @@ import torch
 from ... import specs
 from ...errors import GradzipError
 from . import storage
-from .base import Dataset
+from .base import Dataset, typed_options
 
-DEFAULTS = {"context": "128", "bytes": "0", "file": ""}
 #: Every HELD_OUT-th sequence (the last of each run of HELD_OUT) is a validation sequence.
 HELD_OUT = 20
 VOCAB = 256
 
 
 def parse_options(options: list[specs.Option]) -> dict:
-    """:func:`load`'s keyword arguments from a spec's options."""
-    out: dict = {}
-    for opt in options:
-        key = opt.key.lower()
-        if not opt.has_value or key not in DEFAULTS:
-            raise GradzipError(f"bad text option {opt.item!r}; options are context, bytes, file "
-                               f"(e.g. text:context=128,bytes=1000000 or text:file=input.txt).")
-        if key == "file":
-            out["file"] = opt.value
-            continue
-        try:
-            out["nbytes" if key == "bytes" else key] = int(opt.value)
-        except ValueError:
-            raise GradzipError(f"text option {key} needs an integer, got {opt.value!r}.") from None
-    return out
+    """:func:`load`'s keyword arguments from a spec's options (``bytes`` is ``nbytes``)."""
+    return typed_options("text", options, {"context": int, "bytes": int, "file": str},
+                         "text:context=128,bytes=1000000 or text:file=input.txt", names={"bytes": "nbytes"})
 
 
 def stdlib_files() -> list[Path]:
