@@ -4,7 +4,7 @@ for SGD, EF-SGD, QSparse-local-SGD, CSEA, CSER and CSER-PL (issue 5; CSER seed's
 8 workers in-process (``gradzip.simulate``), LeNet on MNIST-5k (4,000 training images,
 1,000 test), batch 16 per worker, local Nesterov momentum 0.9 (never synchronised, as the
 reference code), R_C in {1, 16, 256, 1024} (R_C = 1 is SGD), codecs the random-block
-sparsifiers that ``rc=`` derives (``gradzip.optim.ratios``). The same LR budget for every
+sparsifiers that ``rc=`` derives (``gradzip.optim.core.ratios``). The same LR budget for every
 method: each LR is tried on seed 0, the best (final test accuracy) is then run on the
 other seeds; the table shows mean ± std over the seeds at that LR. Derived periods H are
 capped at ``--max-H`` (32, two epochs) so that short runs still synchronise.
@@ -32,7 +32,7 @@ import torch
 from benchmarks.docs_section import PAGES, replace_marked, replace_section
 
 import gradzip  # noqa: E402
-from gradzip.optim.ratios import codec_for_ratio  # noqa: E402
+from gradzip.optim.core.ratios import codec_for_ratio  # noqa: E402
 from gradzip.train.config import RunConfig  # noqa: E402
 from gradzip.train.loop import run_many  # noqa: E402
 

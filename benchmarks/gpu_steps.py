@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from gradzip.comm import init_from_env
-from gradzip.launch import free_port, run_processes
+from gradzip.comm.launch import free_port, run_processes
 from gradzip.optim import METHODS as ALGOS
 
 #: (label, algorithm, options) of the step-overhead table; compressed stages from step 2.

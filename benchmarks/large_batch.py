@@ -24,7 +24,7 @@ from benchmarks import grid
 from benchmarks.docs_section import DOCS, replace_section
 
 import gradzip
-from gradzip.nonfinite import NonFiniteGradient
+from gradzip.guards.nonfinite import NonFiniteGradient
 from gradzip.optim import scaled_lr
 from gradzip.train.config import RunConfig
 from gradzip.train.loop import run_many

@@ -24,7 +24,7 @@ page without running anything::
     python -m benchmarks.lm --dry-run                                         # seconds: CI
 
 Projections: each run's own compute, codec and update seconds per step and its bytes fed to
-the timeline model (:func:`gradzip.train.projection.project_runs`) at 1, 10 and 100 Gbit/s.
+the timeline model (:func:`gradzip.bench.projection.project_runs`) at 1, 10 and 100 Gbit/s.
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ from benchmarks import grid
 from benchmarks.docs_section import DOCS, PAGES, replace_section
 
 import gradzip
-from gradzip.train import datasets, projection
+from gradzip.bench import projection
+from gradzip.train import datasets
 from gradzip.train.config import RunConfig
 from gradzip.train.loop import run_worker
 
@@ -53,8 +54,8 @@ TITLE = "Methods for a transformer: the language-model study"
 BANDWIDTHS = (1e9, 1e10, 1e11)
 
 #: The study's settings (the CLI flags of the same names override them).
-SETTINGS = {"model": "gpt:layers=2,d=64,heads=4", "dataset": "text:context=64", "workers": 4, "batch_size": 8,
-            "epochs": 1, "lr": 3e-3, "lamb_lr": 1e-2, "eval_every": 200, "freeze_fraction": 0.2,
+SETTINGS = {"model": "gpt:layers=2,d=64,heads=4", "dataset": "text:context=64,bytes=2400000", "workers": 4,
+            "batch_size": 8, "epochs": 1, "lr": 3e-3, "lamb_lr": 1e-2, "eval_every": 100, "freeze_fraction": 0.2,
             "checkpoint_every": 100}
 #: The dry run's (CI): seconds.
 DRY = {"model": "gpt:layers=1,d=16,heads=2", "dataset": "text:context=16,bytes=12000", "workers": 2,
@@ -104,7 +105,7 @@ def run_one(task: tuple) -> dict:
     began = time.perf_counter()
     out = gradzip.simulate(s["workers"], lambda comm: run_worker(comm, cfg))[0]
     summary, history = out["summary"], out["history"]
-    rows = projection.project_runs([{"summary": summary, "history": history}], BANDWIDTHS)[0]
+    rows = projection.project_runs([{"summary": summary, "history": history}], BANDWIDTHS)[0].get("projections", [])
     keep = ("algo", "method", "options", "seed", "steps", "parameters", "final_test_loss", "bits_per_byte",
             "final_test_accuracy", "bytes_sent_per_worker", "tokens_per_s", "time_per_step_s", "dataset_info",
             "resumed_from_step", "diverged")

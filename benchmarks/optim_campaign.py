@@ -33,7 +33,7 @@ import cases_optim  # noqa: E402
 import cases_overlap  # noqa: E402
 import test_participation as tp  # noqa: E402
 from gradzip.errors import GradzipError  # noqa: E402
-from gradzip.launch import run_processes  # noqa: E402
+from gradzip.comm.launch import run_processes  # noqa: E402
 from gradzip.optim import METHODS  # noqa: E402
 
 

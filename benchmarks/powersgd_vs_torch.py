@@ -11,7 +11,7 @@ Two gloo processes on this machine train the same model under DistributedDataPar
   (below), so it is timed with ONE bucket (``bucket_cap_mb`` 1000);
 * ``torch-serial``: the same hook with each bucket's future waited for inside the hook
   (the same numbers, no abort), for the layout with several buckets;
-* ``gradzip``: ``gradzip.ddp.powersgd_hook`` (uncompressed tensors fused with P: two
+* ``gradzip``: ``gradzip.integrations.ddp.powersgd_hook`` (uncompressed tensors fused with P: two
   rounds per bucket; bucket b's P round overlaps backward, its Q round overlaps bucket
   b+1's P round; every collective issued from the hook's thread in bucket order);
 * ``gradzip-sync``: the same with ``overlap=False`` (each bucket finished inside its own
@@ -24,7 +24,7 @@ machine is shared and noisy: only ratios measured in the same run mean anything.
 ``--probe N`` first runs the unmodified PyTorch hook N times with several buckets (a few
 compressed steps each) and counts the runs gloo aborts ("Received data size doesn't match
 expected size": its callbacks issue collectives in a different order on the two ranks,
-see gradzip.ddp).
+see gradzip.integrations.ddp).
 
     python -m benchmarks.powersgd_vs_torch --ranks 1 2 4 --write
 """
@@ -66,7 +66,7 @@ def build(impl, r, width, cap):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import gradzip.ddp
+    import gradzip.integrations.ddp
 
     ddp = DDP(make_model(width), bucket_cap_mb=cap)
     state = None
@@ -76,11 +76,11 @@ def build(impl, r, width, cap):
         hook = torch_psgd.powerSGD_hook
         ddp.register_comm_hook(state, serial(hook) if impl == "torch-serial" else hook)
     elif impl.startswith("gradzip"):
-        state = gradzip.ddp.PowerSGDState(rank=r, start_iter=2, min_compression_rate=2, random_seed=0,
+        state = gradzip.integrations.ddp.PowerSGDState(rank=r, start_iter=2, min_compression_rate=2, random_seed=0,
                                           model=ddp, overlap=(impl == "gradzip"))
         def counting(st, bucket):
             state.buckets_seen = max(getattr(state, "buckets_seen", 0), bucket.index() + 1)
-            return gradzip.ddp.powersgd_hook(st, bucket)
+            return gradzip.integrations.ddp.powersgd_hook(st, bucket)
         ddp.register_comm_hook(state, counting)
     return ddp, state
 
@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="update docs/benchmarks/step-vs-ddp.md")
     args = ap.parse_args()
 
-    from gradzip.launch import WorkerError, run_processes
+    from gradzip.comm.launch import WorkerError, run_processes
 
     aborts, messages = 0, set()
     for _ in range(args.probe):

@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="update docs/reliability.md")
     args = ap.parse_args()
 
-    from gradzip.launch import run_processes
+    from gradzip.comm.launch import run_processes
 
     began = time.perf_counter()
     res = run_processes(args.workers, worker, args.model, args.algos.split(","), args.rounds, args.steps)[0]

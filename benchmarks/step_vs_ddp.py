@@ -30,7 +30,7 @@ The physical limits of the run: the time of one reused-buffer copy of all gradie
 S-SGD's ring allreduce bytes (``2(n-1)/n · 4P`` bytes at the link's rate).
 
 Two network settings (``--network``, comma-separated): ``loopback`` (the workers on
-127.0.0.1, :func:`gradzip.launch.run_processes`) and a rate such as ``1gbit``: each
+127.0.0.1, :func:`gradzip.comm.launch.run_processes`) and a rate such as ``1gbit``: each
 worker in a network namespace of its own with a tc-shaped link of that rate to a switch
 (:class:`gradzip.bench.netns.Topology`; needs root). ``--write`` replaces the section
 "Step time against PyTorch DDP" of docs/benchmarks/step-vs-ddp.md; without it the table is only printed.
@@ -62,7 +62,7 @@ from gradzip.bench import emulated, netns
 from gradzip.bench.units import format_rate, parse_rate
 from gradzip.comm import allreduce_wire_bytes, init_from_env
 from gradzip.errors import GradzipError
-from gradzip.launch import WorkerError, run_processes
+from gradzip.comm.launch import WorkerError, run_processes
 from gradzip.optim import CDSGD, SSGD, BitSGD, EFSGD
 from gradzip.train import models
 

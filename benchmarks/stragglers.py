@@ -3,7 +3,7 @@ a slow worker.
 
 1. **Synchronous wait against K.** K workers (threads of this process; a sleeping worker
    needs no core, so K may exceed the cores) each sleep their seeded delay
-   (:mod:`gradzip.stragglers`) and meet at a barrier, for ``--steps`` steps; the mean
+   (:mod:`gradzip.train.stragglers`) and meet at a barrier, for ``--steps`` steps; the mean
    time from one barrier to the next, less the barrier's own cost (measured with no
    delay), is the measured synchronous wait. Next to it: the spec's E[max of K] (exp:
    μ·H_K; normal: μ + σ·e_K), modelled up to 256 workers, and the asymptotes μ·ln K and
@@ -29,7 +29,7 @@ from benchmarks.docs_section import DOCS, replace_section
 import torch  # noqa: E402
 
 import gradzip  # noqa: E402
-from gradzip import stragglers  # noqa: E402
+from gradzip.train import stragglers  # noqa: E402
 from gradzip.train.config import RunConfig  # noqa: E402
 from gradzip.train.loop import run_many  # noqa: E402
 

@@ -79,7 +79,7 @@ def powersgd_vs_torch(comm, rank, steps=20, batch_same_shape=False, start=2, ove
     gradzip's powersgd_hook; parameters after ``steps`` steps of momentum SGD."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
-    import gradzip.ddp
+    import gradzip.integrations.ddp
 
     out = {}
     for impl in ("torch", "gradzip"):
@@ -91,10 +91,10 @@ def powersgd_vs_torch(comm, rank, steps=20, batch_same_shape=False, start=2, ove
                                              batch_tensors_with_same_shape=batch_same_shape)
             ddp.register_comm_hook(state, serialized(torch_psgd.powerSGD_hook))
         else:
-            state = gradzip.ddp.PowerSGDState(rank=rank, start_iter=start, min_compression_rate=2, random_seed=seed,
+            state = gradzip.integrations.ddp.PowerSGDState(rank=rank, start_iter=start, min_compression_rate=2, random_seed=seed,
                                               batch_tensors_with_same_shape=batch_same_shape, model=ddp,
                                               overlap=overlap)
-            ddp.register_comm_hook(state, gradzip.ddp.powersgd_hook)
+            ddp.register_comm_hook(state, gradzip.integrations.ddp.powersgd_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         train(comm, ddp, opt, steps)
         out[impl] = params(net)
@@ -102,13 +102,13 @@ def powersgd_vs_torch(comm, rank, steps=20, batch_same_shape=False, start=2, ove
 
 
 def none_vs_default(comm, steps=8, accumulate=1):
-    import gradzip.ddp
+    import gradzip.integrations.ddp
 
     out = {}
     for impl in ("default", "none"):
         net, ddp = make_ddp()
         if impl == "none":
-            ddp.register_comm_hook(gradzip.ddp.hook("none", model=ddp), gradzip.ddp.codec_hook)
+            ddp.register_comm_hook(gradzip.integrations.ddp.hook("none", model=ddp), gradzip.integrations.ddp.codec_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         train(comm, ddp, opt, steps, accumulate=accumulate)
         out[impl] = params(net)
@@ -116,19 +116,19 @@ def none_vs_default(comm, steps=8, accumulate=1):
 
 
 def _new_state(kind, ddp, model_keys=True):
-    import gradzip.ddp
+    import gradzip.integrations.ddp
 
     model = ddp if model_keys else None
     if kind == "powersgd":
-        return gradzip.ddp.PowerSGDState(rank=2, start_iter=1, model=model), gradzip.ddp.powersgd_hook
-    return gradzip.ddp.hook(kind, error_feedback=True, model=model), gradzip.ddp.codec_hook
+        return gradzip.integrations.ddp.PowerSGDState(rank=2, start_iter=1, model=model), gradzip.integrations.ddp.powersgd_hook
+    return gradzip.integrations.ddp.hook(kind, error_feedback=True, model=model), gradzip.integrations.ddp.codec_hook
 
 
 def checkpoint_resume(comm, kind, steps=6, model_keys=True, via="state_dict", weights_only=False):
     """Train ``2·steps`` steps straight; and ``steps`` steps, checkpoint (model, optimizer,
     hook state), a NEW DDP instance restored from it, ``steps`` more. Both parameter lists.
     ``weights_only=True``: the checkpoint loads with ``torch.load``'s defaults (safe loading)."""
-    import gradzip.ddp
+    import gradzip.integrations.ddp
 
     net, ddp = make_ddp()
     state, fn = _new_state(kind, ddp, model_keys)
@@ -152,7 +152,7 @@ def checkpoint_resume(comm, kind, steps=6, model_keys=True, via="state_dict", we
         state2 = pickle.loads(ckpt["hook"])
         if model_keys:
             state2.bind(ddp2)
-        fn2 = gradzip.ddp.powersgd_hook if kind == "powersgd" else gradzip.ddp.codec_hook
+        fn2 = gradzip.integrations.ddp.powersgd_hook if kind == "powersgd" else gradzip.integrations.ddp.codec_hook
     else:
         state2, fn2 = _new_state(kind, ddp2, model_keys)
         state2.load_state_dict(ckpt["hook"])
@@ -177,14 +177,14 @@ def checkpoint_resume(comm, kind, steps=6, model_keys=True, via="state_dict", we
 
 def every_codec(comm, steps=2):
     """Each registered codec through the generic hook (error feedback on): final params."""
-    import gradzip.ddp
+    import gradzip.integrations.ddp
     from gradzip.compressors import names
 
     out = {}
     for name in names():
         net, ddp = make_ddp()
-        state = gradzip.ddp.hook(name, model=ddp, single_round_powersgd=name == "powersgd")
-        ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
+        state = gradzip.integrations.ddp.hook(name, model=ddp, single_round_powersgd=name == "powersgd")
+        ddp.register_comm_hook(state, gradzip.integrations.ddp.codec_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         train(comm, ddp, opt, steps)
         out[name] = (params(net), state.bytes_sent, state.iter)
@@ -195,16 +195,16 @@ def _hooked_ddp(kind: str, nonfinite: str):
     """A DDP model with gradzip's hook for ``kind`` (``"powersgd"``: ``powersgd_hook`` at
     rank 1 from the first step; else ``codec_hook`` with that codec) under ``nonfinite``;
     returns ``(net, ddp, state, memory)``, ``memory()`` a copy of the hook's error state."""
-    import gradzip.ddp
+    import gradzip.integrations.ddp
 
     net, ddp = make_ddp()
     if kind == "powersgd":
-        state = gradzip.ddp.PowerSGDState(rank=1, start_iter=0, model=ddp, nonfinite=nonfinite)
-        ddp.register_comm_hook(state, gradzip.ddp.powersgd_hook)
+        state = gradzip.integrations.ddp.PowerSGDState(rank=1, start_iter=0, model=ddp, nonfinite=nonfinite)
+        ddp.register_comm_hook(state, gradzip.integrations.ddp.powersgd_hook)
         return net, ddp, state, lambda: {**{("e", k): v.clone() for k, v in state.errors.items()},
                                          **{("q", k): v.clone() for k, v in state.qs.items()}}
-    state = gradzip.ddp.hook(kind, model=ddp, nonfinite=nonfinite)
-    ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
+    state = gradzip.integrations.ddp.hook(kind, model=ddp, nonfinite=nonfinite)
+    ddp.register_comm_hook(state, gradzip.integrations.ddp.codec_hook)
     return net, ddp, state, lambda: {k: v.clone() for k, v in state.residuals.items()}
 
 
@@ -253,11 +253,11 @@ def _error_text(fn):
 def qsgd_default_stays_finite(comm, steps=30):
     """The issue's scenario: ``qsgd`` with the hook's default error feedback, a lr that
     plain SGD trains with; the loss of every step (NaN there on the original hook)."""
-    import gradzip.ddp
+    import gradzip.integrations.ddp
 
     net, ddp = make_ddp()
-    state = gradzip.ddp.hook("qsgd:levels=1", model=ddp)
-    ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
+    state = gradzip.integrations.ddp.hook("qsgd:levels=1", model=ddp)
+    ddp.register_comm_hook(state, gradzip.integrations.ddp.codec_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for step in range(steps):
@@ -307,7 +307,7 @@ def ddp_double_sync(comm):
     to the same optimizer without DDP."""
     from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
-    import gradzip.ddp
+    import gradzip.integrations.ddp
     from gradzip.optim import SSGD
 
     def run(wrap, steps=3):
@@ -319,7 +319,7 @@ def ddp_double_sync(comm):
             if wrap == "noop":
                 model.register_comm_hook(None, noop_hook)
             elif wrap == "codec":
-                model.register_comm_hook(gradzip.ddp.hook("none", model=model), gradzip.ddp.codec_hook)
+                model.register_comm_hook(gradzip.integrations.ddp.hook("none", model=model), gradzip.integrations.ddp.codec_hook)
         opt = SSGD(model.parameters(), lr=0.05, comm=comm, compressor="qsgd")
 
         def go():

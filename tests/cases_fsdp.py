@@ -1,4 +1,4 @@
-"""Worker functions for the gradzip.fsdp tests (importable by spawned gloo processes): tiny
+"""Worker functions for the gradzip.integrations.fsdp tests (importable by spawned gloo processes): tiny
 FSDP2 models, a few steps, and hand-written references of docs/algorithms.md §Sharded
 exchange."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-import gradzip.fsdp
+import gradzip.integrations.fsdp
 from gradzip import seeds
 from gradzip.compressors import build
 from gradzip.errors import GradzipError
@@ -176,7 +176,7 @@ def reference_run(spec, mode, comm, steps=3):
     against the box's formula."""
     mesh = init_device_mesh("cpu", (comm.world_size,))
     model = build_model(mesh)
-    handle = gradzip.fsdp.compress(model, compressor=spec, error_feedback=mode if mode != "off" else False,
+    handle = gradzip.integrations.fsdp.compress(model, compressor=spec, error_feedback=mode if mode != "off" else False,
                                    weights="int8", seed=SEED)
     spies, gathers = spy_reduce_scatters(model), spy_all_gathers(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -240,7 +240,7 @@ def none_vs_plain(comm, steps=3):
     for label, spec in runs.items():
         model = build_model(mesh)
         if label != "plain":
-            gradzip.fsdp.compress(model, compressor=spec)
+            gradzip.integrations.fsdp.compress(model, compressor=spec)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         train(model, opt, comm.rank, steps)
         results[label] = full(model)
@@ -255,7 +255,7 @@ def mixed_precision(comm, steps=3):
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     plain, zipped = build_model(mesh, policy), build_model(mesh, policy)
     plain_spies = spy_reduce_scatters(plain)
-    gradzip.fsdp.compress(zipped, compressor="none", weights="bf16")
+    gradzip.integrations.fsdp.compress(zipped, compressor="none", weights="bf16")
     zipped_spies, gathers = spy_reduce_scatters(zipped), spy_all_gathers(zipped)
     for model in (plain, zipped):
         train(model, torch.optim.SGD(model.parameters(), lr=0.1), comm.rank, steps)
@@ -268,18 +268,18 @@ def mixed_precision(comm, steps=3):
 
 def bad_uses(comm):
     mesh = init_device_mesh("cpu", (comm.world_size,))
-    out = {"not_fsdp": one_line(lambda: gradzip.fsdp.compress(Net(), compressor="1bit")),
-           "weights_topk": one_line(lambda: gradzip.fsdp.compress(build_model(mesh), weights="topk:ratio=0.1")),
-           "ef_unbiased": one_line(lambda: gradzip.fsdp.compress(build_model(mesh), compressor="qsgd",
+    out = {"not_fsdp": one_line(lambda: gradzip.integrations.fsdp.compress(Net(), compressor="1bit")),
+           "weights_topk": one_line(lambda: gradzip.integrations.fsdp.compress(build_model(mesh), weights="topk:ratio=0.1")),
+           "ef_unbiased": one_line(lambda: gradzip.integrations.fsdp.compress(build_model(mesh), compressor="qsgd",
                                                                  error_feedback=True)),
-           "ef_unknown": one_line(lambda: gradzip.fsdp.compress(build_model(mesh), compressor="1bit",
+           "ef_unknown": one_line(lambda: gradzip.integrations.fsdp.compress(build_model(mesh), compressor="1bit",
                                                                 error_feedback="half")),
-           "replicas_3": one_line(lambda: gradzip.fsdp.compress(build_model(mesh), compressor="1bit", replicas=3)),
-           "replicas_2": one_line(lambda: gradzip.fsdp.compress(build_model(mesh), compressor="1bit", replicas=2))}
+           "replicas_3": one_line(lambda: gradzip.integrations.fsdp.compress(build_model(mesh), compressor="1bit", replicas=3)),
+           "replicas_2": one_line(lambda: gradzip.integrations.fsdp.compress(build_model(mesh), compressor="1bit", replicas=2))}
     twice = build_model(mesh)
-    gradzip.fsdp.compress(twice, compressor="1bit")
-    out["twice"] = one_line(lambda: gradzip.fsdp.compress(twice, compressor="1bit"))
-    out["groups"] = one_line(lambda: gradzip.fsdp.compress(_two_groups(mesh), compressor="1bit"))
+    gradzip.integrations.fsdp.compress(twice, compressor="1bit")
+    out["twice"] = one_line(lambda: gradzip.integrations.fsdp.compress(twice, compressor="1bit"))
+    out["groups"] = one_line(lambda: gradzip.integrations.fsdp.compress(_two_groups(mesh), compressor="1bit"))
     return out
 
 
@@ -311,7 +311,7 @@ def resume(comm, workdir, steps=2, hsdp=False):
 
     def make(spec="1bit", mode="full" if hsdp else "shard"):
         model = build_model(mesh)
-        handle = gradzip.fsdp.compress(model, compressor=spec, error_feedback=mode, seed=SEED, **options)
+        handle = gradzip.integrations.fsdp.compress(model, compressor=spec, error_feedback=mode, seed=SEED, **options)
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), handle
 
     class App:
@@ -364,7 +364,7 @@ def load_grown(comm, workdir):
 
     mesh = init_device_mesh("cpu", (comm.world_size,))
     path = f"{workdir}/dcp-2"
-    handle = gradzip.fsdp.compress(build_model(mesh), compressor="1bit", error_feedback="shard", weights="int8",
+    handle = gradzip.integrations.fsdp.compress(build_model(mesh), compressor="1bit", error_feedback="shard", weights="int8",
                                    seed=SEED)
     try:
         dcp.load({"gradzip": handle}, checkpoint_id=path)
@@ -385,10 +385,10 @@ def hsdp_none_vs_plain(comm, steps=3):
     mesh = hsdp_meshes(comm)
     plain = build_model(mesh)   # FSDP2's own HSDP
     zipped = build_model(mesh["shard"])
-    gradzip.fsdp.compress(zipped, compressor="none", replicas=mesh)
+    gradzip.integrations.fsdp.compress(zipped, compressor="none", replicas=mesh)
     for model in (plain, zipped):
         train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm.rank, steps)
-    native = one_line(lambda: gradzip.fsdp.compress(build_model(mesh), compressor="1bit", replicas=mesh))
+    native = one_line(lambda: gradzip.integrations.fsdp.compress(build_model(mesh), compressor="1bit", replicas=mesh))
     return {"diff": max_diff(full(plain), full(zipped)), "native": native}
 
 
@@ -399,7 +399,7 @@ def hsdp_codec(comm, steps=3):
 
     mesh = hsdp_meshes(comm)
     model = build_model(mesh["shard"])
-    handle = gradzip.fsdp.compress(model, compressor="1bit", replicas=2, seed=SEED)
+    handle = gradzip.integrations.fsdp.compress(model, compressor="1bit", replicas=2, seed=SEED)
     s = comm.world_size // 2
     cross = comm.split([[j + m * s for m in range(2)] for j in range(s)])   # the test's own, uncounted
     hooks = []

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradzip
-import gradzip.ddp
-from gradzip.lightning import DDPHookStrategy, GradzipStrategy
+import gradzip.integrations.ddp
+from gradzip.integrations.lightning import DDPHookStrategy, GradzipStrategy
 
 
 class Net(pl.LightningModule):
@@ -79,12 +79,12 @@ def doc_script(out: str) -> str:
 def main(out: str) -> None:
     result = {}
     # Lightning's own DDPStrategy with a gradzip hook on CPU: the hook never runs
-    state = gradzip.ddp.hook("topk:ratio=0.25")
-    fit(pl.strategies.DDPStrategy(ddp_comm_state=state, ddp_comm_hook=gradzip.ddp.codec_hook), "sgd", 1)
+    state = gradzip.integrations.ddp.hook("topk:ratio=0.25")
+    fit(pl.strategies.DDPStrategy(ddp_comm_state=state, ddp_comm_hook=gradzip.integrations.ddp.codec_hook), "sgd", 1)
     result["lightning_ddp_hook_steps"] = state.iter
 
     def hook_strategy():
-        return DDPHookStrategy(gradzip.ddp.hook("topk:ratio=0.25"))
+        return DDPHookStrategy(gradzip.integrations.ddp.hook("topk:ratio=0.25"))
     straight, trainer = fit(hook_strategy(), "sgd", 2)
     result["hook_steps"] = trainer.strategy.hook_state.iter
     result["hook_bytes"] = trainer.strategy.hook_state.bytes_sent

@@ -2,7 +2,7 @@
 processes started by the documented `accelerate launch --multi_gpu --num_processes 2`
 (tests/cases_accelerate.py): the hook registered after prepare
 compresses; a gradzip optimizer beside DDP's noop_hook trains, and a resume through
-accelerator.save_state / load_state with gradzip.accelerate.PerRank continues bit for bit."""
+accelerator.save_state / load_state with gradzip.integrations.accelerate.PerRank continues bit for bit."""
 from __future__ import annotations
 
 import os
@@ -17,9 +17,9 @@ import torch
 pytest.importorskip("accelerate", reason="Accelerate is not installed (pip install 'gradzip[accelerate]')")
 
 import gradzip  # noqa: E402
-import gradzip.accelerate  # noqa: E402
-import gradzip.ddp  # noqa: E402
-from gradzip.accelerate import PerRank  # noqa: E402
+import gradzip.integrations.accelerate  # noqa: E402
+import gradzip.integrations.ddp  # noqa: E402
+from gradzip.integrations.accelerate import PerRank  # noqa: E402
 
 CASES = Path(__file__).parent / "cases_accelerate.py"
 
@@ -115,14 +115,14 @@ def test_register_hook_says_why_a_model_is_not_ddp_and_registers_on_one(world_of
     from torch.nn.parallel import DistributedDataParallel
 
     with pytest.raises(gradzip.GradzipError) as exc:
-        gradzip.accelerate.register_hook(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        gradzip.integrations.accelerate.register_hook(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     text = str(exc.value)
     assert "Sequential, not DistributedDataParallel" in text and "this run has 1 process" in text
     assert "accelerate launch --multi_gpu --num_processes 2" in text and "\n" not in text
-    for state, hook in ((None, noop_hook), (gradzip.ddp.hook("topk:ratio=0.5"), gradzip.ddp.codec_hook),
-                        (gradzip.ddp.PowerSGDState(), gradzip.ddp.powersgd_hook)):
+    for state, hook in ((None, noop_hook), (gradzip.integrations.ddp.hook("topk:ratio=0.5"), gradzip.integrations.ddp.codec_hook),
+                        (gradzip.integrations.ddp.PowerSGDState(), gradzip.integrations.ddp.powersgd_hook)):
         ddp = DistributedDataParallel(torch.nn.Linear(2, 2))
-        gradzip.accelerate.register_hook(ddp, state)
+        gradzip.integrations.accelerate.register_hook(ddp, state)
         assert [h for h, _ in ddp._comm_hooks] == [hook]
     with pytest.raises(gradzip.GradzipError, match="hook state"):
-        gradzip.accelerate.register_hook(DistributedDataParallel(torch.nn.Linear(2, 2)), object())
+        gradzip.integrations.accelerate.register_hook(DistributedDataParallel(torch.nn.Linear(2, 2)), object())

@@ -7,7 +7,7 @@ import pytest
 
 from gradzip import allocator
 from gradzip.errors import GradzipError
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 
 
 def test_worker_env_adds_the_settings_and_keeps_the_rest():

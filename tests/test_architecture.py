@@ -85,6 +85,71 @@ def test_the_imports_have_no_cycle():
         walk(name, [])
 
 
+#: The layers of docs/architecture.md, lowest first: a module imports only from its own
+#: layer or the ones below.
+LAYERS = [
+    ("foundations", ("gradzip.errors", "gradzip.version", "gradzip.specs", "gradzip.seeds", "gradzip.trace",
+                     "gradzip.units", "gradzip.validation", "gradzip.allocator", "gradzip.files", "gradzip._moved")),
+    ("kernels", ("gradzip.kernels",)),
+    ("codecs and groups", ("gradzip.compressors", "gradzip.comm")),
+    ("guards", ("gradzip.guards",)),
+    ("exchange", ("gradzip.exchange",)),
+    ("methods", ("gradzip.optim",)),
+    ("integrations", ("gradzip.integrations",)),
+    ("harness", ("gradzip.train",)),
+    ("benchmarks", ("gradzip.bench",)),
+    ("command line", ("gradzip.cli", "gradzip.__main__", "gradzip")),
+]
+#: Packages of one layer that do not import each other: codecs know nothing of workers,
+#: groups nothing of packets.
+APART = {"gradzip.compressors", "gradzip.comm"}
+
+
+def _place(module: str) -> tuple[int, str]:
+    """(layer index, package) of a module: the longest package prefix in :data:`LAYERS`."""
+    best = None
+    for i, (_, packages) in enumerate(LAYERS):
+        for package in packages:
+            if (module == package or module.startswith(package + ".")) and (best is None or len(package) > len(best[1])):
+                best = (i, package)
+    assert best is not None, f"{module} is in no layer of LAYERS: give it one (and docs/architecture.md)"
+    return best
+
+
+def test_imports_point_down_the_layer_table():
+    wrong = []
+    for name, path in MODULES.items():
+        layer, package = _place(name)
+        for dep in _imports(name, path)[0]:
+            dep_layer, dep_package = _place(dep)
+            if dep_layer > layer or (dep_package != package and {dep_package, package} == APART):
+                wrong.append(f"{name} ({LAYERS[layer][0]}) imports {dep} ({LAYERS[dep_layer][0]})")
+    assert wrong == [], "imports against the layers:\n" + "\n".join(wrong)
+
+
+def test_the_package_root_holds_only_foundations_and_the_package_face():
+    """The tree shows the layers: every other module lives in its layer's package."""
+    loose = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert loose == sorted(["__init__", "__main__", "_moved", "allocator", "errors", "files", "seeds", "specs",
+                            "trace", "units", "validation", "version"])
+
+
+def test_old_module_paths_import_the_same_modules():
+    import importlib
+    import pickle
+
+    from gradzip import _moved
+    for old, new in _moved.MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    assert gradzip.hierarchy is importlib.import_module("gradzip.exchange.hierarchy")
+    from gradzip.ddp.state import HookState
+    from gradzip.integrations.ddp import state
+    assert HookState is state.HookState and state.__spec__.name == "gradzip.integrations.ddp.state"
+    old_pickle = pickle.dumps(state.HookState, protocol=0).replace(b"gradzip.integrations.ddp.state",
+                                                                   b"gradzip.ddp.state")
+    assert pickle.loads(old_pickle) is HookState   # a pickle written before the move loads
+
+
 def test_importing_gradzip_pulls_in_no_plotting_no_sklearn_and_nothing_torch_does_not():
     code = ("import sys, torch; before = set(sys.modules); import gradzip, gradzip.cli; "
             "print(sorted({m.split('.')[0] for m in set(sys.modules) - before}))")

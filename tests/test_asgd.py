@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import gradzip
-from gradzip.nonfinite import NonFiniteGradient
+from gradzip.guards.nonfinite import NonFiniteGradient
 from gradzip import compressors, seeds
 from gradzip.errors import GradzipError
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 from gradzip.optim import ASGD
-from gradzip.optim.asgd import codec_seed
+from gradzip.optim.asgd_server import codec_seed
 from gradzip.train.config import RunConfig
 from gradzip.train.loop import run_worker
 

@@ -8,7 +8,7 @@ import gradzip
 from gradzip.comm import Work, allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.comm.base import Group
 from gradzip.errors import GradzipError
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 from gradzip.optim import CDSGD, CPSGD, ODSGD
 from gradzip.train.config import RunConfig
 from gradzip.train.loop import run_worker

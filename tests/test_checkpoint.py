@@ -13,7 +13,7 @@ import cases
 from checkpoint_diff import differences
 import gradzip
 from gradzip.errors import GradzipError
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 from gradzip.train import checkpoint
 from gradzip.train.config import RunConfig
 from gradzip.train.loop import run_worker

@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from gradzip.cli import _configs, build_parser, main, parse_algos
+from gradzip.cli import build_parser, main
+from gradzip.cli.runs import _configs
+from gradzip.train.config import parse_algos
 from gradzip.errors import GradzipError
 
 from conftest import SHARED_DATA
@@ -166,7 +168,7 @@ def test_checkpoint_resume_and_skip_through_the_cli(tmp_path, capsys):
 
 
 def test_table_shows_skips_and_resumes_only_when_there_are_some():
-    from gradzip.train import report
+    from gradzip.cli import report
 
     plain = {"algo": "ssgd", "skipped_steps": 0, "resumed_from_step": None}
     assert "skipped" not in report.table([plain]) and "resumed" not in report.table([plain])
@@ -178,7 +180,7 @@ def test_the_tables_time_columns_are_what_its_legend_says():
     """Issue 36, item 11: no "comm s" column (on the training thread it was "wait s" itself,
     and the network time behind backward or a step is not measured); the legend under the
     table says what "wait s" holds, a background exchange's codec work included."""
-    from gradzip.train import report
+    from gradzip.cli import report
 
     text = report.table([{"algo": "cdsgd", "time_communicate_s": 0.06, "time_wait_s": 0.17}])
     header = text.splitlines()[0].split("  ")
@@ -234,7 +236,7 @@ def test_asgd_with_worker_processes_and_the_default_projection_writes_everything
 
 
 def test_the_results_are_written_before_a_projection_that_fails(tmp_path, monkeypatch, capsys):
-    from gradzip.train import projection
+    from gradzip.bench import projection
 
     def broken(*args):
         raise RuntimeError("a bug in the projection")
@@ -355,7 +357,8 @@ def _disk_fills_while_writing(monkeypatch, names):
 def _outputs(root, steps):
     """A run's outputs (summary.json, metrics.jsonl), a trace and a settings file in ``root``."""
     from gradzip import trace
-    from gradzip.train import config_file, report
+    from gradzip.train import config_file
+    from gradzip.cli import report
 
     report.write(root, [{"summary": {"algo": "ssgd", "steps": steps},
                          "history": [{"epoch": e, "train_loss": 1 / e} for e in range(1, steps + 1)]}], plot=False)

@@ -9,7 +9,7 @@ import torch
 import gradzip
 from gradzip.comm import PeerFailure, liveness, allgather_wire_bytes, allreduce_wire_bytes, make_group
 from gradzip.errors import GradzipError
-from gradzip.launch import WorkerError, run_processes
+from gradzip.comm.launch import WorkerError, run_processes
 
 import cases
 

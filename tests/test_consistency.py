@@ -1,4 +1,4 @@
-"""gradzip.consistency (issue 7, part 2): workers with different settings stop together
+"""gradzip.guards.consistency (issue 7, part 2): workers with different settings stop together
 with one message naming the field that differs — never a hang or a silent divergence."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 
 import cases
 import gradzip
-from gradzip.consistency import InconsistentWorkers, describe_difference, verify
-from gradzip.launch import run_processes
+from gradzip.guards.consistency import InconsistentWorkers, describe_difference, verify
+from gradzip.comm.launch import run_processes
 from gradzip.train.config import RunConfig
 from gradzip.train.loop import run_worker
 

@@ -6,9 +6,9 @@ import torch
 
 import gradzip
 from gradzip.errors import GradzipError
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 from gradzip.optim import CSEA, CSER, CSERPL, LocalSGD, METHODS, QSparseLocalSGD
-from gradzip.optim.ratios import codec_for_ratio, derive_cser, derive_periodic
+from gradzip.optim.core.ratios import codec_for_ratio, derive_cser, derive_periodic
 
 import cases
 

@@ -1,4 +1,4 @@
-"""gradzip.ddp: the DDP communication hooks, on 2 real gloo processes.
+"""gradzip.integrations.ddp: the DDP communication hooks, on 2 real gloo processes.
 
 Against the peer: gradzip's ``powersgd_hook`` and PyTorch's ``powerSGD_hook`` with the same
 options, bucket layout and Q seeds give the same parameters after 20 steps (1e-5). The
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import cases_ddp
-import gradzip.ddp
+import gradzip.integrations.ddp
 from gradzip.compressors.qsgd import QSGD
 from gradzip.compressors.sparsify import TopK
 from gradzip.errors import GradzipError
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 
 
 def max_rel(a, b):
@@ -86,13 +86,13 @@ def test_overflowed_step_leaves_residuals_errors_and_q(suite):
 
 def test_states_validate_and_pickle_without_a_group():
     with pytest.raises(GradzipError, match="rank must be an integer >= 1"):
-        gradzip.ddp.PowerSGDState(rank=0)
+        gradzip.integrations.ddp.PowerSGDState(rank=0)
     with pytest.raises(GradzipError, match="start_iter"):
-        gradzip.ddp.PowerSGDState(start_iter=-1)
+        gradzip.integrations.ddp.PowerSGDState(start_iter=-1)
     with pytest.raises(GradzipError, match="unknown compressor"):
-        gradzip.ddp.hook("nope")
+        gradzip.integrations.ddp.hook("nope")
     net = torch.nn.Linear(3, 2)
-    state = gradzip.ddp.hook("topk:ratio=0.5", model=net, seed=3)
+    state = gradzip.integrations.ddp.hook("topk:ratio=0.5", model=net, seed=3)
     state.residuals[0] = torch.ones(2, 3)
     state.iter = 7
     back = pickle.loads(pickle.dumps(state))
@@ -103,9 +103,9 @@ def test_states_validate_and_pickle_without_a_group():
         back._key(net.weight)
     back.bind(net)
     assert back._key(net.bias) == 1
-    ps = gradzip.ddp.PowerSGDState(rank=2, random_seed=4)
+    ps = gradzip.integrations.ddp.PowerSGDState(rank=2, random_seed=4)
     ps.errors[1] = torch.zeros(4)
-    fresh = gradzip.ddp.PowerSGDState(rank=2)
+    fresh = gradzip.integrations.ddp.PowerSGDState(rank=2)
     fresh.load_state_dict(ps.state_dict())
     assert fresh.rng.randint(10**9) == ps.rng.randint(10**9)
     assert list(fresh.errors) == [1]
@@ -162,7 +162,7 @@ def test_hook_checkpoint_loads_with_torch_load_defaults(fixes, case):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("make", [lambda: gradzip.ddp.hook("topk:ratio=0.5"), lambda: gradzip.ddp.PowerSGDState()])
+@pytest.mark.parametrize("make", [lambda: gradzip.integrations.ddp.hook("topk:ratio=0.5"), lambda: gradzip.integrations.ddp.PowerSGDState()])
 def test_hook_states_resume_every_counter_they_report(make):
     """issue 36 item 3: iter, skipped_steps and bytes_sent are in the state and in a pickle,
     so a resumed run counts on from them (bytes_sent counted only the resumed part)."""
@@ -179,10 +179,10 @@ def test_hook_states_resume_every_counter_they_report(make):
 
 
 def test_powersgd_state_dict_is_tensors_and_plain_values(tmp_path):
-    state = gradzip.ddp.PowerSGDState(rank=2, random_seed=4)
+    state = gradzip.integrations.ddp.PowerSGDState(rank=2, random_seed=4)
     state.errors[1] = torch.ones(4)
     torch.save(state.state_dict(), tmp_path / "hook.pt")
-    fresh = gradzip.ddp.PowerSGDState(rank=2)
+    fresh = gradzip.integrations.ddp.PowerSGDState(rank=2)
     fresh.load_state_dict(torch.load(tmp_path / "hook.pt"))   # weights_only=True by default
     assert fresh.rng.randint(10**9) == state.rng.randint(10**9)
     assert torch.equal(fresh.errors[1], torch.ones(4))
@@ -190,19 +190,19 @@ def test_powersgd_state_dict_is_tensors_and_plain_values(tmp_path):
 
 def test_hook_refuses_single_round_powersgd_and_ef_with_unbiased_codecs():
     with pytest.raises(GradzipError, match="powersgd_hook"):
-        gradzip.ddp.hook("powersgd")
+        gradzip.integrations.ddp.hook("powersgd")
     with pytest.raises(GradzipError, match="powersgd_hook"):
-        gradzip.ddp.hook("powersgd:rank=2", error_feedback=True)
-    assert gradzip.ddp.hook("powersgd", single_round_powersgd=True).error_feedback is True
+        gradzip.integrations.ddp.hook("powersgd:rank=2", error_feedback=True)
+    assert gradzip.integrations.ddp.hook("powersgd", single_round_powersgd=True).error_feedback is True
     for unbiased in ("qsgd", "terngrad", "randomk:ratio=0.1,unbiased=true"):
-        assert gradzip.ddp.hook(unbiased).error_feedback is False
+        assert gradzip.integrations.ddp.hook(unbiased).error_feedback is False
         with pytest.raises(GradzipError, match="unbiased"):
-            gradzip.ddp.hook(unbiased, error_feedback=True)
+            gradzip.integrations.ddp.hook(unbiased, error_feedback=True)
     for biased in ("none", "topk:ratio=0.1", "randomk:ratio=0.1", "sign", "2bit"):
-        assert gradzip.ddp.hook(biased).error_feedback is True
-    assert gradzip.ddp.hook("topk:ratio=0.1", error_feedback=False).error_feedback is False
+        assert gradzip.integrations.ddp.hook(biased).error_feedback is True
+    assert gradzip.integrations.ddp.hook("topk:ratio=0.1", error_feedback=False).error_feedback is False
     with pytest.raises(GradzipError, match="nonfinite"):
-        gradzip.ddp.hook("topk:ratio=0.1", nonfinite="ignore")
+        gradzip.integrations.ddp.hook("topk:ratio=0.1", nonfinite="ignore")
 
 
 def test_hook_error_feedback_default_reads_the_codec_property():
@@ -215,7 +215,7 @@ def test_hook_error_feedback_default_reads_the_codec_property():
     class UnbiasedTopK(TopK):
         unbiased = True
 
-    assert gradzip.ddp.hook(BiasedQSGD()).error_feedback is True
-    assert gradzip.ddp.hook(UnbiasedTopK(ratio=0.1)).error_feedback is False
+    assert gradzip.integrations.ddp.hook(BiasedQSGD()).error_feedback is True
+    assert gradzip.integrations.ddp.hook(UnbiasedTopK(ratio=0.1)).error_feedback is False
     with pytest.raises(GradzipError, match="unbiased"):
-        gradzip.ddp.hook(UnbiasedTopK(ratio=0.1), error_feedback=True)
+        gradzip.integrations.ddp.hook(UnbiasedTopK(ratio=0.1), error_feedback=True)

@@ -7,7 +7,7 @@ import pytest
 
 import cases
 import gradzip
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 from gradzip.train import checkpoint
 
 METHODS = ("efsgd", "cdsgd", "powersgd", "dgc", "cser")

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import gradzip
-from gradzip.planner import exact_route
+from gradzip.exchange.planner import exact_route
 from gradzip.compressors import build
 from gradzip.exchange import PSync, mix_seed
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 
 import cases
 
@@ -132,7 +132,7 @@ def test_mix_seed_is_stable_and_sensitive():
 @pytest.mark.parametrize("spec, n, builds", [("2bit", 2, 0), ("2bit", 8, 1), ("sign", 4, 0),
                                              ("sign", 16, 1), ("none", 2, 1)])
 def test_exchange_builds_the_summand_only_when_allreduce_wins(spec, n, builds):
-    """The plan sizes routes from the shapes (gradzip.planner.Sizer); an exchange then builds
+    """The plan sizes routes from the shapes (gradzip.exchange.planner.Sizer); an exchange then builds
     a summand only for a tensor routed to the allreduce."""
     codec = build(spec)
     calls = []

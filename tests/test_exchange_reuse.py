@@ -186,7 +186,7 @@ def test_ssgd_reuses_its_bucket_buffers_and_leaves_the_gradients_alone(overlap):
             grad = [p.grad.clone() for p in model.parameters()]
             opt.step()
             assert all(torch.equal(g, p.grad) for g, p in zip(grad, model.parameters()))
-            buffers.append(sorted(id(b) for spare in opt.psync._spare_buffers.values() for b in spare))
+            buffers.append(sorted(id(b) for spare in opt.psync.memory._buffers.values() for b in spare))
         if reuse is None:
             assert buffers[0] and buffers[0] == buffers[1] == buffers[2]
         return [p.detach().clone() for p in model.parameters()]

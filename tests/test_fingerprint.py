@@ -1,11 +1,11 @@
-"""gradzip.fingerprint: equal values give equal bytes; the edits a gradient sees between
+"""gradzip.optim.core.fingerprint: equal values give equal bytes; the edits a gradient sees between
 backward and step() (issue 35 item 1) change them, in every floating dtype."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gradzip.fingerprint import ROW, fingerprint
+from gradzip.optim.core.fingerprint import ROW, fingerprint
 
 EDITS = {
     "scale": lambda x: x.mul_(0.5),

@@ -1,10 +1,10 @@
-"""gradzip.fsdp on real gloo processes (torch 2.13 CPU FSDP2): docs/algorithms.md §Sharded
+"""gradzip.integrations.fsdp on real gloo processes (torch 2.13 CPU FSDP2): docs/algorithms.md §Sharded
 exchange. Two suites of tiny models and three steps each: a 1-D mesh on 2 workers, HSDP on
 2 nodes of 2 workers; each returns its measurements, asserted here."""
 import pytest
 
 import cases_fsdp
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 
 pytestmark = pytest.mark.slow
 

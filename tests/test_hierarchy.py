@@ -1,4 +1,4 @@
-"""The hierarchical exchange (gradzip.hierarchy; spec "Hierarchical exchange"; issue 15,
+"""The hierarchical exchange (gradzip.exchange.hierarchy; spec "Hierarchical exchange"; issue 15,
 item 3) and the group operations it needs (Group.split, Group.reduce_scatter)."""
 import pytest
 import torch
@@ -7,8 +7,8 @@ import gradzip
 from gradzip.compressors import build
 from gradzip.errors import GradzipError
 from gradzip.exchange import PSync
-from gradzip.hierarchy import HierarchicalPSync, check_workers_per_node, shard_bounds
-from gradzip.launch import run_processes
+from gradzip.exchange.hierarchy import HierarchicalPSync, check_workers_per_node, shard_bounds
+from gradzip.comm.launch import run_processes
 
 SHAPES = [(7, 3), (5,), (2,)]   # 21 elements (shards 11/10), 5 (3/2), 2 (1/1)
 

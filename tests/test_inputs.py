@@ -29,7 +29,7 @@ from gradzip import cli
 from gradzip.comm import make_group
 from gradzip.compressors import build, names
 from gradzip.errors import GradzipError
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 from gradzip.optim import METHODS, method_options
 from datafiles import idx_bytes, mnist_arrays, mnist_file_bytes, write_files
 from gradzip.train import datasets as data
@@ -318,7 +318,7 @@ def test_comm_of_the_wrong_type_is_one_line_for_every_method(algo, comm):
 
 
 @pytest.mark.parametrize("call", [lambda: gradzip.broadcast_parameters(torch.nn.Linear(2, 2), comm="gloo"),
-                                  lambda: gradzip.evaluation.evaluation_model(torch.nn.Linear(2, 2), comm="gloo")])
+                                  lambda: gradzip.optim.evaluation.evaluation_model(torch.nn.Linear(2, 2), comm="gloo")])
 def test_comm_of_the_wrong_type_is_one_line_for_the_functions_taking_one(call):
     with pytest.raises(GradzipError) as exc:
         call()
@@ -377,9 +377,9 @@ def cli_outcome(argv: list[str]) -> tuple[str, str]:
     try:
         with contextlib.redirect_stderr(err):
             args = cli.build_parser().parse_args(argv)
-            cfgs = cli._configs(args)
+            cfgs = cli.runs._configs(args)
             workers = args.workers or (4 if args.command == "compare" else 1)
-            cli._validate(cfgs, workers)
+            cli.runs._validate(cfgs, workers)
     except SystemExit as exc:
         assert exc.code == 2, (argv, exc.code, err.getvalue())
         return "exit 2", err.getvalue()

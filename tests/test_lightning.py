@@ -1,4 +1,4 @@
-"""gradzip.lightning: real Lightning Trainers on 2 CPU processes under torchrun
+"""gradzip.integrations.lightning: real Lightning Trainers on 2 CPU processes under torchrun
 (tests/cases_lightning.py). The hook strategy compresses on CPU where Lightning's DDPStrategy
 skips the hook; both strategies resume from a checkpoint bit for bit, each rank from its own
 state; rank 0's state on every rank (Lightning's default) does not."""
@@ -65,7 +65,7 @@ def test_the_documented_lightning_script_runs_as_written(results):
 
 
 def test_the_gradzip_strategy_refuses_a_torch_optimizer_and_the_hook_strategy_a_foreign_state():
-    from gradzip.lightning import DDPHookStrategy, GradzipStrategy
+    from gradzip.integrations.lightning import DDPHookStrategy, GradzipStrategy
 
     strategy = GradzipStrategy()
     strategy.optimizers = [torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)]
@@ -80,15 +80,15 @@ def test_the_gradzip_strategy_refuses_a_torch_optimizer_and_the_hook_strategy_a_
 def test_the_strategies_refuse_a_misspelled_option():
     """issue 36 item 1: DDPStrategy hands unknown keywords to DDP unchecked, and without a
     DDP wrapper (GradzipStrategy) nothing read them."""
-    from gradzip.lightning import DDPHookStrategy, GradzipStrategy
+    from gradzip.integrations.lightning import DDPHookStrategy, GradzipStrategy
 
     with pytest.raises(gradzip.GradzipError, match=r"unknown option 'process_group_backnd' \(did you mean "
                                                    r"'process_group_backend'\?\)"):
         GradzipStrategy(process_group_backnd="gloo")
     with pytest.raises(gradzip.GradzipError, match=r"'find_unused_paramters' \(did you mean 'find_unused_parameters'"):
-        DDPHookStrategy(gradzip.ddp.hook("topk:ratio=0.5"), find_unused_paramters=True)
+        DDPHookStrategy(gradzip.integrations.ddp.hook("topk:ratio=0.5"), find_unused_paramters=True)
     GradzipStrategy(process_group_backend="gloo")
-    DDPHookStrategy(gradzip.ddp.hook("topk:ratio=0.5"), bucket_cap_mb=1)   # a DDP option passes on
+    DDPHookStrategy(gradzip.integrations.ddp.hook("topk:ratio=0.5"), bucket_cap_mb=1)   # a DDP option passes on
 
 
 def test_a_gradzip_optimizer_inside_lightnings_ddp_is_told_to_use_gradzip_strategy(world_of_one):
@@ -98,8 +98,8 @@ def test_a_gradzip_optimizer_inside_lightnings_ddp_is_told_to_use_gradzip_strate
     import lightning.pytorch as pl
     from torch.nn.parallel import DistributedDataParallel
 
-    import gradzip.ddp
-    from gradzip.double_sync import DoubleCommunication
+    import gradzip.integrations.ddp
+    from gradzip.guards.double_sync import DoubleCommunication
 
     class Net(pl.LightningModule):
         def __init__(self):
@@ -109,10 +109,10 @@ def test_a_gradzip_optimizer_inside_lightnings_ddp_is_told_to_use_gradzip_strate
         def forward(self, x):
             return self.body(x)
 
-    for module, fix, other in ((Net(), "strategy=gradzip.lightning.GradzipStrategy()", "noop_hook"),
+    for module, fix, other in ((Net(), "strategy=gradzip.integrations.lightning.GradzipStrategy()", "noop_hook"),
                                (torch.nn.Linear(4, 2), "noop_hook", "GradzipStrategy")):
         ddp = DistributedDataParallel(module)
-        ddp.register_comm_hook(gradzip.ddp.hook("topk:ratio=0.5", model=ddp), gradzip.ddp.codec_hook)
+        ddp.register_comm_hook(gradzip.integrations.ddp.hook("topk:ratio=0.5", model=ddp), gradzip.integrations.ddp.codec_hook)
         opt = gradzip.optim.EFSGD(module.parameters(), lr=0.1, compressor="topk:ratio=0.5", overlap_backward=False)
         ddp(torch.ones(3, 4)).sum().backward()
         with pytest.raises(DoubleCommunication) as exc:

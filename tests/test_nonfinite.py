@@ -10,8 +10,8 @@ import torch
 import cases
 import gradzip
 from gradzip.errors import GradzipError
-from gradzip.launch import run_processes
-from gradzip.nonfinite import NonFiniteGradient
+from gradzip.comm.launch import run_processes
+from gradzip.guards.nonfinite import NonFiniteGradient
 
 
 def _all_ranks_raised(errors: list, n: int = 2, hang_guard_s: float = 120.0) -> int:
@@ -297,14 +297,14 @@ def test_ssgd_sum_of_finite_gradients_that_overflows_is_still_a_codec_overflow()
 def test_ssgd_guard_reads_no_gradient_before_its_exchange(overlap, monkeypatch):
     """One read pass fewer per step: under "raise" the hooks and begin_step leave the
     gradients to the exchange's aggregate check (only there is first_nonfinite called)."""
-    import gradzip.optim.guard
-    import gradzip.optim.overlap
+    import gradzip.optim.core.guard
+    import gradzip.optim.core.overlap
     calls = []
 
     def counting(tensors):
         calls.append(len(tensors))
-        return gradzip.nonfinite.first_nonfinite(tensors)
-    for module in (gradzip.optim.guard, gradzip.optim.overlap):
+        return gradzip.guards.nonfinite.first_nonfinite(tensors)
+    for module in (gradzip.optim.core.guard, gradzip.optim.core.overlap):
         monkeypatch.setattr(module, "first_nonfinite", counting)
     model = cases.tiny_model()
     opt = gradzip.optim.SSGD(model.parameters(), lr=0.1, overlap_backward=overlap)

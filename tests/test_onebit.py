@@ -12,7 +12,7 @@ import torch
 from gradzip import kernels
 from gradzip.compressors import build
 from gradzip.errors import GradzipError
-from gradzip.consistency import InconsistentWorkers
+from gradzip.guards.consistency import InconsistentWorkers
 
 
 # ----------------------------------------------------------------------------- the codec

@@ -4,7 +4,7 @@ import torch
 
 import gradzip
 from gradzip.errors import GradzipError
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 from gradzip.optim import BitSGD, EFSGD, SSGD
 
 import cases
@@ -263,7 +263,7 @@ def test_torch_optimizer_methods_skip_the_dynamo_wrapper_only_while_dynamo_is_no
     import functools
     import sys
 
-    from gradzip.optim import eager
+    from gradzip.optim.core import eager
 
     called = []
 

@@ -1,17 +1,17 @@
-"""gradzip.optim.options: the shared betas parser (both CLI spellings) and the one
+"""gradzip.optim.core.options: the shared betas parser (both CLI spellings) and the one
 "momentum is beta1 here" refusal of the Adam-like methods."""
 import pytest
 import torch
 
 import gradzip
-import gradzip.accelerate
-import gradzip.ddp
+import gradzip.integrations.accelerate
+import gradzip.integrations.ddp
 from gradzip import cli
 from gradzip.errors import GradzipError
-from gradzip.optim import options
+from gradzip.optim.core import options
 from gradzip.optim.compressed import AdamWMethod, LAMBMethod
 from gradzip.optim.diloco import DiLoCoMethod
-from gradzip.optim.onebit import OneBitAdam, OneBitLAMB, ZeroOneAdam
+from gradzip.optim import OneBitAdam, OneBitLAMB, ZeroOneAdam
 
 
 def params():
@@ -52,7 +52,7 @@ def test_the_cli_accepts_both_spellings_for_both_families():
         for flags in (["--betas", "0.8,0.95"], ["--beta1", "0.8", "--beta2", "0.95"]):
             args = parser.parse_args(["train", "--algo", algo, *flags])
             cls = gradzip.optim.METHODS[algo]
-            opt = cls(params(), lr=0.1, **cli._given_options(args))
+            opt = cls(params(), lr=0.1, **cli.parser._given_options(args))
             assert tuple(opt.param_groups[0]["betas"]) == (0.8, 0.95)
 
 
@@ -109,10 +109,10 @@ def _inner():
     (lambda: gradzip.optim.LARS(params(), lr=0.1, momentun=0.9), "momentun", "momentum", "LARS"),
     (lambda: gradzip.optim.LAMB(params(), lr=0.1, bet=(0.9, 0.99)), "bet", "betas", "LAMB"),
     (lambda: gradzip.optim.SAM(_inner(), roh=0.1), "roh", "rho", "SAM"),
-    (lambda: gradzip.ddp.hook("topk:ratio=0.5", modle=None), "modle", "model", "CodecState"),
-    (lambda: gradzip.ddp.CodecState("topk:ratio=0.5", start_iters=2), "start_iters", "start_iter", "CodecState"),
-    (lambda: gradzip.ddp.PowerSGDState(rnak=2), "rnak", "rank", "PowerSGDState"),
-    (lambda: gradzip.accelerate.PerRank(_inner(), objs=1), "objs", "obj", "PerRank"),
+    (lambda: gradzip.integrations.ddp.hook("topk:ratio=0.5", modle=None), "modle", "model", "CodecState"),
+    (lambda: gradzip.integrations.ddp.CodecState("topk:ratio=0.5", start_iters=2), "start_iters", "start_iter", "CodecState"),
+    (lambda: gradzip.integrations.ddp.PowerSGDState(rnak=2), "rnak", "rank", "PowerSGDState"),
+    (lambda: gradzip.integrations.accelerate.PerRank(_inner(), objs=1), "objs", "obj", "PerRank"),
 ])
 def test_the_wrappers_and_hook_states_refuse_a_misspelled_option(make, bad, meant, where):
     _one_line_refusal(make, bad, meant, where)

@@ -11,10 +11,10 @@ import torch
 import cases
 import cases_overlap
 import gradzip
-from gradzip.consistency import InconsistentWorkers
+from gradzip.guards.consistency import InconsistentWorkers
 from gradzip.errors import GradzipError
-from gradzip.launch import run_processes
-from gradzip.nonfinite import NonFiniteGradient
+from gradzip.comm.launch import run_processes
+from gradzip.guards.nonfinite import NonFiniteGradient
 
 NAMES = sorted(cases_overlap.OVERLAPPED)
 

@@ -1,4 +1,4 @@
-"""Which parameters a method holds and which take part in a step (gradzip.optim.participation;
+"""Which parameters a method holds and which take part in a step (gradzip.optim.core.participation;
 issue 35): a parameter listed twice is held and updated once, with the backward overlap on
 or off alike (item 4); a parameter frozen on some workers only is named on every worker
 before anything is mixed or aborts (item 5); a sparse gradient is refused in one line
@@ -14,7 +14,7 @@ import cases
 import cases_optim
 import gradzip
 from gradzip.errors import GradzipError
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 from gradzip.optim import METHODS
 
 
@@ -246,7 +246,7 @@ def test_the_plain_lamb_and_lars_take_a_complex_parameter_as_torch_adam_does():
 
 
 def test_a_nan_in_the_imaginary_part_is_seen():
-    from gradzip.nonfinite import first_nonfinite
+    from gradzip.guards.nonfinite import first_nonfinite
     assert first_nonfinite([torch.ones(2, dtype=torch.complex64),
                             torch.tensor([1 + 1j, complex(0.0, float("nan"))])]) == 1
 

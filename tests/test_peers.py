@@ -10,7 +10,7 @@ from gradzip.bench.shapes import model_shapes
 from gradzip.cli import main
 from gradzip.comm import allreduce_wire_bytes
 from gradzip.errors import GradzipError
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 
 MODEL, SHAPE = "mlp:hidden=16", "8"
 ALGOS = [("ssgd", None), ("ddp", None), ("ddp", "fp16"), ("ddp", "powersgd:rank=1"),

@@ -1,4 +1,4 @@
-"""The exchange planner (gradzip.planner, gradzip.exchange.plan): routes, buckets and bytes
+"""The exchange planner (gradzip.exchange.planner, gradzip.exchange.plan): routes, buckets and bytes
 by hand from the spec's rules; PSync executes exactly the plan (its collectives, in order,
 and the bytes its group counts) for random shapes, codecs, transports and n; the plan's
 links and its errors."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import gradzip
-from gradzip import planner
+from gradzip.exchange import planner
 from gradzip.bench.profiling import RecordingGroup
 from gradzip.compressors import build
 from gradzip.errors import GradzipError
@@ -162,7 +162,7 @@ def test_hierarchical_psync_executes_the_plan_on_threads():
     shapes = [(30, 7), (13,), (200,)]
 
     def run(comm):
-        psync = gradzip.hierarchy.HierarchicalPSync(comm, "1bit", workers_per_node=2, bucket_bytes=900)
+        psync = gradzip.exchange.hierarchy.HierarchicalPSync(comm, "1bit", workers_per_node=2, bucket_bytes=900)
         ts = [torch.randn(s) for s in shapes]
         sent = psync(ts, 1).bytes_sent
         return sent, psync.exchange_plan(ts)[1]

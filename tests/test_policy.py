@@ -7,7 +7,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip
-import gradzip.ddp
+import gradzip.integrations.ddp
 from gradzip import GradzipError, PerTensor
 from gradzip.optim import CSER, EFSGD
 
@@ -87,8 +87,8 @@ def test_the_hook_takes_a_policy_by_parameter_name_and_a_dense_warm_up(world_of_
     biases, named by the rule, stay exact; the state round-trips."""
     net = _net()
     ddp = DDP(net)
-    state = gradzip.ddp.hook(PerTensor("topk:ratio=0.25", {"*.bias": "none"}), model=ddp, start_iter=2)
-    ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
+    state = gradzip.integrations.ddp.hook(PerTensor("topk:ratio=0.25", {"*.bias": "none"}), model=ddp, start_iter=2)
+    ddp.register_comm_hook(state, gradzip.integrations.ddp.codec_hook)
     exact = []
     for step in range(4):
         x, y = _batch(0, step)
@@ -101,10 +101,10 @@ def test_the_hook_takes_a_policy_by_parameter_name_and_a_dense_warm_up(world_of_
     assert sorted(state.residuals) == [0, 1, 2, 3] and state.iter == 4
     saved = state.state_dict()
     assert saved["start_iter"] == 2 and saved["codec"].startswith("per_tensor(")
-    fresh = gradzip.ddp.hook(PerTensor("topk:ratio=0.25", {"*.bias": "none"}), model=ddp)
+    fresh = gradzip.integrations.ddp.hook(PerTensor("topk:ratio=0.25", {"*.bias": "none"}), model=ddp)
     fresh.load_state_dict(saved)
     assert fresh.start_iter == 2 and fresh.iter == 4
     with pytest.raises(GradzipError, match="PerTensor policy"):
-        gradzip.ddp.hook("topk:ratio=0.25", model=ddp).load_state_dict(saved)
+        gradzip.integrations.ddp.hook("topk:ratio=0.25", model=ddp).load_state_dict(saved)
     with pytest.raises(GradzipError, match="start_iter"):
-        gradzip.ddp.hook("topk:ratio=0.25", start_iter=-1)
+        gradzip.integrations.ddp.hook("topk:ratio=0.25", start_iter=-1)

@@ -1,4 +1,4 @@
-"""The main job's projection (gradzip.train.projection): a run's measured times and bytes fed
+"""The main job's projection (gradzip.bench.projection): a run's measured times and bytes fed
 to the timeline model at other link rates and worker counts; its table columns and flags."""
 import json
 
@@ -6,7 +6,8 @@ import pytest
 
 from gradzip.bench.costs import allreduce_time
 from gradzip.cli import main
-from gradzip.train import projection, report
+from gradzip.bench import projection
+from gradzip.cli import report
 
 SHAPES = [[64, 32], [32], [10, 32], [10]]       # 2,698 parameters
 PARAMS = 64 * 32 + 32 + 10 * 32 + 10
@@ -58,7 +59,8 @@ def test_the_first_epochs_codec_warm_up_is_left_out():
 
 def test_a_short_runs_steady_times_leave_its_warm_up_out(monkeypatch):
     """A one-epoch run whose first step carries a one-time cost (here: a 1 s sleep in the
-    first forward pass of each worker): the loop's ``steady_step_s`` is measured over the
+    first training forward pass of each worker; the set-up's model/dataset check is an eval
+    mode forward before the steps): the loop's ``steady_step_s`` is measured over the
     second half of the epoch and leaves it out; the projection rests on it and says so."""
     import time
 
@@ -73,7 +75,7 @@ def test_a_short_runs_steady_times_leave_its_warm_up_out(monkeypatch):
         model, first = build(*args, **kwargs), []
 
         def hook(module, inputs):
-            if not first:
+            if module.training and not first:
                 first.append(time.sleep(1.0))
         model.register_forward_pre_hook(hook)
         return model

@@ -9,9 +9,9 @@ import torch
 import cases
 import cases_optim
 import gradzip
-from gradzip.consistency import InconsistentWorkers
+from gradzip.guards.consistency import InconsistentWorkers
 from gradzip.errors import GradzipError
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 
 
 @pytest.mark.parametrize("method", ["ssgd", "efsgd", "localsgd", "cdsgd"])

@@ -85,14 +85,14 @@ def test_methods_seed_their_exchanges_through_seeds():
 
 
 def test_version_lives_below_the_package():
-    from gradzip.optim import base as optim_base
+    from gradzip.optim.core import base as optim_base
     from gradzip.version import __version__
     assert gradzip.__version__ == __version__
     assert "from .. import __version__" not in inspect.getsource(optim_base)
 
 
 def test_one_default_timeout():
-    from gradzip import launch
+    from gradzip.comm import launch
     assert threads.DEFAULT_TIMEOUT_S is comm_base.DEFAULT_TIMEOUT_S
     assert torchdist.DEFAULT_TIMEOUT_S is comm_base.DEFAULT_TIMEOUT_S
     assert inspect.signature(launch.run_processes).parameters["timeout_s"].default == comm_base.DEFAULT_TIMEOUT_S
@@ -133,7 +133,7 @@ def test_above_threshold_is_the_candidate_scan_of_topk_and_dgc(piecewise, monkey
 def test_a_bool_is_no_count_in_the_ddp_hook_or_the_emulated_network():
     """The last two int checks that took ``True`` for 1 now use ``validation.is_int``."""
     from gradzip.bench import netns
-    from gradzip.ddp import PowerSGDState
+    from gradzip.integrations.ddp import PowerSGDState
     with pytest.raises(GradzipError, match="rank must be an integer >= 1, got True"):
         PowerSGDState(rank=True)
     with pytest.raises(GradzipError, match="start_iter must be an integer >= 0, got False"):

@@ -8,7 +8,7 @@ from benchmarks import step_vs_ddp
 from gradzip.bench import netns
 from gradzip.comm import allreduce_wire_bytes
 from gradzip.errors import GradzipError
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 
 
 def test_help_names_the_settings(capsys):

@@ -1,4 +1,4 @@
-"""Stragglers (gradzip.stragglers; docs/stragglers.md): the E[max] formulas,
+"""Stragglers (gradzip.train.stragglers; docs/stragglers.md): the E[max] formulas,
 the seeded delays against them, the training loop's injection and record, the timeline
 model's projection, and the errors of a bad --straggler."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ import statistics
 import pytest
 
 import gradzip
-from gradzip import cli, stragglers
+from gradzip import cli
+from gradzip.train import stragglers
 from gradzip.bench import profiling, tables, timeline
 from gradzip.bench.cli import net_bench
 from gradzip.errors import GradzipError

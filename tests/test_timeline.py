@@ -6,7 +6,7 @@ import pytest
 from gradzip.bench import timeline
 from gradzip.bench.profiling import profile_method
 from gradzip.bench.timeline import Bucket, backward_timeline
-from gradzip.train import projection
+from gradzip.bench import projection
 
 
 def test_one_bucket_is_the_sequential_sum():

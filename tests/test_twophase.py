@@ -1,4 +1,4 @@
-"""The two-phase compressed allreduce (gradzip.twophase, PSync transport="twophase"):
+"""The two-phase compressed allreduce (gradzip.exchange.twophase, PSync transport="twophase"):
 against a numpy reference of the spec's rule (slices of each bucket of the plan), identity
 = allreduce, conservation, bytes = the formula, resume with server errors, the auto rule,
 all_to_all and the int16 2bit summand."""
@@ -11,13 +11,13 @@ import torch
 
 import gradzip
 from gradzip import kernels
-from gradzip import planner as tp
+from gradzip.exchange import planner as tp
 from gradzip.bench.profiling import RecordingGroup
 from gradzip.comm import make_group, simulate
 from gradzip.compressors import build
 from gradzip.errors import GradzipError
 from gradzip.exchange import PSync
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 
 SIZES = (1, 5, 13, 30)   # odd sizes; some below the worker count (empty slices)
 T = 0.4                  # 2bit threshold
@@ -303,12 +303,13 @@ def test_transport_is_a_common_option_checked_and_compared():
         opt = gradzip.optim.EFSGD([p], lr=0.1, comm=comm, compressor="1bit",
                                   transport="twophase" if comm.rank else "allgather")
         opt.step()
-    with pytest.raises(gradzip.consistency.InconsistentWorkers, match="transport"):
+    with pytest.raises(gradzip.guards.consistency.InconsistentWorkers, match="transport"):
         simulate(2, run)
 
 
 def test_cli_takes_transport():
-    from gradzip.cli import _configs, build_parser
+    from gradzip.cli import build_parser
+    from gradzip.cli.runs import _configs
     args = build_parser().parse_args(["train", "--algo", "efsgd", "--compressor", "1bit", "--transport", "twophase"])
     assert _configs(args)[0].transport == "twophase"
 
@@ -358,7 +359,7 @@ def test_all_to_all_in_rounds_is_the_same_exchange():
 def test_round_bytes_changes_no_number_and_no_byte(hierarchy):
     """PSync's round_bytes (each two-phase all-to-all in rounds): bit for bit the same
     aggregates, residuals, server errors and bytes as whole messages, flat and hierarchical."""
-    from gradzip.hierarchy import HierarchicalPSync
+    from gradzip.exchange.hierarchy import HierarchicalPSync
 
     def run(comm, round_bytes):
         kind = PSync if hierarchy is None else HierarchicalPSync
@@ -379,7 +380,8 @@ def test_round_bytes_changes_no_number_and_no_byte(hierarchy):
 
 
 def test_round_bytes_is_a_common_option_compared_and_a_cli_flag():
-    from gradzip.cli import _configs, build_parser
+    from gradzip.cli import build_parser
+    from gradzip.cli.runs import _configs
     args = build_parser().parse_args(["train", "--algo", "efsgd", "--compressor", "1bit", "--round-bytes", "65536"])
     assert _configs(args)[0].round_bytes == 65536
     opt = gradzip.optim.EFSGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, compressor="1bit", round_bytes=65536)
@@ -391,7 +393,7 @@ def test_round_bytes_is_a_common_option_compared_and_a_cli_flag():
         opt = gradzip.optim.EFSGD([p], lr=0.1, comm=comm, compressor="1bit", transport="twophase",
                                   round_bytes=4096 if comm.rank else None)
         opt.step()
-    with pytest.raises(gradzip.consistency.InconsistentWorkers, match="round_bytes"):
+    with pytest.raises(gradzip.guards.consistency.InconsistentWorkers, match="round_bytes"):
         simulate(2, run)
 
 
@@ -475,7 +477,7 @@ def test_cdsgd_runs_two_phase_on_its_exchange_thread():
 def test_an_overflowing_exchange_leaves_the_server_errors_as_they_were():
     """NonFiniteAggregate (check_finite) stops the exchange before its new server errors are
     kept: a skipped step must not leave Inf/NaN (or any change) in E."""
-    from gradzip.nonfinite import NonFiniteAggregate
+    from gradzip.guards.nonfinite import NonFiniteAggregate
 
     def run(comm):
         psync = PSync(comm, "1bit", transport="twophase", check_finite=True)

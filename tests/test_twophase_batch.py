@@ -1,5 +1,5 @@
 """The two-phase exchange's batched codec calls (Compressor.compress_slices, aggregate_slices,
-decode_slices; gradzip.twophase) give the bytes and values of one codec call per slice, bit
+decode_slices; gradzip.exchange.twophase) give the bytes and values of one codec call per slice, bit
 for bit: the fused overrides (sign, scaled_sign, 2bit) against the per-slice calls, and
 PSync's two-phase exchange against a per-slice reference of the spec's box."""
 import numpy as np
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from gradzip import seeds
-from gradzip import planner as tp
-from gradzip import twophase
+from gradzip.exchange import planner as tp
+from gradzip.exchange import twophase
 from gradzip.comm import make_group, simulate
 from gradzip.compressors import Compressor, build
 from gradzip.exchange import PSync

@@ -9,7 +9,7 @@ import torch
 import cases
 import cases_optim
 import gradzip
-from gradzip.launch import run_processes
+from gradzip.comm.launch import run_processes
 
 
 def _check(rank_outs):

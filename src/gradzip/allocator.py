@@ -9,7 +9,7 @@ about a tenth of a copy into a reused buffer on the development machine (docs/be
 ``MALLOC_TRIM_THRESHOLD_`` keep such blocks in the heap for the next step instead.
 
 glibc reads these variables when a process starts, so they are set in the environment of
-the workers a launcher starts (:func:`gradzip.launch.run_processes`, the emulated-network
+the workers a launcher starts (:func:`gradzip.comm.launch.run_processes`, the emulated-network
 bench), never in a running process; under ``torchrun`` export them yourself. A value the
 user already set wins, and ``GRADZIP_MALLOC=system`` leaves the environment untouched
 (``gradzip``, or unset: these settings; anything else is refused).

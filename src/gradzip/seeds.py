@@ -45,6 +45,6 @@ def worker_seed(seed: int, rank: int) -> int:
 
 
 def straggler_seed(seed: int, rank: int, step: int) -> int:
-    """The seed of the delay a straggler emulation (:mod:`gradzip.stragglers`) injects on
+    """The seed of the delay a straggler emulation (:mod:`gradzip.train.stragglers`) injects on
     ``rank`` at ``step``: the same for every method compared in one run."""
     return mix(seed, rank, step, 0x57A66)

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from .. import stragglers
-from ..planner import TRANSPORTS as PSYNC_TRANSPORTS
-from ..twophase import check_round_bytes
+from ..train import stragglers
+from ..exchange.planner import TRANSPORTS as PSYNC_TRANSPORTS
+from ..exchange.twophase import check_round_bytes
 from ..errors import GradzipError
 from ..files import write_text
 from ..train.config import parse_algos

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 from ..compressors import build
 from ..errors import GradzipError
-from ..planner import DEFAULT_BUCKET_BYTES, Link, Plan, collective_time as _collective_time, plan, slice_bounds
+from ..exchange.planner import DEFAULT_BUCKET_BYTES, Link, Plan, collective_time as _collective_time, plan, slice_bounds
 
 
 def collective_time(kind: str, nbytes: int, n: int, bandwidth_Bps: float, alpha_s: float = 0.0) -> float:
     """Seconds for one collective of ``kind`` (allreduce, allgather, broadcast, all_to_all)
-    (:func:`gradzip.planner.collective_time` on a link of ``bandwidth_Bps``, ``alpha_s``)."""
+    (:func:`gradzip.exchange.planner.collective_time` on a link of ``bandwidth_Bps``, ``alpha_s``)."""
     return _collective_time(kind, nbytes, n, Link(bandwidth_Bps, alpha_s))
 
 

@@ -252,7 +252,7 @@ class NetBench:
     out: str = "runs/bench-net"
     timeout_s: float = 900.0
     seed: int = 0
-    straggler: str | None = None   # gradzip.stragglers spec: delays injected in every run
+    straggler: str | None = None   # gradzip.train.stragglers spec: delays injected in every run
     workers_per_node: int = 1   # > 1: k workers per node behind one shaped uplink; methods exchange hierarchically
     transports: list[str] = dataclasses.field(default_factory=lambda: ["auto"])   # every method once per transport
     round_bytes: int | None = None   # two-phase all-to-alls in rounds of at most this many bytes per message

@@ -11,7 +11,7 @@ In ``--algos`` the name ``ddp`` is ``torch.nn.parallel.DistributedDataParallel``
   ``buckets=one`` puts every gradient in one DDP bucket: the unmodified hook issues its
   P and Q allreduces from future callbacks and, with several buckets, aborts on gloo
   (the callbacks of different buckets reach gloo in a different order on different
-  ranks; see :mod:`gradzip.ddp`). ``buckets=each`` keeps DDP's buckets and waits for
+  ranks; see :mod:`gradzip.integrations.ddp`). ``buckets=each`` keeps DDP's buckets and waits for
   each bucket's future inside the hook (the same numbers, no overlap between buckets).
 
 A peer trains the same model, data shard, batch and learning rate as a gradzip row

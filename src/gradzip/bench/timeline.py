@@ -30,7 +30,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..stragglers import Straggler
+from ..train.stragglers import Straggler
 from ..train.config import method_label
 from .profiling import MethodProfile, profile_method
 from .shapes import model_shapes, resnet50_shapes
@@ -80,7 +80,7 @@ BACKWARD_SHARE = 2 / 3
 
 @dataclass(frozen=True)
 class Bucket:
-    """One bucket of an exchange that starts during backward (:mod:`gradzip.optim.overlap`),
+    """One bucket of an exchange that starts during backward (:mod:`gradzip.optim.core.overlap`),
     in launch order (reverse parameter order). ``share``: the fraction of backward's time
     spent on its parameters' gradients; ``compress``: encoding seconds, run by the gradient
     hook on the training thread (it delays the rest of backward); ``communicate``: seconds
@@ -180,7 +180,7 @@ def predict(profile: MethodProfile, compute: float, bandwidth_Bps: float, alpha_
     of ``intra_Bps`` inside a node (:meth:`MethodProfile.comm_cost`). Also returns
     ``wire_bytes`` per step and worker and the transports used. ``straggler_wait``: the
     expected synchronous wait ``E[max of K delays]``
-    (:meth:`gradzip.stragglers.Straggler.expected_wait`), added to the compute: every
+    (:meth:`gradzip.train.stragglers.Straggler.expected_wait`), added to the compute: every
     worker's exchange starts when the slowest worker's does."""
     if transport is None:
         comm, wire, uses = profile.comm_time(bandwidth_Bps, alpha_s), profile.wire_bytes_per_step, ["recorded"]

@@ -7,7 +7,7 @@
   ``from_sum(total, packet, n)`` returns the same aggregate as ``aggregate``. The exchange
   picks this route where it puts fewer bytes on the wire (docs/algorithms.md §Transports).
 * :class:`Slicing`: many slices of one flat tensor at once (the two-phase transport,
-  :mod:`gradzip.twophase`): :meth:`Slicing.compress_slices` compresses many slices ``x[a:b]``,
+  :mod:`gradzip.exchange.twophase`): :meth:`Slicing.compress_slices` compresses many slices ``x[a:b]``,
   each with its own seed, into one :class:`Slices` (every packet's raw wire bytes back to
   back); :meth:`Slicing.aggregate_slices` and :meth:`Slicing.decode_slices` read such buffers
   back. Each slice is still its own packet (its own scale, its own seed): the bytes and

@@ -1,6 +1,6 @@
 """``int8:block=B`` and ``int4:block=B``: block-wise symmetric integer quantisation
 (docs/algorithms.md §codec: int8, §codec: int4). ``int8`` is the weights' codec of ZeRO++'s
-qwZ (``gradzip.fsdp.compress(..., weights="int8")``: the quantized parameter all-gather,
+qwZ (``gradzip.integrations.fsdp.compress(..., weights="int8")``: the quantized parameter all-gather,
 docs/algorithms.md §Sharded exchange); ``int4`` is streaming DiLoCo's 4-bit outer gradients
 (``DiLoCo(..., compressor="int4")``, §DiLoCo).
 

@@ -5,7 +5,7 @@ The full PowerSGD algorithm (docs/algorithms.md §PowerSGD) is stateful (a warm-
 ``Q`` per matrix, error feedback) and needs two allreduce rounds (``P = mean_j M_j Q``,
 then ``Q = mean_j M_jᵀ P̂``). The single ``compress`` / ``decompress`` interface of a codec
 cannot express that, so the two-round algorithm lives in
-:class:`gradzip.optim.PowerSGD` (per tensor) and :func:`gradzip.ddp.powersgd_hook`
+:class:`gradzip.optim.PowerSGD` (per tensor) and :func:`gradzip.integrations.ddp.powersgd_hook`
 (per DDP bucket); both use the helpers below.
 
 **The codec** ``powersgd:rank=r,min_compression_rate=2`` **[choice]** is the one-round,

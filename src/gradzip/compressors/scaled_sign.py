@@ -29,8 +29,7 @@ from ._util import FUSED_DTYPES, MeanOfDecoded, decode_lut, fused_slices, laid_o
 from .base import Compressor, Implementation, OnImplementation, Packet, Slices, deliver
 from .bitpack import packed_nbytes
 from .registry import register
-from .sign import (BITS16, PM1, PM1_F32, _decode_fused, _encode_fused, _fused_bits, _l1_scale, _residual_fused,
-                   encode_slices, l1_norm, rms_scale, sign_bits)
+from .sign import BITS16, PM1, PM1_F32, _decode_fused, _encode_fused, _fused_bits, _l1_scale, _residual_fused, encode_slices, l1_norm, rms_scale, sign_bits
 
 
 class ScaledSignReference(Implementation):

@@ -38,8 +38,7 @@ import torch
 from .. import kernels
 from ..kernels import elementwise as ek
 from ..validation import is_real, require
-from ._util import (FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused_counts, fused_slices, laid_out,
-                    rows, value_table, wire_buffer)
+from ._util import FUSED_DTYPES, decode_lut, encode_chunks, flat_input, fused_counts, fused_slices, laid_out, rows, value_table, wire_buffer
 from .base import Compressor, Implementation, Packet, Slices, SumsOnImplementation, deliver
 from .capabilities import Summing
 from .bitpack import packed_nbytes

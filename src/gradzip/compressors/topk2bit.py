@@ -25,7 +25,7 @@ from ._util import scatter_mean
 from .base import Compressor, Packet, deliver, index_dtype, keep_count, wire_indices
 from .bitpack import pack_bits, unpack_bits
 from .registry import register
-from .sparsify import _check_ratio, topk_indices
+from .sparsify import check_ratio, topk_indices
 
 
 def levels(bounds: torch.Tensor) -> torch.Tensor:
@@ -43,7 +43,7 @@ class TopK2Bit(Compressor):
     ratio: float = 0.02
 
     def __post_init__(self):
-        _check_ratio("topk2bit", self.ratio)
+        check_ratio("topk2bit", self.ratio)
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         flat = tensor.detach().reshape(-1)

@@ -1,7 +1,7 @@
-"""gradzip inside PyTorch's FSDP2 and HSDP: :func:`compress` (public as ``gradzip.fsdp.compress``;
+"""gradzip inside PyTorch's FSDP2 and HSDP: :func:`compress` (public as ``gradzip.integrations.fsdp.compress``;
 docs/algorithms.md §Sharded exchange is the spec, docs/integrations.md the guide).
 
-``handle = gradzip.fsdp.compress(model, compressor="1bit")`` after ``fully_shard`` installs,
+``handle = gradzip.integrations.fsdp.compress(model, compressor="1bit")`` after ``fully_shard`` installs,
 through FSDP2's own hooks, on every FSDP module of ``model``:
 
 * the gradient reduce-scatter as the first half of gradzip's two-phase exchange (every
@@ -35,10 +35,9 @@ from ..comm import TorchGroup
 from ..compressors import Compressor, Packet, PerTensor, build
 from ..errors import GradzipError
 from ..exchange import PSync, Timings
-from ..planner import check_transport
+from ..exchange.planner import check_transport
 from ..validation import is_int
-from .fsdp_collectives import (CodecAllGather, CompressedReduceScatter, ExactAllGather, ExactReduceScatter, Exchange,
-                               ModuleState, ReplicaExchange)
+from .fsdp_collectives import CodecAllGather, CompressedReduceScatter, ExactAllGather, ExactReduceScatter, Exchange, ModuleState, ReplicaExchange
 
 __all__ = ["compress", "FSDPCompression", "ERROR_FEEDBACK", "DROPPING_CODECS"]
 
@@ -76,23 +75,23 @@ class FSDPCompression:
 
     def __init__(self, model, *, compressor, error_feedback, weights, replicas, seed, transport, link, round_bytes):
         if not dist.is_available() or not dist.is_initialized():
-            raise GradzipError("gradzip.fsdp.compress: torch.distributed is not initialised; FSDP2 runs in a process "
+            raise GradzipError("gradzip.integrations.fsdp.compress: torch.distributed is not initialised; FSDP2 runs in a process "
                                "group (torchrun, or gradzip train --fsdp)")
         if not is_int(seed):
-            raise GradzipError(f"gradzip.fsdp.compress: seed must be an integer, got {seed!r}")
+            raise GradzipError(f"gradzip.integrations.fsdp.compress: seed must be an integer, got {seed!r}")
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         modules = _fsdp_modules(model)
         self.codec = _codec(compressor, "compressor")
         self.weights = _codec(weights, "weights")
         if self.weights is not None and self.weights.name in DROPPING_CODECS:
-            raise GradzipError(f"gradzip.fsdp.compress: weights={self.weights.spec!r} drops entries, i.e. parameters, "
+            raise GradzipError(f"gradzip.integrations.fsdp.compress: weights={self.weights.spec!r} drops entries, i.e. parameters, "
                                "from what forward computes with; use a dense codec such as 'int8', 'fp16' or 'bf16'")
         shard_ranks = _shard_ranks(modules)
         self.replicas, cross = _replica_group(replicas, self.world_size, shard_ranks)
         self.error_feedback = _error_feedback(error_feedback, self.codec, cross is not None)
-        self.seed, self.transport = int(seed), check_transport(transport, "gradzip.fsdp.compress")
+        self.seed, self.transport = int(seed), check_transport(transport, "gradzip.integrations.fsdp.compress")
         if cross is None and (transport != "auto" or link is not None or round_bytes is not None):
-            raise GradzipError("gradzip.fsdp.compress: transport, link and round_bytes set the exchange across nodes; "
+            raise GradzipError("gradzip.integrations.fsdp.compress: transport, link and round_bytes set the exchange across nodes; "
                                "give replicas= (HSDP), or leave them out")
         self._exchange = Exchange(self.codec, self.error_feedback, self.weights, self.seed)
         if cross is not None:
@@ -173,12 +172,12 @@ class FSDPCompression:
         saved, now = state.get("settings", {}), self.settings()
         for name, value in now.items():
             if saved.get(name) != value:
-                raise GradzipError(f"gradzip.fsdp: this state was saved with {name}={saved.get(name)!r}, this handle "
-                                   f"has {name}={value!r}; load it into gradzip.fsdp.compress(...) with the same "
+                raise GradzipError(f"gradzip.integrations.fsdp: this state was saved with {name}={saved.get(name)!r}, this handle "
+                                   f"has {name}={value!r}; load it into gradzip.integrations.fsdp.compress(...) with the same "
                                    "settings on as many workers, or start without it")
         mine = state.get(f"rank{self.rank}")
         if not isinstance(mine, (bytes, bytearray)):
-            raise GradzipError(f"gradzip.fsdp: the state holds no entry rank{self.rank} for this worker; load the "
+            raise GradzipError(f"gradzip.integrations.fsdp: the state holds no entry rank{self.rank} for this worker; load the "
                                "state every worker saved, on as many workers")
         payload = torch.load(io.BytesIO(mine), weights_only=True)
         for m in self.modules:
@@ -196,23 +195,23 @@ def _fsdp_modules(model) -> list[tuple[str, Any, Any]]:
     from torch.distributed.fsdp import FSDPModule   # here: FSDP2 costs seconds to import
 
     if not isinstance(model, torch.nn.Module):
-        raise GradzipError(f"gradzip.fsdp.compress takes the model (a torch.nn.Module), got {type(model).__name__}")
+        raise GradzipError(f"gradzip.integrations.fsdp.compress takes the model (a torch.nn.Module), got {type(model).__name__}")
     out = []
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
         if getattr(module, "_gradzip_fsdp", None) is not None:
-            raise GradzipError(f"gradzip.fsdp.compress: module {name or '<root>'!r} already has gradzip installed; "
+            raise GradzipError(f"gradzip.integrations.fsdp.compress: module {name or '<root>'!r} already has gradzip installed; "
                                "compress a model once")
         groups = module._get_fsdp_state()._fsdp_param_groups
         if len(groups) > 1:
-            raise GradzipError(f"gradzip.fsdp.compress: module {name or '<root>'!r} holds {len(groups)} parameter "
+            raise GradzipError(f"gradzip.integrations.fsdp.compress: module {name or '<root>'!r} holds {len(groups)} parameter "
                                "groups (per-parameter meshes of shard_placement_fn), for which FSDP2 takes no custom "
                                "collectives; shard it on one mesh, or leave gradzip off for it")
         if groups:
             out.append((name, module, groups[0]))
     if not out:
-        raise GradzipError(f"gradzip.fsdp.compress: {type(model).__name__} holds no FSDP2 module with parameters; call "
+        raise GradzipError(f"gradzip.integrations.fsdp.compress: {type(model).__name__} holds no FSDP2 module with parameters; call "
                            "torch.distributed.fsdp.fully_shard on its layers and on the model first")
     return out
 
@@ -223,12 +222,12 @@ def _shard_ranks(modules) -> list[int]:
     for name, _, group in modules:
         info = group.mesh_info
         if getattr(info, "replicate_process_group", None) is not None:
-            raise GradzipError(f"gradzip.fsdp.compress: module {name or '<root>'!r} is sharded on a 2-D mesh, whose "
+            raise GradzipError(f"gradzip.integrations.fsdp.compress: module {name or '<root>'!r} is sharded on a 2-D mesh, whose "
                                "replica all-reduce FSDP2 runs itself, uncompressed; for HSDP shard with "
                                "fully_shard(..., mesh=mesh['shard']) and pass replicas=mesh")
         found.add(tuple(dist.get_process_group_ranks(info.shard_process_group)))
     if len(found) > 1:
-        raise GradzipError(f"gradzip.fsdp.compress: the FSDP modules shard over different groups {sorted(found)}; "
+        raise GradzipError(f"gradzip.integrations.fsdp.compress: the FSDP modules shard over different groups {sorted(found)}; "
                            "shard every module on the same mesh")
     return list(found.pop())
 
@@ -239,31 +238,31 @@ def _replica_group(replicas, n: int, shard_ranks: list[int]) -> tuple[int, Torch
     s = len(shard_ranks)
     if replicas is None:
         if s != n:
-            raise GradzipError(f"gradzip.fsdp.compress: the FSDP modules shard over {s} of the {n} workers; pass "
+            raise GradzipError(f"gradzip.integrations.fsdp.compress: the FSDP modules shard over {s} of the {n} workers; pass "
                                f"replicas={n // s if n % s == 0 else 'R'} for HSDP (replicas across nodes), or shard "
                                "over every worker")
         return 1, None
     if is_int(replicas):
         if replicas < 1 or n % replicas or n // replicas != s:
-            raise GradzipError(f"gradzip.fsdp.compress: replicas={replicas!r} does not divide the {n} workers into "
+            raise GradzipError(f"gradzip.integrations.fsdp.compress: replicas={replicas!r} does not divide the {n} workers into "
                                f"nodes of the {s} workers each FSDP module shards over; give R with R·{s} = {n}")
         node = dist.get_rank() // s
         if shard_ranks != list(range(node * s, (node + 1) * s)):
-            raise GradzipError(f"gradzip.fsdp.compress: this worker's FSDP shard group is ranks {shard_ranks}, not its "
+            raise GradzipError(f"gradzip.integrations.fsdp.compress: this worker's FSDP shard group is ranks {shard_ranks}, not its "
                                f"node's {node * s}..{(node + 1) * s - 1}; number ranks node-major (as torchrun) or pass "
                                "the DeviceMesh as replicas")
         cross = TorchGroup().split([[j + m * s for m in range(replicas)] for j in range(s)])
         return int(replicas), cross
     mesh = replicas
     if not hasattr(mesh, "get_group") or getattr(mesh, "ndim", 0) not in (1, 2):
-        raise GradzipError(f"gradzip.fsdp.compress: replicas must be None, an integer R or a DeviceMesh (2-D "
+        raise GradzipError(f"gradzip.integrations.fsdp.compress: replicas must be None, an integer R or a DeviceMesh (2-D "
                            f"(replicate, shard), or its replicate dimension), got {type(replicas).__name__}")
     if mesh.ndim == 2 and dist.get_process_group_ranks(mesh.get_group(1)) != shard_ranks:
-        raise GradzipError(f"gradzip.fsdp.compress: the FSDP modules shard over ranks {shard_ranks}, not over the "
+        raise GradzipError(f"gradzip.integrations.fsdp.compress: the FSDP modules shard over ranks {shard_ranks}, not over the "
                            "mesh's second (shard) dimension; shard with fully_shard(..., mesh=mesh['shard'])")
     pg = mesh.get_group(0)
     if dist.get_world_size(pg) * s != n:
-        raise GradzipError(f"gradzip.fsdp.compress: the replicate dimension has {dist.get_world_size(pg)} workers and "
+        raise GradzipError(f"gradzip.integrations.fsdp.compress: the replicate dimension has {dist.get_world_size(pg)} workers and "
                            f"the shard groups {s}, which does not make the {n} workers")
     return dist.get_world_size(pg), TorchGroup(pg)
 
@@ -273,7 +272,7 @@ def _codec(spec, what: str) -> Compressor | None:
         return None
     codec = build(spec)
     if isinstance(codec, PerTensor):
-        raise GradzipError(f"gradzip.fsdp.compress: {what}={codec.spec!r} is a per-tensor policy; FSDP2 reduces and "
+        raise GradzipError(f"gradzip.integrations.fsdp.compress: {what}={codec.spec!r} is a per-tensor policy; FSDP2 reduces and "
                            "gathers one flat buffer per module: give one codec")
     return codec
 
@@ -282,20 +281,20 @@ def _error_feedback(value, codec: Compressor | None, hsdp: bool) -> str:
     """The error feedback mode (:data:`ERROR_FEEDBACK`) of ``value`` for ``codec``."""
     if codec is None:
         if value not in (None, False, "off"):
-            raise GradzipError("gradzip.fsdp.compress: error feedback needs a codec; give compressor=...")
+            raise GradzipError("gradzip.integrations.fsdp.compress: error feedback needs a codec; give compressor=...")
         return "off"
     if value is None:   # (none is lossless: its residual is 0)
         mode = "off" if codec.unbiased or codec.name == "none" else "full"
     else:
         mode = "full" if value is True else "off" if value is False else value
     if mode not in ERROR_FEEDBACK:
-        raise GradzipError(f"gradzip.fsdp.compress: error_feedback must be None, True, False or one of "
+        raise GradzipError(f"gradzip.integrations.fsdp.compress: error_feedback must be None, True, False or one of "
                            f"{', '.join(ERROR_FEEDBACK)}, got {value!r}")
     if mode != "off" and codec.unbiased:
-        raise GradzipError(f"gradzip.fsdp.compress: error feedback with the unbiased codec {codec.spec!r} accumulates "
+        raise GradzipError(f"gradzip.integrations.fsdp.compress: error feedback with the unbiased codec {codec.spec!r} accumulates "
                            "its variance and diverges; leave error_feedback unset (off for unbiased codecs)")
     if mode == "shard" and hsdp:
-        raise GradzipError("gradzip.fsdp.compress: with replicas the residual is the shard's already; use "
+        raise GradzipError("gradzip.integrations.fsdp.compress: with replicas the residual is the shard's already; use "
                            "error_feedback=True (or None)")
     return mode
 

@@ -1,5 +1,5 @@
 """The collectives of gradzip's sharded exchange, as FSDP2 calls them (docs/algorithms.md
-§Sharded exchange; the public entry point is :func:`gradzip.fsdp.compress`).
+§Sharded exchange; the public entry point is :func:`gradzip.integrations.fsdp.compress`).
 
 FSDP2 takes a custom reduce-scatter and all-gather as objects with ``allocate(size, *,
 dtype, device)`` and ``__call__`` (its ``ReduceScatter`` / ``AllGather`` interfaces, met here
@@ -67,7 +67,7 @@ class ModuleState:
         """Refuse a reduce-scatter that is not ``rows`` rows of every parameter's piece: a
         parameter without a gradient in this step (FSDP2 then leaves it out)."""
         if numel != rows * self.row_numel:
-            raise GradzipError(f"gradzip.fsdp: module {self.name!r} reduce-scattered {numel} gradient entries, not "
+            raise GradzipError(f"gradzip.integrations.fsdp: module {self.name!r} reduce-scattered {numel} gradient entries, not "
                                f"the {rows * self.row_numel} of all its parameters: a parameter had no gradient in "
                                "this step; call set_reduce_scatter_unused_params(True) on the module")
 
@@ -97,12 +97,12 @@ def reduce_scale(op, s: int, factor: float | None) -> float:
         return float(s)
     if kind == dist.ReduceOp.PREMUL_SUM and factor:
         return s / float(factor)
-    raise GradzipError(f"gradzip.fsdp: FSDP2 asked for a reduce-scatter with op {kind}, which the sharded exchange "
+    raise GradzipError(f"gradzip.integrations.fsdp: FSDP2 asked for a reduce-scatter with op {kind}, which the sharded exchange "
                        "does not implement (mean, sum, or a sum divided by set_gradient_divide_factor)")
 
 
 class Exchange:
-    """What the collectives of one :func:`gradzip.fsdp.compress` share: the codecs, the error
+    """What the collectives of one :func:`gradzip.integrations.fsdp.compress` share: the codecs, the error
     feedback mode, the seed, the :class:`~gradzip.comm.TorchGroup` of each process group FSDP2
     passes (bytes counted there), the bytes of FSDP2's own collectives (counted by the ring
     model, :attr:`exact_bytes`) and the seconds of codec work and of waiting."""
@@ -265,7 +265,7 @@ class CodecAllGather(_Collective):
                  async_op: bool = False) -> None:
         ex, m = self.exchange, self.module
         if not input_tensor.is_floating_point():
-            raise GradzipError(f"gradzip.fsdp: module {m.name!r} gathers parameters of several dtypes in one buffer "
+            raise GradzipError(f"gradzip.integrations.fsdp: module {m.name!r} gathers parameters of several dtypes in one buffer "
                                f"({input_tensor.dtype}); weights={ex.weights.spec!r} quantizes floating-point "
                                "parameters: give the module's parameters one dtype, or leave weights=None")
         comm = ex.group(group)

@@ -15,6 +15,11 @@ from a small ``table`` in the output's dtype that the codec builds with torch ex
 its reference path builds them (16-bit floats as uint16 bits), so the kernels never round
 anything themselves and are bit-identical to the reference by construction. NaN compares
 false (sign: bit 0; 2bit: code 0), as in torch. No fastmath.
+
+Over 450 lines on purpose: every kernel of the 1- and 2-bit codecs (encode, decode,
+decode-and-add, the many-slice forms of the two-phase exchange) shares the packing
+multipliers and loops here (``PACK8``/``PACK4``, the block loops), which the quantising
+codecs' kernels import too; one family, one module.
 """
 from __future__ import annotations
 
@@ -420,7 +425,7 @@ def sign_of_counts(total, table, out):
         out[i] = table[1 + (v > 0) - (v < 0)]
 
 
-# -- many slices of n workers (the two-phase exchange, gradzip.twophase) -------------------
+# -- many slices of n workers (the two-phase exchange, gradzip.exchange.twophase) -------------------
 # ``wires``: one row per worker, each holding that worker's packets of the same slices at the
 # same byte ``offsets``; slice m's aggregate goes to ``out[starts[m]:stops[m]]``. Each is
 # the codec's own aggregate of the decoded packets, in the same float operations.

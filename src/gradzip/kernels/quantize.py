@@ -15,6 +15,12 @@ The kernels work on flat numpy views (:func:`gradzip.kernels.array`) of contiguo
 tensors. Entry ``j`` of a kernel's slice has counter ``j`` (callers slice at counter-block
 boundaries, see ``counter_rng.BLOCK``). Work is done in pieces of :data:`PIECE` entries
 (1bit: :data:`ONEBIT_PIECE`): codes first into a small scratch (a loop LLVM vectorises), then packed.
+
+Why one module of over 450 lines: the three codecs' kernels call the same packing and
+byte-order helpers, which :func:`_compile_helpers` turns into numba functions in this
+module's namespace on first use, and numba resolves a kernel's callees from its own
+module's globals when it compiles it; kernels in another module would need their own
+compiled copies of every helper (and their own lazy compilation).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The methods, one module each; each ``step()`` is its algorithm box (docs/algorithms.md, "Methods")."""
-from .base import DistributedOptimizer
-from .options import COMMON_OPTIONS, method_options
+from .core.base import DistributedOptimizer
+from .core.options import COMMON_OPTIONS, method_options
 from .asgd import ASGD
 from .bitsgd import BitSGD
 from .cdsgd import CDSGD, CPSGD, ODSGD
@@ -12,7 +12,9 @@ from .demo import DeMo
 from .cser import CSER, CSERPL
 from .efsgd import EFSGD
 from .localsgd import LocalSGD
-from .onebit import OneBitAdam, OneBitLAMB, ZeroOneAdam
+from .onebit_adam import OneBitAdam
+from .onebit_lamb import OneBitLAMB
+from .zeroone_adam import ZeroOneAdam
 from .powersgd import PowerSGD
 from .qsparse import QSparseLocalSGD
 from .ssgd import SSGD
@@ -20,7 +22,7 @@ from .lars import LARS
 from .lamb import LAMB
 from .compressed import AdamWMethod, Compressed, LAMBMethod, LARSMethod
 from .sam import SAM
-from .schedule import LinearScalingWarmup, lr_at, scaled_lr
+from .core.schedule import LinearScalingWarmup, lr_at, scaled_lr
 
 #: CLI name -> method class (``gradzip train --algo NAME``).
 METHODS = {"ssgd": SSGD, "efsgd": EFSGD, "bitsgd": BitSGD,

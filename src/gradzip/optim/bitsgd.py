@@ -5,7 +5,7 @@ import math
 
 from ..compressors import build
 from ..validation import is_real, require
-from .overlap import GradientExchange
+from .core.overlap import GradientExchange
 
 
 class BitSGD(GradientExchange):
@@ -20,7 +20,7 @@ class BitSGD(GradientExchange):
     worker, so the model stays bitwise identical. It is CD-SGD without the local update
     and without the k-step correction. ``threshold`` is compared with *mean* gradients
     (MXNet compares 0.5 with batch-summed ones); see docs/algorithms.md §codec: 2bit. The
-    exchange starts during backward (``overlap_backward``, :mod:`gradzip.optim.overlap`).
+    exchange starts during backward (``overlap_backward``, :mod:`gradzip.optim.core.overlap`).
     """
 
     def __init__(self, params, lr, *, threshold: float | None = None, **kwargs):

@@ -46,10 +46,10 @@ import torch
 
 from ..compressors import build
 from ..exchange import Timings
-from ..nonfinite import NonFiniteAggregate
+from ..guards.nonfinite import NonFiniteAggregate
 from ..trace import maybe_span
 from ..validation import is_int, is_real, require
-from .base import DistributedOptimizer
+from .core.base import DistributedOptimizer
 
 
 class CDSGD(DistributedOptimizer):

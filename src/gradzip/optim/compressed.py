@@ -9,7 +9,7 @@
     g ← a  (written into .grad);  inner.step()
 
 With ``compressor="none"`` it is DDP + the inner optimizer on the mean gradient. The
-exchange starts during backward (``overlap_backward``, :mod:`gradzip.optim.overlap`), the
+exchange starts during backward (``overlap_backward``, :mod:`gradzip.optim.core.overlap`), the
 residuals are ``state[p]["error"]`` of the wrapper, and the wrapper shares the inner
 optimizer's ``param_groups`` (the same list): an LR scheduler built on either acts on the
 inner optimizer's groups.
@@ -26,12 +26,12 @@ from ..compressors import Compressor, build
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES
 from ..validation import is_real, refuses_unknown_options, require
-from .base import DistributedOptimizer
+from .core.base import DistributedOptimizer
 from .lamb import LAMB
 from .lars import LARS
-from .options import no_momentum, parse_betas
-from .overlap import GradientExchange
-from .participation import hold_once
+from .core.options import no_momentum, parse_betas
+from .core.overlap import GradientExchange
+from .core.participation import hold_once
 
 
 class Compressed(GradientExchange):
@@ -39,7 +39,7 @@ class Compressed(GradientExchange):
 
     ``error_feedback=None``: on for biased codecs, off for unbiased ones
     (:attr:`Compressor.unbiased`) and for ``"none"`` (its residual is zero), as the DDP
-    hook (:class:`gradzip.ddp.CodecState`); ``True`` with an unbiased codec is refused.
+    hook (:class:`gradzip.integrations.ddp.CodecState`); ``True`` with an unbiased codec is refused.
     ``state_dict()`` holds the residuals, the counters and ``"inner"``: the inner
     optimizer's state dict. The common options: ``comm``, ``seed``, ``bucket_bytes``,
     ``nonfinite``, ``overlap_backward``, ``transport``, ``hierarchy``; learning rate, momentum and weight decay are the

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from ..compressors import Compressor
-from .overlap import GradientExchange
-from .ratios import DEFAULT_RC, codec_for_ratio, single_codec
+from .core.overlap import GradientExchange
+from .core.ratios import DEFAULT_RC, codec_for_ratio, single_codec
 
 
 class CSEA(GradientExchange):
@@ -21,8 +21,8 @@ class CSEA(GradientExchange):
     synchronised; ``state[p]["error"]`` holds ``e_i``.
 
     ``rc``: target R_C = R_C1, giving ``compressor = randblock:in=rc`` (see
-    :mod:`gradzip.optim.ratios`); ``"auto"`` without rc is rc = 16 (``randblock:in=16``).
-    The exchange starts during backward (``overlap_backward``, :mod:`gradzip.optim.overlap`).
+    :mod:`gradzip.optim.core.ratios`); ``"auto"`` without rc is rc = 16 (``randblock:in=16``).
+    The exchange starts during backward (``overlap_backward``, :mod:`gradzip.optim.core.overlap`).
     """
 
     replicas_differ = True

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from ..compressors import Compressor
-from ..nonfinite import NonFiniteAggregate
+from ..guards.nonfinite import NonFiniteAggregate
 from ..validation import require
-from .overlap import GradientExchange
-from .ratios import DEFAULT_RC, check_period, check_rc, derive_cser, derive_periodic, is_auto
+from .core.overlap import GradientExchange
+from .core.ratios import DEFAULT_RC, check_period, check_rc, derive_cser, derive_periodic, is_auto
 
 
 def _is_zero(value) -> bool:
@@ -44,7 +44,7 @@ class CSER(GradientExchange):
     H = 8).
 
     The gradient exchange (C2) starts during backward (``overlap_backward``,
-    :mod:`gradzip.optim.overlap`); the error reset runs in ``step()`` after it. Without a
+    :mod:`gradzip.optim.core.overlap`); the error reset runs in ``step()`` after it. Without a
     gradient exchange (``c2=None``, CSER-PL) ``step()`` does everything.
     """
 
@@ -151,7 +151,7 @@ class CSERPL(CSER):
         if t mod H == 0:  (e', e_new) = PSync(e_i; C1);  x_i ← x_i − e_i + e';  e_i ← e_new
 
     Exactly ``CSER(c2=None)``. ``rc`` derives C1 and H with ``R_C = H·R_C1`` (see
-    :mod:`gradzip.optim.ratios`); without it, ``"auto"`` options take the rc = 16 setting
+    :mod:`gradzip.optim.core.ratios`); without it, ``"auto"`` options take the rc = 16 setting
     (H = 4, C1 = ``randblock:in=4``). With H = 1 it is CSEA.
     """
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 
 from ..compressors import Compressor
-from ..nonfinite import NonFiniteAggregate
+from ..guards.nonfinite import NonFiniteAggregate
 from ..validation import is_real, require
-from .base import DistributedOptimizer
-from .options import no_momentum
+from .core.base import DistributedOptimizer
+from .core.options import no_momentum
 
 
 class DeMo(DistributedOptimizer):

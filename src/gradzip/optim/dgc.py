@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from ..compressors.dgc import DGCCompressor, selected_indices
-from ..nonfinite import NonFiniteAggregate
+from ..guards.nonfinite import NonFiniteAggregate
 from ..validation import is_int, is_real, require
-from .overlap import GradientExchange
+from .core.overlap import GradientExchange
 
 #: The paper's warm-up: sparsity 75%, 93.75%, 98.4375%, 99.6%, then the target (99.9%),
 #: i.e. density 0.25**s in stage s = 1, 2, 3, 4 of the warm-up.
@@ -54,7 +54,7 @@ class DGC(GradientExchange):
     checkpoints through ``state_dict()``.
 
     Without clipping the exchange starts during backward (``overlap_backward``,
-    :mod:`gradzip.optim.overlap`): a tensor's ``v`` (or dense gradient) is known once its
+    :mod:`gradzip.optim.core.overlap`): a tensor's ``v`` (or dense gradient) is known once its
     gradient is. ``clip_norm > 0`` needs every gradient's norm first: ``step()`` does all.
     """
 

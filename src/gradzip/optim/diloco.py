@@ -49,13 +49,13 @@ import torch
 from ..compressors import build
 from ..errors import GradzipError
 from ..exchange import DEFAULT_BUCKET_BYTES, Pending
-from ..nonfinite import NonFiniteAggregate
+from ..guards.nonfinite import NonFiniteAggregate
 from ..trace import maybe_span
 from ..validation import is_int, is_real, refuses_unknown_options, require
-from .base import DistributedOptimizer
-from .options import FLOAT32_MAX, check_hyperparameters, no_momentum
-from .participation import hold_once
-from .ratios import check_period
+from .core.base import DistributedOptimizer
+from .core.options import FLOAT32_MAX, check_hyperparameters, no_momentum
+from .core.participation import hold_once
+from .core.ratios import check_period
 
 
 class DiLoCo(DistributedOptimizer):
@@ -139,7 +139,7 @@ class DiLoCo(DistributedOptimizer):
 
     def exchanges_at(self, step: int) -> bool:
         """The steps a fragment's exchange starts (the set's agreement:
-        :mod:`gradzip.optim.participation`)."""
+        :mod:`gradzip.optim.core.participation`)."""
         r, h = step % self.H, self.H // self.fragment_count
         return any(r == ((f + 1) * h - self.delay) % self.H for f in range(self.fragment_count))
 

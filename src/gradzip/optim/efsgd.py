@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .overlap import GradientExchange
-from .ratios import single_codec
+from .core.overlap import GradientExchange
+from .core.ratios import single_codec
 
 DEFAULT_CODEC = "topk:ratio=0.01"
 
@@ -21,9 +21,9 @@ class EFSGD(GradientExchange):
     ``EFSGD(compressor="1bit")``, EF-signSGD ``EFSGD(compressor="scaled_sign")``.
 
     ``compressor="auto"`` is ``topk:ratio=0.01``; or give ``rc``, a target R_C = R_C1, for
-    the random-block codec sending 1/rc of every tensor (as CSEA; :mod:`gradzip.optim.ratios`),
+    the random-block codec sending 1/rc of every tensor (as CSEA; :mod:`gradzip.optim.core.ratios`),
     so that ``gradzip compare --rc`` treats EF-SGD like the error-reset methods. The
-    exchange starts during backward (``overlap_backward``, :mod:`gradzip.optim.overlap`).
+    exchange starts during backward (``overlap_backward``, :mod:`gradzip.optim.core.overlap`).
     """
 
     def __init__(self, params, lr, *, compressor: str = "auto", rc: float | None = None, **kwargs):

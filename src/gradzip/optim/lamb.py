@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from ..validation import is_real, refuses_unknown_options, require
-from .eager import EagerOptimizer
+from .core.eager import EagerOptimizer
 from .lars import check_common, excluded
-from .participation import require_dense
+from .core.participation import require_dense
 
 
 class LAMB(EagerOptimizer):

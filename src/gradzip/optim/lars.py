@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from ..validation import is_real, refuses_unknown_options, require
-from .eager import EagerOptimizer
-from .options import FLOAT32_MAX
-from .participation import require_dense
+from .core.eager import EagerOptimizer
+from .core.options import FLOAT32_MAX
+from .core.participation import require_dense
 
 
 def check_common(name: str, lr, weight_decay, eps, exclude_1d, where: str = "") -> None:

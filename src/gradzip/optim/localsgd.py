@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from ..nonfinite import NonFiniteAggregate
-from .base import DistributedOptimizer
-from .ratios import check_period
+from ..guards.nonfinite import NonFiniteAggregate
+from .core.base import DistributedOptimizer
+from .core.ratios import check_period
 
 
 class LocalSGD(DistributedOptimizer):
@@ -29,7 +29,7 @@ class LocalSGD(DistributedOptimizer):
         self.psync = self.make_psync("none")
 
     def exchanges_at(self, step: int) -> bool:
-        """Only every H steps (the set's agreement: :mod:`gradzip.optim.participation`)."""
+        """Only every H steps (the set's agreement: :mod:`gradzip.optim.core.participation`)."""
         return step % self.H == 0
 
     @torch.no_grad()

@@ -6,10 +6,10 @@ from collections import defaultdict
 import torch
 
 from ..compressors.powersgd import effective_rank, matrix_shape, orthogonalize, random_q, should_compress
-from ..nonfinite import NonFiniteAggregate
+from ..guards.nonfinite import NonFiniteAggregate
 from ..seeds import mix as mix_seed
 from ..validation import is_int, is_real, require
-from .base import DistributedOptimizer
+from .core.base import DistributedOptimizer
 
 
 class PowerSGD(DistributedOptimizer):
@@ -40,7 +40,7 @@ class PowerSGD(DistributedOptimizer):
     inherently sequential (``Q`` needs ``P̂``).
 
     Differences from PyTorch's ``powerSGD_hook`` (which the DDP hook
-    :func:`gradzip.ddp.powersgd_hook` reproduces exactly):
+    :func:`gradzip.integrations.ddp.powersgd_hook` reproduces exactly):
 
     * state per parameter tensor, not per DDP bucket; ``Q`` drawn per tensor from gradzip's
       seeds instead of one numpy-seeded draw per bucket;

@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 
 from ..compressors import Compressor
-from ..nonfinite import NonFiniteAggregate
+from ..guards.nonfinite import NonFiniteAggregate
 from ..validation import require
-from .base import DistributedOptimizer
-from .ratios import DEFAULT_RC, check_period, check_rc, derive_periodic, is_auto
+from .core.base import DistributedOptimizer
+from .core.ratios import DEFAULT_RC, check_period, check_rc, derive_periodic, is_auto
 
 
 class QSparseLocalSGD(DistributedOptimizer):
@@ -26,7 +26,7 @@ class QSparseLocalSGD(DistributedOptimizer):
     momentum, never synchronised. With H = 1 and ``compressor="none"`` it is S-SGD.
 
     ``rc``: target ``R_C = H·R_C1``, deriving the codec (and H unless given) as in
-    :mod:`gradzip.optim.ratios`; ``"auto"``/``None`` without rc take the rc = 16 setting
+    :mod:`gradzip.optim.core.ratios`; ``"auto"``/``None`` without rc take the rc = 16 setting
     (H = 4, ``randblock:in=4``).
     """
 
@@ -48,7 +48,7 @@ class QSparseLocalSGD(DistributedOptimizer):
         self.psync = self.make_psync(codec if is_auto(compressor) else compressor)
 
     def exchanges_at(self, step: int) -> bool:
-        """Only every H steps (the set's agreement: :mod:`gradzip.optim.participation`)."""
+        """Only every H steps (the set's agreement: :mod:`gradzip.optim.core.participation`)."""
         return step % self.H == 0
 
     @torch.no_grad()

@@ -9,8 +9,8 @@ import torch
 
 from ..errors import GradzipError
 from ..validation import is_real, refuses_unknown_options, require
-from .eager import EagerOptimizer
-from .options import FLOAT32_MAX
+from .core.eager import EagerOptimizer
+from .core.options import FLOAT32_MAX
 
 
 class SAM(EagerOptimizer):

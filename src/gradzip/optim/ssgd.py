@@ -1,7 +1,7 @@
 """S-SGD: synchronous data parallel, optionally with a codec and no error memory."""
 from __future__ import annotations
 
-from .overlap import GradientExchange
+from .core.overlap import GradientExchange
 
 
 class SSGD(GradientExchange):
@@ -13,7 +13,7 @@ class SSGD(GradientExchange):
     ``"qsgd"``, ``"terngrad"``, ``"randomk:ratio=0.01,unbiased=true"``, and ``"sign"``
     (signSGD with majority vote; with momentum it is Signum). The model stays bitwise
     identical on every worker. The exchange starts during backward (``overlap_backward``,
-    :mod:`gradzip.optim.overlap`).
+    :mod:`gradzip.optim.core.overlap`).
     """
 
     exchange_residual = False

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import optim
+from ..optim.core import schedule
 from ..comm import Group
 from ..errors import GradzipError
 from ..validation import is_int, is_real
@@ -94,7 +95,7 @@ class RunConfig:
     keep_checkpoints: int = 2     # steps each rank keeps (>= 2: the newest, and one to resume from if it is damaged)
     start_over: bool = False      # resume: start from scratch when no step is sound (files that fail are kept, renamed)
     progress: bool = True
-    straggler: str | None = None  # injected delays (gradzip.stragglers): "exp:mean=S", "normal:...", "slow:..."
+    straggler: str | None = None  # injected delays (gradzip.train.stragglers): "exp:mean=S", "normal:...", "slow:..."
 
     @property
     def name(self) -> str:
@@ -123,8 +124,8 @@ def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOpti
 
 def check_large_batch(cfg: RunConfig) -> None:
     """The large-batch options (``--lr-scaling``, ``--base-batch``, ``--warmup-epochs``, ``--sam-rho``)."""
-    if cfg.lr_scaling not in optim.schedule.SCALINGS:
-        raise GradzipError(f"--lr-scaling must be one of {', '.join(optim.schedule.SCALINGS)}, got {cfg.lr_scaling!r}")
+    if cfg.lr_scaling not in schedule.SCALINGS:
+        raise GradzipError(f"--lr-scaling must be one of {', '.join(schedule.SCALINGS)}, got {cfg.lr_scaling!r}")
     if not is_int(cfg.base_batch) or cfg.base_batch < 0:
         raise GradzipError(f"--base-batch must be an integer >= 1 (0: --batch-size), got {cfg.base_batch!r}")
     if not is_real(cfg.warmup_epochs) or not 0 <= cfg.warmup_epochs < float("inf"):
@@ -144,7 +145,7 @@ def check_large_batch(cfg: RunConfig) -> None:
 
 
 def lr_rule(cfg: RunConfig, world_size: int, steps_per_epoch: int) -> tuple[float, float, int] | None:
-    """``(η_base, η*, T_w)`` of the large-batch rule (:mod:`gradzip.optim.schedule`), or None
+    """``(η_base, η*, T_w)`` of the large-batch rule (:mod:`gradzip.optim.core.schedule`), or None
     without ``--lr-scaling``: ``η*`` for the global batch ``batch_size · world_size``, ``T_w``
     the warm-up epochs in steps."""
     if cfg.lr_scaling == "none":

@@ -2,7 +2,7 @@
 workers' average for methods whose replicas differ), on the test set split among the
 workers, so that no worker waits in a collective while another evaluates the whole set
 (``--timeout`` bounds waiting in collectives: docs/reliability.md). Which model:
-:func:`gradzip.evaluation.evaluation_model`, the library's.
+:func:`gradzip.optim.evaluation.evaluation_model`, the library's.
 
 Accuracy and loss are means over *targets*: one per sample for classification, one per
 position for a language model (targets ``(N, T)``, logits ``(N, classes, T)``)."""
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import Group
-from ..evaluation import evaluation_model  # noqa: F401  (the library's; the loop calls it from here)
+from ..optim.evaluation import evaluation_model  # noqa: F401  (the library's; the loop calls it from here)
 
 
 #: Samples per forward pass of the evaluation; sequences: as many as hold this many targets.

@@ -1,6 +1,6 @@
 """FSDP2 and HSDP runs of the harness (``gradzip train --fsdp [--hsdp R]``, ``compare``'s
 ``fsdp@CODEC`` / ``hsdp@CODEC``): the model sharded with ``fully_shard``, gradzip installed
-with :func:`gradzip.fsdp.compress` (docs/algorithms.md §Sharded exchange), and momentum SGD
+with :func:`gradzip.integrations.fsdp.compress` (docs/algorithms.md §Sharded exchange), and momentum SGD
 on the sharded parameters, behind the optimizer interface the training loop reads
 (:class:`ShardedOptimizer`).
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import consistency
+from ..guards import consistency
 from ..comm import Group, TorchGroup
 from ..errors import GradzipError
 from ..exchange import Timings
@@ -58,7 +58,7 @@ def check(cfg, workers: int | None = None, backend: str = "gloo") -> None:
         raise GradzipError(f"--hsdp {replicas} does not divide the {workers} workers into nodes; give R dividing "
                            "--workers")
     refused = {"checkpoint_dir": "--checkpoint-dir (save a sharded model with torch.distributed.checkpoint and the "
-                                 "gradzip.fsdp handle in a script)",
+                                 "gradzip.integrations.fsdp handle in a script)",
                "workers_per_node": "--workers-per-node (use --hsdp R)",
                "sam_rho": "--sam-rho", "sharpness_rho": "--sharpness-rho",
                "amp": "--amp (FSDP2 takes a MixedPrecisionPolicy)"}

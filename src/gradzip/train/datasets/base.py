@@ -83,6 +83,8 @@ def typed_options(dataset: str, options: list[specs.Option], kinds: dict[str, Ca
             raise GradzipError(f"bad {dataset} option {opt.item!r}; options are {', '.join(kinds)} (e.g. {example}).")
         try:
             out[(names or {}).get(key, key)] = kinds[key](opt.value)
+        except GradzipError:   # a parser's own message (a GradzipError is a ValueError too)
+            raise
         except ValueError:
             raise GradzipError(f"{dataset} option {key} needs {_EXPECTED.get(kinds[key], 'another value')}, got "
                                f"{opt.value!r}.") from None

@@ -1,0 +1,4 @@
+"""``python -m gradzip.cli`` (as ``gradzip``)."""
+from . import run
+
+run()

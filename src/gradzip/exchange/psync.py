@@ -1,0 +1,440 @@
+"""PSync, the one communication primitive every method uses (docs/algorithms.md §PSync;
+transport: §Transports).
+
+``PSync(v; C)``: each worker compresses its tensors ``v_i`` with ``C``, the workers
+exchange the packets, and each gets back ``mean_j C(v_j)`` (or the codec's own aggregate,
+e.g. the majority vote of ``sign``) and its local residual ``r_i = v_i - C(v_i)``. Methods
+with error memory use both (``v'_i = mean_j C(v_j) + r_i``); the others only the aggregate.
+
+PSync executes a plan (:func:`plan`, :mod:`gradzip.exchange.planner`): the tensors in launch order
+(descending key, ≈ the order backward delivers gradients), cut into buckets of up to
+``bucket_bytes`` of their own bytes, each on its route. :meth:`PSync.exchange_plan` is the
+plan of an exchange; ``describe()`` reports it, ``bench.costs`` prices it.
+
+* Compression on the exact transports is per tensor (layer-wise). Random choices use a seed
+  derived from ``(seed, step, tensor key)``, plus the rank for codecs whose randomness is
+  private (QSGD, TernGrad), so random-k / random-block pick the same coordinates on every
+  worker.
+* Routes: the allreduce of the codec's summand when packets sum in compressed form, else
+  the allgather of the packets, whichever puts fewer bytes on the wire for this world size
+  (ties go to allreduce); e.g. ``2bit``: allgather of packed codes ((n-1)·d/4) below 8
+  workers, int8 allreduce (2(n-1)/n·d) from 8 on (int16 from 128). ``transport=``
+  (:data:`TRANSPORTS`): ``"allreduce"`` / ``"allgather"`` pin the collective;
+  ``"twophase"`` sends every bucket through the two-phase compressed allreduce of
+  :mod:`gradzip.exchange.twophase` (slices of the bucket, a server error: it changes the numbers);
+  ``"auto"`` (default) takes the exact routes and two-phase only where the link model says
+  it costs at most half (``link``; :data:`gradzip.exchange.planner.DEFAULT_LINK` when None).
+* One collective per bucket and route: one buffer per summand dtype for allreduce, raw bytes
+  for allgather. Decoding is per tensor again. With integer summands, or on the in-process
+  group, bucketing changes no bit on the exact transports; a float sum inside a real
+  collective may associate differently (≈1 ulp).
+
+``start()`` compresses and launches the collectives asynchronously, bucket by bucket, and
+returns a :class:`Pending`; ``Pending.wait()`` decodes. ``__call__`` does both.
+
+Complex tensors travel as their real views (``torch.view_as_real``: float, last dimension
+2), as torch's optimizers treat complex parameters: every codec, transport, seed and
+bucket sees that real tensor, and the aggregates and residuals come back complex (:mod:`.complexes`).
+
+Overflow guard (``check_finite=True``, what the optimizers set unless ``nonfinite="off"``):
+a codec can turn finite inputs into Inf/NaN (fp16 above 65504, QSGD's norm of 1e20, a sum
+of two 3e38). ``wait()`` checks the decoded aggregates (one sum per tensor, an exact look
+only where a sum is not finite) and raises :class:`NonFiniteAggregate` naming the tensor.
+The aggregate is the same on every worker, so every worker raises at the same exchange,
+with no collective to agree. Where the codec carries every NaN/Inf of any worker's input
+into the aggregate (``none``, ``fp16``, ``bf16``: ``Compressor.propagates_nonfinite``) on an
+exact transport, the same check also finds a non-finite *input* (:attr:`PSync.guards_inputs`):
+a method may then leave its gradients unread before the exchange and tell the two causes
+apart only when it raised (``NonFiniteGuard.codec_overflow``).
+
+Memory across steps (what a PSync reuses, and why it is safe) is :mod:`.memory`'s.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .. import seeds
+from ..comm import Group, Work
+from ..compressors import Compressor, Packet, PerTensor, build
+from ..errors import GradzipError
+from ..guards.nonfinite import NonFiniteAggregate, first_nonfinite
+from .planner import DEFAULT_BUCKET_BYTES, DEFAULT_LINK, TRANSPORTS, Bucket, Link, Plan, as_link, check_transport, plan
+from .complexes import real_views, with_complex
+from .memory import Spares, storages
+from .twophase import ServerErrors, TwoPhase, check_round_bytes, phase2_seed
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_LINK", "TRANSPORTS", "Link", "Pending", "Plan", "PSync", "Result",
+           "Timings", "mix_seed", "plan"]
+
+#: The codecs' seed derivation (:func:`gradzip.seeds.mix`), under the name callers know.
+mix_seed = seeds.mix
+
+
+@dataclass
+class Timings:
+    """Seconds of codec work (compress, decode, packing: ``compress_s``) and of waiting on
+    collectives (``communicate_s``), wherever they ran; and the part of each that blocked
+    the training thread (the thread that created the exchange): ``inline_compress_s`` and
+    ``wait_s``. For a method that exchanges inside ``step()`` the two pairs are equal; a
+    method that overlaps the exchange with the next computation blocks for less."""
+
+    compress_s: float = 0.0
+    communicate_s: float = 0.0
+    wait_s: float = 0.0
+    inline_compress_s: float = 0.0
+
+    def __add__(self, other: "Timings") -> "Timings":
+        return Timings(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+@dataclass
+class Result:
+    """What one PSync returns to this worker, in the order of the input tensors."""
+
+    aggregate: list[torch.Tensor]          # mean_j C(v_j) (or the codec's aggregate)
+    residual: list[torch.Tensor] | None    # v_i - C(v_i), when asked for
+    bytes_sent: int                        # what this exchange put on the wire for this worker
+    packet_bytes: int                      # this worker's compressed payload (sum of packet.nbytes)
+
+
+@dataclass
+class _Bucket:
+    """An exact bucket in flight: one collective over its members' summands or packets."""
+
+    kind: str                      # "allreduce" or "allgather"
+    members: list[int]             # tensor positions
+    sizes: list[int]               # buffer elements per member
+    work: Work
+    buffer: torch.Tensor | None = None  # the flat buffer sent, when it is a reusable one
+
+
+@dataclass
+class _TwoPhaseBucket:
+    """A two-phase bucket in flight: its members (positions, shapes) and its exchange."""
+
+    members: list[int]
+    shapes: list[torch.Size]
+    exchange: TwoPhase
+
+
+@dataclass
+class Pending:
+    """An exchange in flight; ``wait()`` returns its :class:`Result`."""
+
+    psync: "PSync"
+    packets: list[Packet | None]                   # per tensor (None: two-phase)
+    buckets: list[_Bucket]
+    residual: list[torch.Tensor] | None
+    packet_bytes: int
+    keys: Sequence[int] = ()
+    recyclable: list[bool] = field(default_factory=list)  # packet i's wire is not its input
+    twophase: list[_TwoPhaseBucket] = field(default_factory=list)
+    codecs: list = field(default_factory=list)     # packet i's codec (None: two-phase)
+    reuse_aggregates: bool = False                 # PSync.reuse_aggregates when it started
+    _result: Result | None = field(default=None, repr=False)
+
+    def wait(self) -> Result:
+        if self._result is None:
+            self._result = self.psync._finish(self)
+        return self._result
+
+
+class PSync:
+    """Compress → exchange → decode for one worker, along the exchange's plan (see the
+    module docstring)."""
+
+    def __init__(self, comm: Group, compressor: "str | Compressor | None" = "none", *,
+                 seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_finite: bool = False,
+                 transport: str = "auto", allow_twophase: bool = True, round_bytes: int | None = None,
+                 link: "str | Link | None" = None):
+        self.comm = comm
+        self.transport = check_transport(transport)
+        #: two-phase: each phase's all-to-all in rounds of at most this many bytes per message
+        #: (None: whole messages); see :func:`gradzip.exchange.twophase.rounds`
+        self.round_bytes = check_round_bytes(round_bytes)
+        #: the link ``auto`` prices transports on (:func:`gradzip.exchange.planner.as_link`)
+        self.link = as_link(link)
+        # False: "auto" stays exact (a method that reads the packets, e.g. DGC's selection)
+        self.allow_twophase = bool(allow_twophase)
+        if transport == "twophase" and not allow_twophase:
+            raise GradzipError("transport='twophase' is not available to this exchange (its method reads the "
+                               "whole-tensor packets); use transport='auto', 'allreduce' or 'allgather'")
+        self.check_finite = bool(check_finite)  # raise NonFiniteAggregate (module docstring)
+        self.compressor = build(compressor)   # a codec, or a PerTensor policy: see codec_for
+        #: key -> parameter name, for a PerTensor policy's name rules (set by the owner:
+        #: the optimizer from its named parameters, the DDP hook from its model)
+        self.names: dict[int, str] = {}
+        self._codecs: dict = {}                # (key, shape, dtype) -> the policy's codec
+        if isinstance(self.compressor, PerTensor):   # per-tensor codecs travel on the exact transports
+            if transport not in ("auto", "allgather"):
+                raise GradzipError(f"transport={transport!r} needs one codec for every tensor; a PerTensor policy "
+                                   "travels on the exact transports: use transport='auto' or 'allgather'")
+            self.allow_twophase = False
+        elif transport == "allreduce" and self.compressor.sum_dtype(comm.world_size, torch.float32) is None:
+            raise GradzipError(f"transport='allreduce': {self.compressor.spec} packets do not sum in compressed form "
+                               f"on {comm.world_size} workers; use transport='auto', 'allgather' or 'twophase'")
+        elif transport == "twophase" and self.compressor.shared_randomness:
+            # their hidden choices (indices, blocks) come from the seed, which the second
+            # compression changes, and their allreduce is already flat (the spec: nothing to gain)
+            raise GradzipError(f"transport='twophase' with {self.compressor.spec}: its packets sum in compressed form "
+                               "(the allreduce is already flat in the number of workers) and its choices come from "
+                               "the shared seed, which two-phase's second compression changes; use transport='auto' "
+                               "or 'allreduce'")
+        self.server_errors = ServerErrors()   # the two-phase E_j (gradzip.exchange.twophase)
+        self._plans: dict = {}
+        self.seed = int(seed)
+        self.bucket_bytes = int(bucket_bytes)
+        self.timings = Timings()
+        self._owner = threading.get_ident()  # the training thread (see Timings)
+        self.tracer = None      # a gradzip.trace.Tracer: spans for compress / communicate / decode
+        self.bytes_sent = 0     # what this worker put on the wire, all exchanges so far
+        self.payload_bytes = 0  # its compressed packets (sum of packet.nbytes)
+        self.memory = Spares()  # what waited exchanges leave for the next start() (.memory)
+        #: opt-in (module docstring, memory): the caller reads an exchange's aggregates
+        #: before its next ``start()`` and keeps none, so their memory may be reused
+        self.reuse_aggregates = False
+        #: opt-in: key -> a tensor of the caller's that it no longer needs (e.g. EF-SGD's last
+        #: exchange input); the next ``start()`` writes that key's residual into it (taken once)
+        self.residual_spares = self.memory.residuals
+
+    def counters(self) -> dict:
+        """Bytes and seconds so far (for a checkpoint): ``load_counters`` restores them."""
+        return {"bytes_sent": self.bytes_sent, "payload_bytes": self.payload_bytes,
+                "timings": dataclasses.asdict(self.timings)}
+
+    def load_counters(self, counters: dict) -> None:
+        self.bytes_sent = int(counters["bytes_sent"])
+        self.payload_bytes = int(counters["payload_bytes"])
+        self.timings = Timings(**counters["timings"])
+
+    def state_dict(self) -> dict:
+        """The exchange's own state: the two-phase server errors (``{"key:slice": E}``)."""
+        return {"server_errors": self.server_errors.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.server_errors.load_state_dict(state.get("server_errors", {}))
+
+    # -- the plan -----------------------------------------------------------------------
+    def exchange_plan(self, tensors: Sequence, keys: Sequence[int] | None = None) -> tuple[list[int], Plan]:
+        """The plan of an exchange of ``tensors`` (tensors, or shapes: float32) with ``keys``
+        (default: their positions), and its order: the positions of the tensors in launch
+        order (descending key). The same on every worker; cached."""
+        keys = list(range(len(tensors))) if keys is None else list(keys)
+        specs = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (tuple(t), torch.float32)
+                 for t in tensors]
+        specs = [(shape + (2,), dtype.to_real()) if dtype.is_complex else (shape, dtype)   # their real views
+                 for shape, dtype in specs]
+        cached = (tuple(specs), tuple(keys))
+        if cached not in self._plans:
+            order = sorted(range(len(specs)), key=lambda i: -keys[i])
+            codecs = [self.codec_for(keys[i], torch.empty(specs[i][0], dtype=specs[i][1], device="meta"))
+                      for i in order]
+            self._plans[cached] = order, self._plan([specs[i] for i in order], codecs)
+        return self._plans[cached]
+
+    def _plan(self, specs, codecs) -> Plan:
+        return plan([s for s, _ in specs], codecs, self.comm.world_size, transport=self.transport,
+                    bucket_bytes=self.bucket_bytes, link=self.link, dtypes=[d for _, d in specs],
+                    twophase=self.allow_twophase)
+
+    def routes(self, tensors: Sequence, keys: Sequence[int] | None = None) -> list[str]:
+        """The route of each tensor (or shape) of an exchange, in the order given."""
+        order, p = self.exchange_plan(tensors, keys)
+        out = [""] * len(order)
+        for route, i in zip(p.routes(), order):
+            out[i] = route
+        return out
+
+    # -- the public calls ---------------------------------------------------------------
+    def __call__(self, tensors: Sequence[torch.Tensor], step: int, *,
+                 keys: Sequence[int] | None = None, residual: bool = True) -> Result:
+        return self.start(tensors, step, keys=keys, residual=residual).wait()
+
+    def start(self, tensors: Sequence[torch.Tensor], step: int, *, keys: Sequence[int] | None = None,
+              residual: bool = True, plan: Plan | None = None) -> Pending:
+        """Compress ``tensors`` and launch their collectives, bucket by bucket of the
+        exchange's plan; ``keys`` identify each tensor across steps (default: its position)
+        for the shared random seeds and the launch order. ``plan``: a plan of these tensors
+        in the order given (``Plan.select`` of the exchange's plan: a bucket launched on its
+        own, as the backward hooks do)."""
+        tensors, complex_at = real_views(tensors)
+        keys = list(range(len(tensors)) if keys is None else keys)
+        began = time.perf_counter()
+        if plan is None:
+            order, plan = self.exchange_plan(tensors, keys)
+        else:
+            order = list(range(len(tensors)))
+        residuals = [None] * len(tensors) if residual else None
+        pending = Pending(self, [None] * len(tensors), [], residuals, 0, keys, [False] * len(tensors),
+                          codecs=[None] * len(tensors), reuse_aggregates=self.reuse_aggregates)
+        for bucket in plan.buckets:
+            members = [order[i] for i in bucket.tensors]
+            if bucket.route == "twophase":
+                pending.twophase.append(self._start_twophase(tensors, members, keys, step, residuals))
+                pending.packet_bytes += pending.twophase[-1].exchange.sent.wire.numel()
+            else:
+                self._start_exact(bucket, members, tensors, keys, step, pending)
+        self.payload_bytes += pending.packet_bytes
+        ended = time.perf_counter()
+        self._add_compress(ended - began)
+        if self.tracer is not None:
+            self.tracer.add("compress", began, ended, bytes=pending.packet_bytes)
+        return with_complex(pending, complex_at)
+
+    @property
+    def guards_inputs(self) -> bool:
+        """Whether the aggregate check (``check_finite``) also raises on a NaN/Inf in any
+        worker's input (module docstring, overflow guard): one codec that propagates
+        non-finite values, on an exact transport."""
+        codec = self.compressor
+        return (self.check_finite and not isinstance(codec, PerTensor) and codec.propagates_nonfinite
+                and self.transport != "twophase")
+
+    def codec_for(self, key: int, tensor: torch.Tensor) -> Compressor:
+        """The codec of the tensor with ``key``: the PSync's codec, or what its
+        :class:`~gradzip.compressors.PerTensor` policy picks by the key's parameter name
+        (:attr:`names`) and the tensor's shape (once per key, shape and dtype)."""
+        policy = self.compressor
+        if not isinstance(policy, PerTensor):
+            return policy
+        cached = (key, tuple(tensor.shape), tensor.dtype)
+        codec = self._codecs.get(cached)
+        if codec is None:
+            codec = self._codecs[cached] = policy.resolve(self.names.get(key), tensor)
+        return codec
+
+    # -- internals: starting a bucket -------------------------------------------------------
+    def _start_exact(self, bucket: Bucket, members: list[int], tensors, keys, step: int, pending: Pending) -> None:
+        """Compress the bucket's tensors (their residuals too, when asked) and launch its
+        collective: the members' summands (allreduce) or raw packets (allgather), back to back."""
+        n = self.comm.world_size
+        spares = self.memory.packets([tensors[i] for i in members], [keys[i] for i in members])
+        parts, sizes, private = [], [], False
+        for i, old in zip(members, spares):
+            t, key = tensors[i], keys[i]
+            codec = pending.codecs[i] = self.codec_for(key, t)
+            if pending.residual is not None:  # one fused pass where the codec has one (Compressor.compress_residual)
+                pending.residual[i] = self.memory.residual(key, t)
+                packet = codec.compress_residual(t.detach(), self._seed(step, key, codec), pending.residual[i],
+                                                 reuse=old)
+            else:
+                packet = codec.compress(t.detach(), self._seed(step, key, codec), reuse=old)
+            pending.packets[i] = packet
+            pending.recyclable[i] = storages(packet.wire.values()).isdisjoint(storages([t]))
+            pending.packet_bytes += packet.nbytes
+            if bucket.route == "allreduce":
+                flat = [codec.summand(packet, n).reshape(-1)]
+                private = private or not storages(flat).isdisjoint(storages([t]))
+            else:
+                flat = [w.reshape(-1).view(torch.uint8) for w in packet.wire.values()]
+            parts.extend(flat)
+            sizes.append(sum(f.numel() for f in flat))
+        device = tensors[members[0]].device
+        buffer, reusable = self.memory.bucket_buffer(bucket.route, bucket.dtype, device, parts, private)
+        collective = self.comm.allreduce if bucket.route == "allreduce" else self.comm.allgather
+        work = collective(buffer, async_op=True)
+        self.bytes_sent += work.nbytes
+        pending.buckets.append(_Bucket(bucket.route, members, sizes, work, buffer if reusable else None))
+
+    def _start_twophase(self, tensors, members: list[int], keys, step: int, residuals) -> _TwoPhaseBucket:
+        """Phase 1 of a two-phase bucket (:class:`gradzip.exchange.twophase.TwoPhase`); the residual of
+        each member is its part of the bucket's residual."""
+        flats = [tensors[i].detach().reshape(-1) for i in members]
+        x = torch.cat(flats) if len(flats) > 1 else flats[0]
+        r = None if residuals is None else torch.empty_like(x)
+        key = keys[members[0]]
+        exchange = TwoPhase.start(self.compressor, self.comm, x, key, step, self._seed(step, key), r,
+                                  self.round_bytes)
+        self.bytes_sent += exchange.work.nbytes
+        if r is not None:
+            at = 0
+            for i, f in zip(members, flats):
+                residuals[i] = r[at:at + f.numel()].view(tensors[i].shape)
+                at += f.numel()
+        return _TwoPhaseBucket(members, [tensors[i].shape for i in members], exchange)
+
+    def _seed(self, step: int, key: int, codec: Compressor | None = None) -> int:
+        if (codec or self.compressor).shared_randomness:
+            return mix_seed(self.seed, step, key)
+        return mix_seed(self.seed, step, key, self.comm.rank + 1)
+
+    # -- internals: finishing --------------------------------------------------------------
+    def count_wait(self, began: float, ended: float) -> None:
+        """Count ``[began, ended]`` (perf_counter) as time blocked on this exchange's network:
+        a method's own small collective issued behind its buckets (gloo runs a group's
+        collectives in order, so it waits for them) belongs to communication, not update."""
+        self.timings.communicate_s += ended - began
+        if threading.get_ident() == self._owner:
+            self.timings.wait_s += ended - began
+        if self.tracer is not None:   # a "wait" span, as CD-SGD's wait for its exchange
+            self.tracer.add("wait", began, ended)
+
+    def _add_compress(self, seconds: float) -> None:
+        self.timings.compress_s += seconds
+        if threading.get_ident() == self._owner:
+            self.timings.inline_compress_s += seconds
+
+    def _finish(self, pending: Pending) -> Result:
+        n = self.comm.world_size
+        out: list[torch.Tensor | None] = [None] * len(pending.packets)
+        sent, errors = 0, {}
+        for tb in pending.twophase:
+            sent += self._finish_twophase(tb, pending.keys, out, errors)
+        for bucket in pending.buckets:
+            began = time.perf_counter()
+            gathered = bucket.work.wait()
+            decoding = time.perf_counter()
+            self.timings.communicate_s += decoding - began
+            if threading.get_ident() == self._owner:
+                self.timings.wait_s += decoding - began
+            if self.tracer is not None:
+                self.tracer.add("communicate", began, decoding, kind=bucket.kind, bytes=bucket.work.nbytes)
+            sent += bucket.work.nbytes
+            offset = 0
+            for i, size in zip(bucket.members, bucket.sizes):
+                packet, codec = pending.packets[i], pending.codecs[i]
+                if bucket.kind == "allreduce":
+                    out[i] = codec.from_sum(gathered[offset:offset + size], packet, n)
+                else:
+                    chunk = gathered.reshape(n, -1)[:, offset:offset + size]
+                    out[i] = codec.aggregate([packet.from_raw(row) for row in chunk])
+                offset += size
+            decoded = time.perf_counter()
+            self._add_compress(decoded - decoding)
+            if self.tracer is not None:
+                self.tracer.add("decode", decoding, decoded)
+        if self.check_finite:
+            bad = first_nonfinite(out)
+            if bad >= 0:
+                spec = (pending.codecs[bad] or self.compressor).spec
+                raise NonFiniteAggregate(
+                    f"the {spec} exchange of tensor #{bad} (shape {tuple(out[bad].shape)}) decoded a "
+                    f"non-finite aggregate (NaN or Inf) from finite inputs: the codec or the sum over "
+                    f"{n} workers overflowed; stopped on every worker before it was applied", bad)
+        self.server_errors.errors.update(errors)   # only once the aggregate passed the check
+        self.memory.release(pending, out)
+        return Result(out, pending.residual, sent, pending.packet_bytes)
+
+    def _finish_twophase(self, tb: _TwoPhaseBucket, keys, out: list, errors: dict) -> int:
+        """Phase 2 of a two-phase bucket; its members' aggregates into ``out``, its new
+        server error into ``errors``. Returns the bytes both rounds sent."""
+        ex, rank = tb.exchange, self.comm.rank
+        flat, error, nbytes = ex.finish(self.server_errors.errors.get((ex.key, rank)),
+                                        phase2_seed(self.seed, ex.step, ex.key, rank), self.count_wait,
+                                        self._add_compress)
+        self.bytes_sent += nbytes - ex.work.nbytes   # phase 1 was counted when it started
+        if error is not None:
+            errors[(ex.key, rank)] = error
+        at = 0
+        for i, shape in zip(tb.members, tb.shapes):
+            out[i] = flat[at:at + shape.numel()].view(shape)
+            at += shape.numel()
+        return nbytes
+
+

@@ -1,0 +1,187 @@
+"""The generic DDP hook: any gradzip codec, with error feedback (docs/ddp.md, "The generic
+hook"). Per parameter tensor ``i`` of each bucket::
+
+    v_i = g_i + e_i;   g_i ← aggregate_j C(v_j);   e_i ← v_i − C(v_i)
+
+PSync (docs/algorithms.md §PSync) with the residual kept as error memory: EF-SGD on
+the raw gradient; the optimizer after DDP applies learning rate, momentum and weight decay.
+"""
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ...compressors import Compressor, PerTensor, build
+from ...errors import GradzipError
+from ...exchange import DEFAULT_BUCKET_BYTES, PSync
+from ...guards.nonfinite import all_finite
+from ...validation import refuses_unknown_options
+from .state import HookState, views
+
+class _Bucket(NamedTuple):
+    """One bucket in flight: its future, exchange, gradient views, keys, buffer, and
+    whether its gradient held a NaN or Inf on this rank."""
+    fut: torch.futures.Future
+    work: Any
+    views: list
+    keys: list
+    buffer: torch.Tensor
+    bad: bool
+
+
+class CodecState(HookState):
+    """State of :func:`codec_hook`: the codec, error feedback, residuals by parameter key.
+
+    ``error_feedback=None`` (default): on for biased codecs, off for unbiased ones
+    (:attr:`Compressor.unbiased`: error feedback only adds their variance to the next step;
+    ``qsgd`` with it reaches NaN within 20 steps in tests/test_ddp.py);
+    ``True`` with an unbiased codec is refused, as is the single-round ``powersgd`` codec
+    unless ``single_round_powersgd=True`` (the two-round PowerSGD is :func:`powersgd_hook`).
+    ``codec`` may be a :class:`gradzip.PerTensor` policy (a codec per parameter; its name
+    rules need ``model=``). ``start_iter``: the first ``start_iter`` steps allreduce the
+    gradients uncompressed, without error feedback (a dense warm-up, as PowerSGD's
+    ``start_iter``); compression starts at step ``start_iter + 1``.
+    ``nonfinite``: see :meth:`HookState.settle`."""
+
+    @refuses_unknown_options
+    def __init__(self, codec: "str | Compressor" = "none", *, error_feedback: bool | None = None,
+                 model: torch.nn.Module | None = None, process_group: Any = None, seed: int = 0,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
+                 single_round_powersgd: bool = False, start_iter: int = 0):
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise GradzipError(f"DDP hook: start_iter must be an integer >= 0 (dense steps before "
+                               f"compression starts), got {start_iter!r}")
+        self.start_iter = start_iter
+        self.codec = build(codec)
+        if self.codec.name == "powersgd" and single_round_powersgd is not True:
+            raise GradzipError(
+                f"DDP hook: {self.codec.spec!r} is the single-round PowerSGD codec, which diverges where "
+                "PowerSGD is expected; use PowerSGD's hook: model.register_comm_hook("
+                "gradzip.integrations.ddp.PowerSGDState(rank=..., model=model), gradzip.integrations.ddp.powersgd_hook) "
+                "(or pass single_round_powersgd=True to mean the codec)")
+        if error_feedback is None:
+            error_feedback = not self.codec.unbiased
+        elif error_feedback is True and self.codec.unbiased:
+            raise GradzipError(
+                f"DDP hook: error feedback with the unbiased codec {self.codec.spec!r} accumulates its "
+                "variance and diverges; leave error_feedback unset (off for unbiased codecs)")
+        if not isinstance(error_feedback, bool):
+            raise GradzipError(f"DDP hook: error_feedback must be True, False or None, got {error_feedback!r}")
+        self.error_feedback = error_feedback
+        self.seed = int(seed)
+        self.bucket_bytes = int(bucket_bytes)
+        self.residuals: dict[int, torch.Tensor] = {}
+        self._psync = self._dense = None
+        super().__init__(model, process_group, nonfinite)
+
+    _transient = HookState._transient + ("_psync", "_dense")
+
+    @property
+    def comm_hook(self):
+        return codec_hook
+
+    @property
+    def psync(self) -> PSync:
+        if self._psync is None:
+            # exact transports only: the hook's state has no place for two-phase server errors
+            self._psync = PSync(self.comm, self.codec, seed=self.seed, bucket_bytes=self.bucket_bytes,
+                                allow_twophase=False)
+            self._psync.names = self.names
+        return self._psync
+
+    @property
+    def dense(self) -> PSync:
+        """The uncompressed exchange of the warm-up steps (``start_iter``)."""
+        if self._dense is None:
+            self._dense = PSync(self.comm, "none", seed=self.seed, bucket_bytes=self.bucket_bytes)
+        return self._dense
+
+    def __setstate__(self, state: dict) -> None:
+        state.setdefault("start_iter", 0)
+        super().__setstate__(state)
+        self._psync = self._dense = None
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every residual by ``factor`` (e.g. after a GradScaler scale change)."""
+        for r in self.residuals.values():
+            r.mul_(factor)
+
+    def state_dict(self) -> dict:
+        """Tensors and plain values only: loads with ``torch.load``'s defaults."""
+        self._check_fresh()
+        return {"codec": self.codec.spec, "error_feedback": self.error_feedback, "seed": self.seed,
+                **self.counters(), "start_iter": self.start_iter,
+                "residuals": {k: v.clone() for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["codec"] != self.codec.spec:
+            if state["codec"].startswith(PerTensor.name):
+                raise GradzipError(f"DDP hook: this state was saved with the policy {state['codec']}; "
+                                   "construct the hook state with that PerTensor policy, then load it")
+            self.codec = build(state["codec"])
+        self._psync = self._dense = None
+        self.start_iter = int(state.get("start_iter", 0))
+        self.error_feedback, self.seed = bool(state["error_feedback"]), int(state["seed"])
+        self.load_counters(state)
+        self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
+
+    def _finish_all(self) -> bool:
+        """Wait for every bucket of the step, apply ``nonfinite``, write the buckets and the
+        residuals; whether the step counts (not skipped)."""
+        pending, self._pending = self._pending, []
+        results = [b.work.wait() for b in pending]
+        output_bad = self.nonfinite != "off" and not all(   # the codec overflowed (qsgd's norm, a residual)
+            all_finite(list(r.aggregate)) and (r.residual is None or all_finite(list(r.residual)))
+            for r in results)
+        try:
+            where = self.agree(any(b.bad for b in pending), output_bad)
+            skipped = self.settle(where, [b.buffer for b in pending], "codec_hook")
+        except GradzipError as error:
+            for b in pending:
+                b.fut.set_exception(error)
+            raise
+        for b, result in zip(pending, results):
+            if not skipped:
+                for i, (view, agg, key) in enumerate(zip(b.views, result.aggregate, b.keys)):
+                    if self.error_feedback and result.residual is not None:   # None: a dense warm-up step
+                        residual = result.residual[i]
+                        if bool(torch.isfinite(residual).all()):   # nonfinite="off": keep the old one
+                            self.residuals[key] = residual
+                    view.copy_(agg.reshape(view.shape))
+            b.fut.set_result(b.buffer)
+        return not skipped
+
+
+def hook(codec: "str | Compressor" = "none", error_feedback: bool | None = None, **options: Any) -> CodecState:
+    """A :class:`CodecState` for :func:`codec_hook`:
+    ``ddp.register_comm_hook(gradzip.integrations.ddp.hook("topk:ratio=0.01", model=ddp), gradzip.integrations.ddp.codec_hook)``.
+    ``options``: ``model``, ``process_group``, ``seed``, ``bucket_bytes``, ``nonfinite``,
+    ``single_round_powersgd``, ``start_iter``. ``codec``: a spec, a codec or a
+    :class:`gradzip.PerTensor` policy."""
+    return CodecState(codec, error_feedback=error_feedback, **options)
+
+
+def codec_hook(state: CodecState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: compress each gradient of the bucket with ``state.codec``
+    (error feedback if enabled) and write the aggregate into the bucket; the last bucket
+    of a step finishes them all (see :class:`CodecState`)."""
+    bucket_views = views(bucket)
+    keys = [state._key(p) for p in bucket.parameters()]
+    step = state.iter + 1
+    compressing = step > state.start_iter          # else a dense warm-up step: no error feedback
+    feedback = state.error_feedback and compressing
+    carried = []
+    for view, key in zip(bucket_views, keys):
+        v = view.to(torch.promote_types(view.dtype, torch.float32))
+        if feedback and key in state.residuals:
+            v = v + state.residuals[key]
+        carried.append(v)
+    bad = state.nonfinite != "off" and not all_finite(bucket_views)
+    psync = state.psync if compressing else state.dense
+    work = psync.start(carried, step, keys=keys, residual=feedback)
+    fut = torch.futures.Future()
+    state._pending.append(_Bucket(fut, work, bucket_views, keys, bucket.buffer(), bad))
+    if bucket.is_last() and state._finish_all():
+        state.iter += 1
+    return fut

@@ -1,0 +1,63 @@
+"""Has a tensor's content changed since a moment ago? A cheap fingerprint that answers it
+without trusting the version counter (docs/algorithms.md §Overlap with backward).
+
+The backward overlap (:mod:`gradzip.optim.core.overlap`) starts a parameter's exchange from its
+gradient as the gradient hook sees it; an edit between ``backward()`` and ``step()`` must
+send the edited gradient instead. Torch's version counter sees in-place edits of the
+gradient tensor, but not those made through ``p.grad.data`` (another tensor object with a
+counter of its own), through ``p.grad.data = ...`` (new memory under the same object), or
+outside torch (numpy views, DLPack). :func:`fingerprint` reads the values themselves:
+taken in the hook and again at ``step()``, a difference means the gradient changed.
+
+What it is: two passes over the tensor's memory, the cost of two ``sum()`` calls,
+returned as raw bytes (compare with ``torch.equal``; equal values give equal bytes):
+
+* the sum of the entries' bit patterns as integers, modulo 2^32 (2^64 for 8-byte
+  entries): a change of one entry's bits always changes it, and so does any edit that
+  moves the bit patterns one way (scaling, clamping, zeroing, adding noise);
+* position-weighted sums of the values, one per row of 1024 entries (weights in [0.5, 1.5),
+  fixed; in float32 for 16-bit values, which costs their conversion): a sign flip or a
+  permutation, which keeps the integer sum, changes them.
+
+An edit is missed only if it keeps both: a change that moves entries' bits in
+compensating ways (modulo 2^32) while keeping every row's weighted sum to within its
+rounding. Complex tensors are read as their real view (``torch.view_as_real``).
+"""
+from __future__ import annotations
+
+import torch
+
+#: Entries per weighted row (the weights are this long, per dtype and device).
+ROW = 1024
+_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+_weights: dict = {}
+
+
+def _row_weights(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    w = _weights.get((dtype, device))
+    if w is None:
+        g = torch.Generator().manual_seed(0x66696E67)   # fixed: the same weights in every process
+        w = _weights[(dtype, device)] = (torch.rand(ROW, generator=g, dtype=torch.float64) + 0.5).to(device=device, dtype=dtype)
+    return w
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor that changes when ``t``'s values do (module docstring): equal values,
+    equal bytes."""
+    flat = t.detach()
+    if flat.is_complex():
+        flat = torch.view_as_real(flat)
+    flat = flat.reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=flat.device)
+    width = flat.element_size()
+    bits = flat.view(_INT[width]).sum(dtype=torch.int64 if width == 8 else torch.int32)
+    parts = [bits.reshape(1).view(torch.uint8)]
+    values = flat if width >= 4 else flat.float()   # 16-bit sums would round a swap away
+    w, rows = _row_weights(values.dtype, values.device), n // ROW
+    if rows:
+        parts.append(torch.mv(values[:rows * ROW].view(rows, ROW), w).view(torch.uint8))
+    if n % ROW:
+        parts.append(torch.dot(values[rows * ROW:], w[:n % ROW]).reshape(1).view(torch.uint8))
+    return torch.cat(parts)
