@@ -157,6 +157,22 @@ def test_two_nodes_of_two_against_the_box_by_hand(codec):
     assert all(res.bytes_sent > 60 for res in out)
 
 
+def test_a_tracer_set_on_the_exchange_reaches_its_exchange_across_nodes():
+    # one assignment traces both levels: the node's collectives (scope "node") and the
+    # inner PSync's compress / communicate / decode among the nodes
+    from gradzip.trace import Tracer
+
+    def work(comm):
+        hp = HierarchicalPSync(comm, "topk:ratio=0.4", workers_per_node=2)
+        hp.tracer = Tracer(comm.rank)
+        hp(_inputs(comm.rank), step=1)
+        return hp.inner.tracer is hp.tracer, [(e["name"], e.get("args", {}).get("scope")) for e in hp.tracer.events]
+
+    for same, spans in gradzip.simulate(4, work):
+        assert same
+        assert ("communicate", "node") in spans and ("compress", None) in spans and ("communicate", None) in spans
+
+
 def test_fp16_inside_the_node_and_timings_and_counters():
     def work(comm):
         hp = HierarchicalPSync(comm, "topk:ratio=0.4", workers_per_node=2, intra="fp16")

@@ -14,7 +14,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .files import write_text
 
@@ -53,6 +53,21 @@ def maybe_span(tracer: "Tracer | None", name: str, cat: str = "phase", **args: A
     else:
         with tracer.span(name, cat, **args):
             yield
+
+
+def forwarding_tracer(parts: Callable[[Any], Iterable[Any]]) -> property:
+    """A ``tracer`` property for an object whose ``parts(obj)`` record spans of their own
+    (a method's exchanges, a hierarchical exchange's inner one): it keeps the
+    :class:`Tracer` set on the object and hands it to each part, so one assignment reaches
+    them all (``None``: nothing traced)."""
+    def get(obj: Any) -> "Tracer | None":
+        return getattr(obj, "_tracer", None)
+
+    def put(obj: Any, tracer: "Tracer | None") -> None:
+        obj._tracer = tracer
+        for part in parts(obj):
+            part.tracer = tracer
+    return property(get, put, doc="The Tracer this object and its parts record spans into.")
 
 
 def write(path: str | Path, events_per_worker: Sequence[Sequence[dict[str, Any]]]) -> Path:

@@ -34,6 +34,7 @@ import torch
 
 from ..comm import Group
 from ..errors import GradzipError
+from ..trace import forwarding_tracer
 from .complexes import real_views, with_complex
 from .psync import DEFAULT_BUCKET_BYTES, Pending, PSync, Result, Timings
 from .planner import INTRA_DTYPES, Plan, plan, shard_bounds
@@ -135,15 +136,7 @@ class HierarchicalPSync(PSync):
                 out[order[t]] = route
         return out
 
-    @property
-    def tracer(self):
-        return self._tracer
-
-    @tracer.setter
-    def tracer(self, tracer) -> None:
-        self._tracer = tracer
-        if getattr(self, "inner", None) is not None:
-            self.inner.tracer = tracer
+    tracer = forwarding_tracer(lambda self: [self.inner] if getattr(self, "inner", None) is not None else [])
 
     def _take_inner_timings(self) -> None:
         self.timings = self.timings + self.inner.timings

@@ -14,6 +14,7 @@ from ... import seeds
 from ...compressors import Compressor
 from ...exchange import Plan, PSync, Timings
 from ...exchange.hierarchy import HierarchicalPSync
+from ...trace import forwarding_tracer
 
 
 class ExchangeOwner:
@@ -47,16 +48,7 @@ class ExchangeOwner:
         self._exchanges.append(psync)
         return psync
 
-    @property
-    def tracer(self):
-        """A :class:`gradzip.trace.Tracer` that this method's exchanges record spans into."""
-        return self._tracer
-
-    @tracer.setter
-    def tracer(self, tracer) -> None:
-        self._tracer = tracer
-        for psync in self._exchanges:
-            psync.tracer = tracer
+    tracer = forwarding_tracer(lambda self: self._exchanges)   # a Tracer its exchanges record into
 
     def exchange_plans(self) -> dict[str, "Plan"]:
         """Per exchange, its plan over every parameter that takes part
