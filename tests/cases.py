@@ -199,6 +199,12 @@ def train_resumable(comm, make_opt, steps: int, saved: dict | None = None) -> di
     return {"model": model.state_dict(), "opt": opt.state_dict(), "done": steps}
 
 
+def trained_parameters(comm, make_opt, steps: int) -> list[torch.Tensor]:
+    """The parameters of :func:`tiny_model`, in order, after steps 1..``steps`` of
+    :func:`train_resumable` (a method's trajectory, to compare with another's)."""
+    return list(train_resumable(comm, make_opt, steps)["model"].values())
+
+
 def tiny_model() -> torch.nn.Module:
     """The same small network on every call, without touching the global RNG (threads)."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))

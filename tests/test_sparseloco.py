@@ -108,13 +108,7 @@ def test_ratio_one_without_quantizer_and_alpha_one_is_local_sgd():
     def both(comm):
         sparse = run(comm, 9, lambda ps: torch.optim.SGD(ps, lr=0.05), H=4, compressor="topk:ratio=1",
                      quantizer="none")
-        model = cases.tiny_model()
-        opt = LocalSGD(model.parameters(), lr=0.05, comm=comm, H=4)
-        for t in range(1, 10):
-            opt.zero_grad()
-            loss_of(model, t, comm.rank, comm.world_size).backward()
-            opt.step()
-        return sparse, [p.detach().clone() for p in model.parameters()]
+        return sparse, cases.trained_parameters(comm, lambda m: LocalSGD(m.parameters(), lr=0.05, comm=comm, H=4), 9)
 
     for sparse, local in gradzip.simulate(2, both):
         for a, b in zip(sparse, local):
