@@ -170,6 +170,25 @@ def _reach(runs: list[dict], target: float) -> str:
     return _mb(statistics.mean(sent))
 
 
+def _curve(runs: list[dict]) -> list[tuple[int, float]]:
+    """(step, validation loss averaged over the seeds) at every evaluation."""
+    return [(h["step"], statistics.mean(r["history"][i]["test_loss"] for r in runs))
+            for i, h in enumerate(runs[0]["history"])]
+
+
+def _step_at(curve: list[tuple[int, float]], loss: float) -> str:
+    """The step at which ``curve`` (AdamW's) first reaches ``loss``, interpolated linearly
+    between its evaluations (``> last step`` when it never does)."""
+    prev = (0, math.inf)
+    for step, value in curve:
+        if value <= loss:
+            if not math.isfinite(prev[1]):
+                return f"≤ {step}"
+            return f"{prev[0] + (step - prev[0]) * (prev[1] - loss) / (prev[1] - value):.0f}"
+        prev = (step, value)
+    return f"> {curve[-1][0]}"
+
+
 def tables(records: list[dict]) -> str:
     """The section's text: settings, the main table, loss against steps, bytes and projections."""
     s = records[0]["settings"]
@@ -194,9 +213,10 @@ def tables(records: list[dict]) -> str:
         f"{', '.join(map(str, seeds))}. Validation loss of the workers' average model every {s['eval_every']} steps "
         f"and at the end; MB = bytes one worker put on the wire.",
         "",
-        "| method | final val. loss (mean; seeds) | bits/byte | vs AdamW | MB sent / worker | AdamW's bytes / "
-        "method's | MB to reach AdamW's loss +2% | proj. ms/step 1 / 10 / 100 Gbit/s (× AdamW's) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | final val. loss (mean; seeds) | bits/byte | vs AdamW | AdamW's step at this loss | MB sent / "
+        "worker | AdamW's bytes / method's | MB to reach AdamW's loss +2% | proj. ms/step 1 / 10 / 100 Gbit/s "
+        "(× AdamW's) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for k, runs in by.items():
         losses = [r["summary"]["final_test_loss"] for r in runs]
@@ -207,10 +227,11 @@ def tables(records: list[dict]) -> str:
         rel = f"{(loss / base_loss - 1) * 100:+.1f}%" if base_loss else "-"
         ratio = f"{base_bytes / sent:.0f}×" if base_bytes and sent else "-"
         reach = _reach(runs, base_loss * 1.02) if base_loss else "-"
+        at = _step_at(_curve(base), loss) if base else "-"
         cells = " / ".join(f"{p * 1e3:.1f}" + (f" ({p / b:.2f}×)" if base_proj else "")
                            for p, b in zip(proj, base_proj or proj))
         lines.append(f"| {runs[0]['label']} | {loss:.4f}{' (diverged)' if diverged else ''}; "
-                     f"{' '.join(f'{x:.4f}' for x in losses)} | {loss / math.log(2):.3f} | {rel} | {_mb(sent)} | "
+                     f"{' '.join(f'{x:.4f}' for x in losses)} | {loss / math.log(2):.3f} | {rel} | {at} | {_mb(sent)} | "
                      f"{ratio} | {reach} | {cells} |")
     steps = [h["step"] for h in next(iter(by.values()))[0]["history"]]
     lines += ["", "Validation loss against steps (mean over seeds; MB sent per worker at the last point):", "",
