@@ -253,19 +253,20 @@ def plot(records: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for k, runs in _by_method(records).items():
+    for i, runs in enumerate(_by_method(records).values()):
+        style = {"marker": "o", "ms": 3, "label": runs[0]["label"], "ls": "-" if i < 10 else "--"}  # 10 colours
         steps = [h["step"] for h in runs[0]["history"]]
-        loss = [statistics.mean(r["history"][i]["test_loss"] for r in runs) for i in range(len(steps))]
-        sent = [max(statistics.mean(r["history"][i]["bytes_sent_per_worker"] for r in runs), 1) / 1e6
-                for i in range(len(steps))]
-        by_step.plot(steps, loss, marker="o", ms=3, label=runs[0]["label"])
-        by_bytes.plot(sent, loss, marker="o", ms=3, label=runs[0]["label"])
+        loss = [statistics.mean(r["history"][j]["test_loss"] for r in runs) for j in range(len(steps))]
+        sent = [max(statistics.mean(r["history"][j]["bytes_sent_per_worker"] for r in runs), 1) / 1e6
+                for j in range(len(steps))]
+        by_step.plot(steps, loss, **style)
+        by_bytes.plot(sent, loss, **style)
     by_step.set(xlabel="step", ylabel="validation loss (nats/byte)", title="validation loss per step")
     by_bytes.set(xlabel="MB sent per worker (log)", ylabel="validation loss (nats/byte)", xscale="log",
                  title="validation loss per byte sent")
     for ax in (by_step, by_bytes):
         ax.grid(alpha=0.3)
-    by_bytes.legend(fontsize=7)
+    by_step.legend(fontsize=7)
     s = records[0]["settings"]
     fig.suptitle(f"{s['model']} on {s['dataset']}, {s['workers']} workers")
     fig.tight_layout()
