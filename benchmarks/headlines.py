@@ -39,7 +39,8 @@ BLOCKS = {  # name: (file, begin marker, end marker)
 }
 #: The contents list's order; a page not named here follows, alphabetically.
 PAGE_ORDER = ["step-vs-ddp.md", "auto.md", "codecs.md", "emulated-network.md", "cdsgd.md", "transports-and-nodes.md",
-              "timeline-model.md", "projections.md", "fsdp.md", "accuracy.md", "main-job.md", "startup.md", "gpu.md"]
+              "timeline-model.md", "projections.md", "fsdp.md", "accuracy.md", "lm.md", "main-job.md", "startup.md",
+              "gpu.md"]
 
 
 def slug(heading: str) -> str:

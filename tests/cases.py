@@ -179,6 +179,32 @@ def regression_batch(step: int, rank: int, world_size: int, per_worker: int = 6)
     return x[lo:lo + per_worker], y[lo:lo + per_worker]
 
 
+def train_resumable(comm, make_opt, steps: int, saved: dict | None = None) -> dict:
+    """Steps 1..``steps`` of ``make_opt(model)`` on the regression task (:func:`tiny_model`,
+    the MSE of :func:`regression_batch`), continuing after ``saved`` (a previous return value,
+    loaded into new objects) when given: ``{"model", "opt", "done"}`` state dicts, to compare
+    an uninterrupted run with a resumed one bit for bit."""
+    model = tiny_model()
+    opt = make_opt(model)
+    first = 1
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        first = saved["done"] + 1
+    for t in range(first, steps + 1):
+        opt.zero_grad()
+        x, y = regression_batch(t, comm.rank, comm.world_size)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return {"model": model.state_dict(), "opt": opt.state_dict(), "done": steps}
+
+
+def trained_parameters(comm, make_opt, steps: int) -> list[torch.Tensor]:
+    """The parameters of :func:`tiny_model`, in order, after steps 1..``steps`` of
+    :func:`train_resumable` (a method's trajectory, to compare with another's)."""
+    return list(train_resumable(comm, make_opt, steps)["model"].values())
+
+
 def tiny_model() -> torch.nn.Module:
     """The same small network on every call, without touching the global RNG (threads)."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
@@ -327,13 +353,15 @@ RESUME_RUNS = {
     "odsgd": {"warmup_steps": 5}, "cdsgd": {"warmup_steps": 5, "k": 3}, "cpsgd": {"k": 4},
     "lars": {"compressor": "topk:ratio=0.1"}, "lamb": {}, "adamw": {"compressor": "topk:ratio=0.1"},
     "diloco": {"inner": "sgd", "H": 6, "fragments": 2, "delay": 1, "alpha": 0.5, "compressor": "topk:ratio=0.3"},
+    "sparseloco": {"inner": "sgd", "H": 7, "compressor": "topk:ratio=0.3"},
+    "demo": {"compressor": "dct:chunk=8,topk=4"},
     "asgd": {"order": "round_robin", "compressor": "topk:ratio=0.1"},  # the deterministic schedule
     # eps 1e-3: digits' constant pixels leave v ≈ 0 where the 1-bit momentum is not 0 (docs/adaptive.md)
     "onebitadam": {"freeze_step": 20, "eps": 1e-3}, "onebitlamb": {"freeze_step": 20, "eps": 1e-3},
     "zerooneadam": {"var_freeze_step": 20, "var_update_scaler": 3, "local_step_scaler": 5, "eps": 1e-3},
 }
 #: Common settings other than resume_runs' own, per method (Adam-type methods take no momentum).
-RESUME_COMMON = {"lamb": {"momentum": 0.0}, "adamw": {"momentum": 0.0},
+RESUME_COMMON = {"lamb": {"momentum": 0.0}, "adamw": {"momentum": 0.0}, "demo": {"momentum": 0.0, "lr": 0.002},
                  **{m: {"momentum": 0.0, "lr": 0.002} for m in ("onebitadam", "onebitlamb", "zerooneadam")}}
 INTERRUPT_AFTER = 27
 
@@ -394,6 +422,8 @@ SHORT_RUNS = {
     "lars": {"momentum": 0.9, "compressor": "topk:ratio=0.3"}, "lamb": {"compressor": "topk:ratio=0.3"},
     "adamw": {"weight_decay": 0.01},
     "diloco": {"H": 4, "fragments": 2, "delay": 1, "alpha": 0.5, "inner": "sgd", "compressor": "topk:ratio=0.3"},
+    "sparseloco": {"H": 2, "inner": "sgd", "compressor": "topk:ratio=0.3"},
+    "demo": {"compressor": "dct:chunk=2,topk=2"},
     "asgd": {"order": "round_robin", "compressor": "topk:ratio=0.3", "momentum": 0.9},  # deterministic order
     "onebitadam": {"freeze_step": 2}, "onebitlamb": {"freeze_step": 2},
     "zerooneadam": {"var_freeze_step": 4, "var_update_scaler": 1, "local_step_scaler": 1},

@@ -22,6 +22,9 @@ EXTRA_SPECS = [
     "qsgd:levels=3",
     "qsgd:levels=127",
     "topk:ratio=0.3",
+    "topk2bit:ratio=0.3",
+    "int4:block=5",
+    "dct:chunk=3,topk=2",
     "randomk:ratio=0.3,unbiased=true",
     "randblock:ratio=0.25",
     "randblock:in=2,out=3,layer=1",
@@ -223,6 +226,17 @@ def test_int8_blocks_scales_and_error():
     scales = c.compress(x).wire["scales"]
     err = (c.decompress(c.compress(x)) - x).abs().view(-1, 4)
     assert bool((err <= scales[:, None] / 2 + 1e-6).all())
+
+
+def test_int4_codes_in_four_bits_per_block():
+    c = build("int4:block=4")
+    v = torch.tensor([7.0, -3.5, 1.0, 0.4, 0.0, 0.0, 0.0, 0.0, 14.0])
+    p = c.compress(v)
+    assert p.wire["scales"].tolist() == [1.0, 0.0, 2.0]
+    # codes 7, -4 (−3.5 rounds half to even), 1, 0 | 0 0 0 0 | 7, stored + 8, two a byte, first high
+    assert p.wire["codes"].tolist() == [0xF4, 0x98, 0x88, 0x88, 0xF0]
+    assert c.decompress(p).tolist() == [7.0, -4.0, 1.0, 0.0, 0, 0, 0, 0, 14.0]
+    assert p.nbytes == 5 + 12
 
 
 def test_terngrad_values():
@@ -427,9 +441,20 @@ def expected_nbytes(spec: str, shape) -> int:
         return math.ceil(d / 4) + 4
     if name == "int8":
         return d + 4 * math.ceil(d / c.block)
+    if name == "int4":
+        return math.ceil(d / 2) + 4 * math.ceil(d / c.block)
     index_bytes = sparse_index_dtype(d).itemsize
     if name == "topk":
         return (4 + index_bytes) * keep_count(c.ratio, d)
+    if name == "dct":   # per chunk k' values and in-chunk indices
+        from gradzip.compressors.dct import chunk_size
+        rows, cols = (shape[0] if shape else 1, cols) if len(shape) >= 2 else (1, d)
+        c1, c2 = chunk_size(rows, c.chunk), chunk_size(cols, c.chunk)
+        k = min(c.topk, c1 * c2)
+        return (rows // c1) * (cols // c2) * k * (4 + sparse_index_dtype(c1 * c2).itemsize)
+    if name == "topk2bit":   # indices, 2-bit codes, τ and M
+        k = keep_count(c.ratio, d)
+        return index_bytes * k + math.ceil(k / 4) + 8
     if name in ("randomk",) or (name == "randblock" and c.ratio is not None):
         return 4 * keep_count(c.ratio, d)
     if name == "dgc":
@@ -648,7 +673,8 @@ def test_received_packet_with_shared_meta_decodes():
 
 # -- spec strings --------------------------------------------------------------------------
 def test_registry_order_and_build():
-    assert names() == "none fp16 bf16 2bit 1bit sign scaled_sign qsgd terngrad int8 topk randomk randblock dgc powersgd".split()
+    assert names() == ("none fp16 bf16 2bit 1bit sign scaled_sign qsgd terngrad int8 int4 topk randomk randblock dgc "
+                       "powersgd topk2bit dct").split()
     c = build("topk:ratio=0.01")
     assert c.name == "topk" and c.ratio == 0.01 and str(c) == "topk:ratio=0.01"
     assert build(None) == build("none") and build(c) is c

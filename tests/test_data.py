@@ -83,7 +83,7 @@ class FakeServer:
 
 
 def test_names():
-    assert data.names() == ["digits", "synthetic", "mnist", "fashion-mnist", "cifar10", "modadd"]
+    assert data.names() == ["digits", "synthetic", "mnist", "fashion-mnist", "cifar10", "modadd", "text"]
 
 
 def test_unknown_name_lists_valid_names():

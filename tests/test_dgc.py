@@ -15,7 +15,7 @@ import cases
 
 
 def test_registered_after_randblock():
-    assert gradzip.compressors.names()[-3:] == ["randblock", "dgc", "powersgd"]
+    assert gradzip.compressors.names()[-5:-2] == ["randblock", "dgc", "powersgd"]
     assert build("dgc:ratio=0.01,sample_ratio=0.05").spec == "dgc:ratio=0.01,sample_ratio=0.05"
 
 

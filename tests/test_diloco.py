@@ -100,13 +100,7 @@ def test_h1_outer_sgd_lr1_no_momentum_inner_sgd_is_ssgd():
     def both(comm):
         diloco = run_diloco(comm, 6, lambda ps: torch.optim.SGD(ps, lr=0.05), H=1, outer_lr=1.0,
                             outer_momentum=0.0, outer_nesterov=False)
-        model = cases.tiny_model()
-        opt = SSGD(model.parameters(), lr=0.05, comm=comm)
-        for t in range(1, 7):
-            opt.zero_grad()
-            loss_of(model, t, comm.rank, comm.world_size).backward()
-            opt.step()
-        return diloco, [p.detach().clone() for p in model.parameters()]
+        return diloco, cases.trained_parameters(comm, lambda m: SSGD(m.parameters(), lr=0.05, comm=comm), 6)
 
     for diloco, ssgd in gradzip.simulate(3, both):
         assert_close(diloco, ssgd, "DiLoCo(H=1, outer SGD(1, 0)) vs S-SGD")
@@ -116,13 +110,7 @@ def test_outer_sgd_lr1_no_momentum_is_local_sgd_for_any_h():
     def both(comm):
         diloco = run_diloco(comm, 9, lambda ps: torch.optim.SGD(ps, lr=0.05), H=4, outer_lr=1.0,
                             outer_momentum=0.0, outer_nesterov=False)
-        model = cases.tiny_model()
-        opt = LocalSGD(model.parameters(), lr=0.05, comm=comm, H=4)
-        for t in range(1, 10):
-            opt.zero_grad()
-            loss_of(model, t, comm.rank, comm.world_size).backward()
-            opt.step()
-        return diloco, [p.detach().clone() for p in model.parameters()]
+        return diloco, cases.trained_parameters(comm, lambda m: LocalSGD(m.parameters(), lr=0.05, comm=comm, H=4), 9)
 
     for diloco, local in gradzip.simulate(2, both):
         assert_close(diloco, local, "DiLoCo(H=4, outer SGD(1, 0)) vs local SGD")
@@ -234,18 +222,7 @@ def test_explicit_fragment_lists_equal_the_strided_default():
 
 
 def _resumable(comm, steps, saved=None, options=None):
-    model = cases.tiny_model()
-    opt = DiLoCo(adamw(list(model.parameters())), comm=comm, **options)
-    first = 1
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        first = saved["done"] + 1
-    for t in range(first, steps + 1):
-        opt.zero_grad()
-        loss_of(model, t, comm.rank, comm.world_size).backward()
-        opt.step()
-    return {"model": model.state_dict(), "opt": opt.state_dict(), "done": steps}
+    return cases.train_resumable(comm, lambda m: DiLoCo(adamw(list(m.parameters())), comm=comm, **options), steps, saved)
 
 
 @pytest.mark.parametrize("options", [dict(H=4, fragments=2, delay=1, alpha=0.5, compressor="topk:ratio=0.3"),

@@ -59,7 +59,8 @@ def test_the_first_epochs_codec_warm_up_is_left_out():
 
 def test_a_short_runs_steady_times_leave_its_warm_up_out(monkeypatch):
     """A one-epoch run whose first step carries a one-time cost (here: a 1 s sleep in the
-    first forward pass of each worker): the loop's ``steady_step_s`` is measured over the
+    first training forward pass of each worker; the set-up's model/dataset check is an eval
+    mode forward before the steps): the loop's ``steady_step_s`` is measured over the
     second half of the epoch and leaves it out; the projection rests on it and says so."""
     import time
 
@@ -74,7 +75,7 @@ def test_a_short_runs_steady_times_leave_its_warm_up_out(monkeypatch):
         model, first = build(*args, **kwargs), []
 
         def hook(module, inputs):
-            if not first:
+            if module.training and not first:
                 first.append(time.sleep(1.0))
         model.register_forward_pre_hook(hook)
         return model

@@ -66,7 +66,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("task")
     g.add_argument("--dataset", default="digits",
                    help=f"one of {', '.join(datasets.names())} (digits is embedded; default: %(default)s)")
-    g.add_argument("--data-dir", help="directory with the dataset's files (mnist, fashion-mnist, cifar10)")
+    g.add_argument("--data-dir", help="directory with the dataset's files (mnist, fashion-mnist, cifar10, text:file=NAME)")
     g.add_argument("--download", action="store_true",
                    help="download missing dataset files into --data-dir (checksums verified)")
     g.add_argument("--model", default="mlp", help=f"one of {', '.join(models.names())} (default: %(default)s)")
@@ -164,6 +164,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--out", help="directory for metrics.jsonl, summary.json and accuracy.png")
     o.add_argument("--no-plot", action="store_true", help="skip accuracy.png")
+    o.add_argument("--eval-every", type=positive_int, default=None, metavar="STEPS",
+                   help="evaluate (a record in metrics.jsonl) every STEPS steps too, not only at each epoch's end")
     o.add_argument("--trace", metavar="FILE",
                    help="write a Chrome/Perfetto trace (one track per worker, one span per phase); "
                         "compare writes one file per method, FILE with the method's name added")

@@ -43,8 +43,13 @@ def _cell(summary: dict[str, Any], key: str, fmt: str) -> str:
     return fmt.format(value)
 
 
-#: Shown only when some run has a value other than 0 / None for it.
-OCCASIONAL = [("skipped", "skipped_steps", "{}"), ("resumed at", "resumed_from_step", "{}")]
+#: Shown only when some run has a value other than 0 / None for it: the language-model
+#: columns (sequence data), then the rare events.
+OCCASIONAL = [("test loss", "final_test_loss", "{:.4f}"), ("bits/byte", "bits_per_byte", "{:.4f}"),
+              ("tokens/s", "tokens_per_s", "{:.0f}"),
+              ("skipped", "skipped_steps", "{}"), ("resumed at", "resumed_from_step", "{}")]
+#: The occasional columns that need a language model's run to be shown (test loss is in every summary).
+_LM_ONLY = {"final_test_loss": "tokens_per_s"}
 
 
 def table(summaries: Sequence[dict[str, Any]]) -> str:
@@ -52,7 +57,7 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
     the runs' ``projections`` (:mod:`gradzip.bench.projection`) one column per (worker count,
     link rate), labelled as projections ("-" for a run not projected), and the projection's
     lines under the table (:func:`gradzip.bench.projection.legend`)."""
-    columns = COLUMNS + [c for c in OCCASIONAL if any(s.get(c[1]) for s in summaries)]
+    columns = COLUMNS + [c for c in OCCASIONAL if any(s.get(_LM_ONLY.get(c[1], c[1])) for s in summaries)]
     rows = [[h for h, _, _ in columns]] + [[_cell(s, k, f) for _, k, f in columns] for s in summaries]
     heads = next((s["projections"] for s in summaries if s.get("projections")), [])
     rows[0] += [projection.column(p) for p in heads]
@@ -86,10 +91,11 @@ def _own_projection(summary: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def plot_accuracy(runs: Sequence[dict[str, Any]], path: str | Path) -> None:
-    """Test accuracy against epochs and against MB sent per worker, one line per run; with
-    projections, also against the projected time (epoch x projected seconds per epoch) at
-    the run's own worker count and the first projected link rate. The image's format is
-    ``path``'s suffix (png without one); the file is written atomically."""
+    """Test accuracy (a language model's runs: test loss) against epochs and against MB sent
+    per worker, one line per run; with projections, also against the projected time (epoch
+    x projected seconds per epoch) at the run's own worker count and the first projected
+    link rate. The image's format is ``path``'s suffix (png without one); the file is
+    written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,21 +103,23 @@ def plot_accuracy(runs: Sequence[dict[str, Any]], path: str | Path) -> None:
 
     own = [_own_projection(run["summary"]) for run in runs]
     with_time = all(p is not None for p in own)
+    key, name = (("test_loss", "test loss") if all(run["summary"].get("tokens_per_s") for run in runs)
+                 else ("test_accuracy", "test accuracy"))
     fig, axes = plt.subplots(1, 3 if with_time else 2, figsize=(16 if with_time else 11, 4))
     by_epoch, by_bytes = axes[0], axes[1]
     for run, proj in zip(runs, own):
-        hist = [h for h in run["history"] if h.get("test_accuracy") is not None]
+        hist = [h for h in run["history"] if h.get(key) is not None]
         label = run["summary"]["algo"]
-        acc = [h["test_accuracy"] for h in hist]
+        acc = [h[key] for h in hist]
         by_epoch.plot([h["epoch"] for h in hist], acc, marker="o", ms=3, label=label)
         by_bytes.plot([max(h["bytes_sent_per_worker"], 1) / 1e6 for h in hist], acc, marker="o", ms=3, label=label)
         if with_time:
             axes[2].plot([h["epoch"] * proj["epoch_s"] for h in hist], acc, marker="o", ms=3, label=label)
-    by_epoch.set(xlabel="epoch", ylabel="test accuracy", title="accuracy per epoch")
-    by_bytes.set(xlabel="MB sent per worker (log)", ylabel="test accuracy", title="accuracy per byte", xscale="log")
+    by_epoch.set(xlabel="epoch", ylabel=name, title=f"{name} per epoch")
+    by_bytes.set(xlabel="MB sent per worker (log)", ylabel=name, title=f"{name} per byte", xscale="log")
     if with_time:
         axes[2].set(xlabel=f"PROJECTED time (s) at {format_rate(own[0]['bandwidth_bps'])}",
-                    ylabel="test accuracy", title="accuracy per projected time (timeline model)")
+                    ylabel=name, title=f"{name} per projected time (timeline model)")
     for ax in axes:
         ax.grid(alpha=0.3)
     by_bytes.legend(fontsize=8)

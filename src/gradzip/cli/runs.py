@@ -33,7 +33,7 @@ def _configs(args) -> list:
                   sam_rho=args.sam_rho, transport=args.transport, round_bytes=args.round_bytes, link=args.link,
                   recalibrate_every=args.recalibrate_every,
                   workers_per_node=args.workers_per_node,
-                  straggler=stragglers.canonical(args.straggler), **_checkpointing(args))
+                  straggler=stragglers.canonical(args.straggler), eval_every=args.eval_every or 0, **_checkpointing(args))
     given = _given_options(args)
     if args.command == "train":
         algo = _train_algo(args)
@@ -143,6 +143,7 @@ def _validate(cfgs, workers: int, backend: str = "gloo") -> None:
 
     ds = datasets.load(cfgs[0].dataset, cfgs[0].data_dir, download=cfgs[0].download)
     model = models.build(cfgs[0].model, ds.input_shape, ds.num_classes)
+    models.check_fits(cfgs[0].model, model, ds.train_x[:1], ds.train_y[:1], cfgs[0].dataset)
     for cfg in cfgs:
         if sharded.is_sharded(cfg.algo):
             sharded.check(cfg, workers, backend)

@@ -6,7 +6,7 @@ import line below.
 from .base import Compressor, Packet, Slices, keep_count
 from .registry import build, names, register
 
-from . import identity, threshold2bit, onebit, sign, scaled_sign, qsgd, terngrad, int8, sparsify, randomk, dgc, powersgd  # noqa: E402,F401  (registration)
+from . import identity, threshold2bit, onebit, sign, scaled_sign, qsgd, terngrad, int8, sparsify, randomk, dgc, powersgd, topk2bit, dct  # noqa: E402,F401,E501  (registration)
 from .policy import Auto, PerTensor  # noqa: E402  (policies: gradzip.PerTensor, auto:<codec>)
 
 __all__ = ["Auto", "Compressor", "Packet", "Slices", "build", "names", "register", "keep_count", "PerTensor"]

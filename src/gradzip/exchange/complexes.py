@@ -10,11 +10,18 @@ from typing import Sequence
 
 import torch
 
+
+def real_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as its real view if it is complex, else itself (a view either way: an
+    in-place change writes through)."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
 def real_views(tensors: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Tensor], list[int]]:
     """``tensors`` with every complex one as its real view (module docstring), and the
     positions of those."""
     at = [i for i, t in enumerate(tensors) if t.is_complex()]
-    return ([torch.view_as_real(t) if t.is_complex() else t for t in tensors] if at else tensors), at
+    return ([real_view(t) for t in tensors] if at else tensors), at
 
 
 def as_complex(tensors, at: list[int]):

@@ -7,6 +7,8 @@ from .cdsgd import CDSGD, CPSGD, ODSGD
 from .csea import CSEA
 from .dgc import DGC
 from .diloco import DiLoCo, DiLoCoMethod
+from .sparseloco import SparseLoCo, SparseLoCoMethod
+from .demo import DeMo
 from .cser import CSER, CSERPL
 from .efsgd import EFSGD
 from .localsgd import LocalSGD
@@ -28,12 +30,12 @@ METHODS = {"ssgd": SSGD, "efsgd": EFSGD, "bitsgd": BitSGD,
            "dgc": DGC, "powersgd": PowerSGD,
            "odsgd": ODSGD, "cdsgd": CDSGD, "cpsgd": CPSGD, "asgd": ASGD,
            "onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam, "onebitlamb": OneBitLAMB,
-           "diloco": DiLoCoMethod,
+           "diloco": DiLoCoMethod, "sparseloco": SparseLoCoMethod, "demo": DeMo,
            "lars": LARSMethod, "lamb": LAMBMethod, "adamw": AdamWMethod}
 
 __all__ = ["DistributedOptimizer", "method_options", "COMMON_OPTIONS", "SSGD", "EFSGD", "BitSGD",
            "LocalSGD", "QSparseLocalSGD", "CSEA", "CSER", "CSERPL", "DGC", "PowerSGD",
            "ODSGD", "CDSGD", "CPSGD", "METHODS",
            "Compressed", "LARS", "LAMB", "SAM", "LARSMethod", "LAMBMethod", "AdamWMethod",
-           "LinearScalingWarmup", "lr_at", "scaled_lr", "DiLoCo", "DiLoCoMethod", "ASGD",
+           "LinearScalingWarmup", "lr_at", "scaled_lr", "DiLoCo", "DiLoCoMethod", "SparseLoCo", "SparseLoCoMethod", "DeMo", "ASGD",
            "OneBitAdam", "ZeroOneAdam", "OneBitLAMB"]

@@ -111,6 +111,7 @@ class DiLoCo(DistributedOptimizer):
         self.alpha = float(alpha)
         self.codec = build(compressor)
         self.error_feedback = not self.codec.unbiased and self.codec.name != "none"
+        self._error_decay = 1.0          # e_i enters as β·e_i (SparseLoCo's β; DiLoCo's is 1)
         self.psync = self.make_psync(self.codec)
         self._fragments = parts
         # (fragment, its participating parameters, Pending or the decoded aggregates) or None
@@ -152,7 +153,8 @@ class DiLoCo(DistributedOptimizer):
             state = self.state[p]
             delta = state["global"] - p
             if "residual" in state:
-                delta.add_(state["residual"])
+                residual = state["residual"]
+                delta.add_(residual if self._error_decay == 1.0 else residual * self._error_decay)
             deltas.append(delta)
         pending = self.psync.start(deltas, self.steps, keys=self.keys(params), residual=self.error_feedback)
         if self.error_feedback:
@@ -234,6 +236,34 @@ class DiLoCo(DistributedOptimizer):
                               [a.to(p.device, p.dtype) for a, p in zip(inflight["aggregate"], params)])
 
 
+#: The inner optimizers the registry forms build (``inner=``).
+INNER = ("adamw", "sgd")
+
+
+def inner_default_lr(options: dict) -> float:
+    """The registry forms' default ``lr``, the inner optimizer's: AdamW's 0.001, or momentum SGD's 0.1."""
+    return 0.1 if options.get("inner", "adamw") == "sgd" else 1e-3
+
+
+def inner_optimizer(name: str, params, lr: float, inner: str, inner_lr: float | None, momentum: float,
+                    nesterov: bool, weight_decay: float) -> torch.optim.Optimizer:
+    """The registry form's inner optimizer (:class:`DiLoCoMethod`, and SparseLoCo's):
+    ``torch.optim.AdamW(params, lr=inner_lr or lr, weight_decay)`` (``inner="adamw"``, momentum
+    must be 0) or ``torch.optim.SGD(params, inner_lr or lr, momentum, nesterov, weight_decay)``."""
+    check_hyperparameters(name, lr, momentum, weight_decay, nesterov)
+    require(inner in INNER, name, f"inner must be one of {', '.join(INNER)}, got {inner!r}")
+    require(inner_lr is None or (is_real(inner_lr) and 0 <= inner_lr <= FLOAT32_MAX), name,
+            f"inner_lr must be a finite number >= 0 (or None: lr), got {inner_lr!r}")
+    if inner == "adamw":
+        no_momentum(name, momentum, nesterov, fix="; or pass inner='sgd' (AdamW's moments are its betas)")
+    params = list(params)
+    step = float(lr if inner_lr is None else inner_lr)
+    if inner == "adamw":
+        return torch.optim.AdamW(params, lr=step, weight_decay=float(weight_decay))
+    return torch.optim.SGD(params, lr=step, momentum=float(momentum), nesterov=bool(nesterov),
+                           weight_decay=float(weight_decay))
+
+
 class DiLoCoMethod(DiLoCo):
     """DiLoCo built from parameters (the registry's and the CLI's form, ``--algo diloco``):
     the inner optimizer is ``torch.optim.AdamW(params, lr=inner_lr or lr,
@@ -242,12 +272,9 @@ class DiLoCoMethod(DiLoCo):
     (``inner="sgd"``). ``H`` defaults to 8 here (as local SGD's); the other options are
     :class:`DiLoCo`'s."""
 
-    INNER = ("adamw", "sgd")
-
     @classmethod
     def default_lr(cls, options: dict) -> float:
-        """The inner optimizer's: AdamW's 0.001, or momentum SGD's 0.1."""
-        return 0.1 if options.get("inner", "adamw") == "sgd" else 1e-3
+        return inner_default_lr(options)
 
     @refuses_unknown_options
     def __init__(self, params, lr, *, inner: str = "adamw", inner_lr: float | None = None, H: int = 8,
@@ -257,20 +284,7 @@ class DiLoCoMethod(DiLoCo):
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES, nonfinite: str = "raise",
                  transport: str = "auto", hierarchy: "int | str | None" = None, round_bytes: int | None = None,
                  link=None, recalibrate_every: int | None = None):
-        name = type(self).__name__
-        check_hyperparameters(name, lr, momentum, weight_decay, nesterov)
-        require(inner in self.INNER, name, f"inner must be one of {', '.join(self.INNER)}, got {inner!r}")
-        require(inner_lr is None or (is_real(inner_lr) and 0 <= inner_lr <= FLOAT32_MAX), name,
-                f"inner_lr must be a finite number >= 0 (or None: lr), got {inner_lr!r}")
-        if inner == "adamw":
-            no_momentum(name, momentum, nesterov, fix="; or pass inner='sgd' (AdamW's moments are its betas)")
-        params = list(params)
-        step = float(lr if inner_lr is None else inner_lr)
-        if inner == "adamw":
-            opt = torch.optim.AdamW(params, lr=step, weight_decay=float(weight_decay))
-        else:
-            opt = torch.optim.SGD(params, lr=step, momentum=float(momentum), nesterov=bool(nesterov),
-                                  weight_decay=float(weight_decay))
+        opt = inner_optimizer(type(self).__name__, params, lr, inner, inner_lr, momentum, nesterov, weight_decay)
         self.inner_kind = inner
         super().__init__(opt, H=H, outer_lr=outer_lr, outer_momentum=outer_momentum,
                          outer_nesterov=outer_nesterov, compressor=compressor, fragments=fragments,

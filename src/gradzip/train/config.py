@@ -92,6 +92,7 @@ class RunConfig:
     recalibrate_every: int | None = None  # auto:<codec>: steps between decisions (None: once)
     checkpoint_dir: str | None = None   # write checkpoints here (per rank, atomically)
     checkpoint_every: int = 0     # steps between checkpoints; 0: at the end of every epoch
+    eval_every: int = 0           # steps between evaluations inside an epoch (0: only at each epoch's end)
     resume: bool = False          # continue from the newest checkpoint in checkpoint_dir, if any
     keep_checkpoints: int = 2     # steps each rank keeps (>= 2: the newest, and one to resume from if it is damaged)
     start_over: bool = False      # resume: start from scratch when no step is sound (files that fail are kept, renamed)
@@ -161,7 +162,7 @@ def lr_rule(cfg: RunConfig, world_size: int, steps_per_epoch: int) -> tuple[floa
 #: RunConfig fields that do not change a run's numbers: they may differ between workers and
 #: between a run and its resumption (a resumed run may also train for more epochs).
 FREE_FIELDS = ("label", "data_dir", "download", "trace", "progress", "checkpoint_dir", "checkpoint_every", "resume",
-               "keep_checkpoints", "start_over", "straggler")
+               "keep_checkpoints", "start_over", "straggler", "eval_every")
 
 
 def trajectory_fields(cfg: RunConfig) -> dict[str, Any]:
@@ -175,7 +176,7 @@ def collective_fields(cfg: RunConfig) -> dict[str, Any]:
     sequence of collectives (checkpoint saves and their barriers, the resume agreement):
     every worker must have the same."""
     return {"checkpoint_dir given": bool(cfg.checkpoint_dir), "checkpoint_every": cfg.checkpoint_every,
-            "resume": cfg.resume, "start_over": cfg.start_over}
+            "resume": cfg.resume, "start_over": cfg.start_over, "eval_every": cfg.eval_every}
 
 
 #: Seeds are integers in [0, SEED_LIMIT) (the per-rank seeds derived from them fit torch's generators).

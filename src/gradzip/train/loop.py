@@ -159,7 +159,7 @@ def run_worker(comm: Group, cfg: RunConfig, after_step: Callable[[int], None] | 
     first_epoch, first_batch = divmod(job.state.done, job.steps_per_epoch)
     for epoch in range(first_epoch + 1, cfg.epochs + 1):
         _train_epoch(job, epoch, first_batch if epoch == first_epoch + 1 else 0)
-        job.state.history.append(_epoch_record(job, epoch))
+        job.state.history.append(_record(job, epoch))
         if cfg.checkpoint_dir and (job.state.done == job.total or not cfg.checkpoint_every
                                    or job.state.done % cfg.checkpoint_every == 0):
             resume_lib.save(job)
@@ -182,6 +182,7 @@ def _prepare(comm: Group, cfg: RunConfig, after_step) -> _Job:
     ds = datasets.load(cfg.dataset, cfg.data_dir, download=cfg.download)
     device = resolve_device(cfg.device, comm.rank)
     model = models.build(cfg.model, ds.input_shape, ds.num_classes, seed=cfg.seed).to(device)
+    models.check_fits(cfg.model, model, ds.train_x[:1].to(device), ds.train_y[:1].to(device), cfg.dataset)
     consistency.verify(comm, {**trajectory_fields(cfg), **collective_fields(cfg), "gradzip version": __version__,
                               "world size": comm.world_size, "training samples": len(ds.train_x),
                               "parameter shapes": [tuple(p.shape) for p in model.parameters()]},
@@ -253,6 +254,8 @@ def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
             job.bar.update(1)
         if job.after_step is not None:
             job.after_step(state.done)
+        if cfg.eval_every and state.done % cfg.eval_every == 0 and b < job.steps_per_epoch - 1:
+            state.history.append(_record(job, state.done / job.steps_per_epoch))   # at an epoch's end: its record
         if cfg.checkpoint_dir and cfg.checkpoint_every and state.done % cfg.checkpoint_every == 0 \
                 and b < job.steps_per_epoch - 1:  # at an epoch's end: after its record
             resume_lib.save(job)
@@ -290,13 +293,26 @@ def _straggle(job: _Job, step: int, compute_s: float) -> float:
     return delay
 
 
-def _epoch_record(job: _Job, epoch: int) -> dict[str, Any]:
-    """The epoch's record, the same on every worker: train loss and phase times averaged
-    over the workers (one small allreduce), test accuracy and loss of the evaluation model
-    (every worker evaluates its share of the test set: one more small allreduce)."""
+def _since_last_record(done: int, steps_per_epoch: int, every: int) -> int:
+    """Steps since the previous record, whose place is a function of the step count alone
+    (so a resumed run needs no more state): at every epoch's end, and, with ``every``
+    (``--eval-every``), at the multiples of ``every`` inside an epoch."""
+    last = (done - 1) // steps_per_epoch * steps_per_epoch
+    if every:
+        last = max(last, (done - 1) // every * every)
+    return done - last
+
+
+def _record(job: _Job, epoch: float) -> dict[str, Any]:
+    """The record of the steps since the previous one (an epoch's, or a part of one with
+    ``--eval-every``; ``epoch``: the epoch, or the epochs done as a fraction), the same on
+    every worker: train loss and phase times averaged over the workers (one small
+    allreduce), test accuracy and loss of the evaluation model (every worker evaluates its
+    share of the test set: one more small allreduce)."""
     comm, state, opt = job.comm, job.state, job.opt
     phases = _phase_times(state.compute_s, state.step_s, opt.timings)
-    epoch_stats = torch.tensor([state.loss_sum.item() / job.steps_per_epoch,
+    steps = _since_last_record(state.done, job.steps_per_epoch, job.cfg.eval_every)
+    epoch_stats = torch.tensor([state.loss_sum.item() / steps,
                                 *(a - b for a, b in zip(phases, state.previous))], dtype=torch.float64)
     state.previous, state.loss_sum = phases, torch.zeros(())
     epoch_stats = comm.allreduce(epoch_stats).div_(comm.world_size).tolist()
@@ -326,10 +342,15 @@ def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[st
     comm, cfg, state, opt, history = job.comm, job.cfg, job.state, job.opt, job.state.history
     phases = _phase_times(state.compute_s, state.step_s, opt.timings)
     warm_steps, warm = job.warm
-    mine = torch.tensor([*phases, state.straggler_s, *warm], dtype=torch.float64)
-    per_worker = comm.allgather(mine)  # one row of phase times (injected delay, at warm-up's end) per worker
-    steady = (per_worker[:, :len(PHASES)] - per_worker[:, len(PHASES) + 1:]).mean(0) / max(state.done - warm_steps, 1)
+    mine = torch.tensor([*phases, state.straggler_s, *warm, state.compute_s + state.step_s], dtype=torch.float64)
+    # one row per worker: phase times, injected delay, phase times at warm-up's end, time in steps
+    per_worker = comm.allgather(mine)
+    warm_phases = per_worker[:, len(PHASES) + 1:2 * len(PHASES) + 1]
+    steady = (per_worker[:, :len(PHASES)] - warm_phases).mean(0) / max(state.done - warm_steps, 1)
     wall = time.perf_counter() - job.began
+    final_loss = history[-1].get("test_loss") if history else None
+    per_sample = job.ds.targets_per_sample
+    tokens = state.done * cfg.batch_size * comm.world_size * per_sample
     return {
         "algo": cfg.name,
         "method": cfg.algo,
@@ -352,6 +373,13 @@ def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[st
         "resumed_from_step": resumed_from,
         "final_test_accuracy": history[-1].get("test_accuracy") if history else None,
         "best_test_accuracy": max((h.get("test_accuracy") or 0.0) for h in history) if history else None,
+        "final_test_loss": final_loss,
+        # a byte-level language model: the test loss (nats per byte) in bits per byte
+        "bits_per_byte": final_loss / math.log(2) if final_loss is not None and job.ds.info.get("token") == "byte"
+        else None,
+        # training tokens (targets) per second of the steps (mean over workers; evaluation left out)
+        "tokens_per_s": tokens / per_worker[:, -1].mean().item() if per_sample > 1 and state.done else None,
+        "dataset_info": job.ds.info or None,
         "diverged": state.diverged,
         "bytes_sent_per_worker": opt.bytes_sent,
         "compression_ratio": opt.compression_ratio,

@@ -23,6 +23,15 @@ Names (``names()``), with optional ``name:key=value,...`` options:
   embeddings, a learned query token appended, ``layers`` encoder layers (``heads`` heads,
   feed-forward 4·``d``, GELU, no dropout), LayerNorm, and a linear head on the query token.
   Options ``layers=2,d=64,heads=4`` (the defaults).
+- ``gpt``: a GPT-2-style decoder for language modelling (the ``text`` dataset): inputs
+  ``(N, T)`` of token ids in ``[0, num_classes)`` (the vocabulary: 256 bytes for ``text``),
+  learned token and position embeddings, ``layers`` pre-LayerNorm blocks (causal
+  self-attention with ``heads`` heads, then a feed-forward 4·``d`` with GELU; no dropout), a
+  final LayerNorm and the logits from the token embedding matrix (tied weights). The output
+  is ``(N, vocab, T)``: a class per position in the layout ``F.cross_entropy`` takes with
+  targets ``(N, T)``, so the harness's loss, accuracy and evaluation apply unchanged.
+  Options ``layers=4,d=128,heads=4,context=auto`` (``context``: the position table's length,
+  at least the input's ``T``; ``auto``: ``T``). See :class:`GPT`.
 - ``mlp10m``: flatten -> two hidden layers of equal width -> classes, the width chosen so
   the model has about 10M parameters whatever the input (width 2048 at 3x32x32); option
   ``params=`` sets another target (e.g. ``mlp10m:params=2000000``).
@@ -46,7 +55,7 @@ from .. import specs
 from ..errors import GradzipError
 from ..validation import is_int
 
-__all__ = ["names", "build", "MLP", "LeNet", "ResNet", "ResNet18", "TinyTransformer"]
+__all__ = ["names", "build", "check_fits", "MLP", "LeNet", "ResNet", "ResNet18", "TinyTransformer", "GPT"]
 
 _GLOBAL_RNG_LOCK = threading.Lock()
 
@@ -191,6 +200,56 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(self.encoder(h)[:, -1]))
 
 
+class _DecoderBlock(nn.Module):
+    """One pre-LN decoder block: ``h + attn(LN(h))``, then ``h + mlp(LN(h))``."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.norm2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        n, t, d = h.shape
+        q, k, v = self.qkv(self.norm1(h)).view(n, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).reshape(n, t, d))
+        return h + self.mlp(self.norm2(h))
+
+
+class GPT(nn.Module):
+    """A GPT-2-style decoder (Radford et al. 2019): token + position embeddings, ``layers``
+    pre-LN blocks of causal self-attention and a 4·``d`` GELU feed-forward, a final LayerNorm,
+    logits by the token embedding matrix (tied). GPT-2's initialisation: weights normal(0,
+    0.02), the residual projections' (attention output, feed-forward output) 0.02/√(2·layers),
+    biases 0, LayerNorms 1 and 0. ``forward`` maps ``(N, T)`` ids (integers, or floats that
+    hold integers) to logits ``(N, vocab, T)`` (module docstring)."""
+
+    def __init__(self, vocab: int, context: int, layers: int = 4, d: int = 128, heads: int = 4):
+        super().__init__()
+        self.vocab, self.context = vocab, context
+        self.embed = nn.Embedding(vocab, d)
+        self.position = nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(_DecoderBlock(d, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() >= 2:
+                residual = name.endswith("proj.weight") or name.endswith("mlp.2.weight")
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers) if residual else 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.embed(x.long()) + self.position.weight[:t]
+        for block in self.blocks:
+            h = block(h)
+        return (self.norm(h) @ self.embed.weight.t()).transpose(1, 2)
+
+
 def mlp_width_for(params: int, features: int, num_classes: int) -> int:
     """Hidden width ``h`` (a multiple of 64, at least 64) of a two-hidden-layer MLP with
     about ``params`` parameters: ``h² + h(features + classes + 2) + classes ≈ params``."""
@@ -211,6 +270,15 @@ def _int_option(name: str, key: str, value: str, low: int) -> int:
         raise GradzipError(f"model {name!r} option {key} must be an integer >= {low}, "
                            f"got {value!r}.")
     return v
+
+
+def _attention_options(name: str, opts: dict) -> dict:
+    """A transformer's ``layers``, width ``d`` and ``heads`` (``d`` a multiple of ``heads``)."""
+    sizes = {key: _int_option(name, key, opts[key], 1) for key in ("layers", "d", "heads")}
+    if sizes["d"] % sizes["heads"]:
+        raise GradzipError(f"model {name!r} option d must be a multiple of heads, got d={sizes['d']}, "
+                           f"heads={sizes['heads']}.")
+    return sizes
 
 
 def _norm_option(name: str, opts: dict) -> str:
@@ -328,12 +396,20 @@ def _transformer(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
     if len(shape) != 1:
         raise GradzipError(f"model 'transformer' needs token sequences (N, T) as input, got input_shape "
                            f"{shape}; use it with a sequence dataset such as 'modadd'.")
-    layers = _int_option("transformer", "layers", opts["layers"], 1)
-    d = _int_option("transformer", "d", opts["d"], 1)
-    heads = _int_option("transformer", "heads", opts["heads"], 1)
-    if d % heads:
-        raise GradzipError(f"model 'transformer' option d must be a multiple of heads, got d={d}, heads={heads}.")
-    return TinyTransformer(shape[0], num_classes, layers=layers, d=d, heads=heads)
+    return TinyTransformer(shape[0], num_classes, **_attention_options("transformer", opts))
+
+
+@register("gpt", layers="4", d="128", heads="4", context="auto")
+def _gpt(opts: dict, shape: tuple, num_classes: int) -> nn.Module:
+    if len(shape) != 1:
+        raise GradzipError(f"model 'gpt' needs token sequences (N, T) as input, got input_shape {shape}; use it "
+                           f"with a language-modelling dataset such as 'text'.")
+    sizes = _attention_options("gpt", opts)
+    context = shape[0] if opts["context"] == "auto" else _int_option("gpt", "context", opts["context"], 1)
+    if context < shape[0]:
+        raise GradzipError(f"model 'gpt' option context={context} is shorter than the dataset's sequences "
+                           f"({shape[0]} tokens); raise it or leave it at auto.")
+    return GPT(num_classes, context, **sizes)
 
 
 @register("mlp10m", params="10000000")
@@ -359,6 +435,33 @@ def _parse_options(name: str, options: list[specs.Option], valid: dict) -> dict:
                                f"{examples}.")
         out[opt.key] = opt.value
     return out
+
+
+def check_fits(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, dataset: str) -> None:
+    """A :class:`GradzipError` naming the mismatch when ``model`` (built as ``name``) cannot
+    train on samples ``x`` with targets ``y`` of ``dataset``: it cannot read the inputs, or
+    it predicts a class per sample where the targets are one per position (a language
+    model's) or the other way round. One forward pass of ``x`` (a sample or two) in eval
+    mode, without gradients; the model is left as it was."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(x)
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        raise GradzipError(f"model {name!r} cannot read the inputs of dataset {dataset!r} (input shape "
+                           f"{tuple(x.shape[1:])}, {x.dtype}: {' '.join(str(exc).split())[:200]}); pick a model "
+                           f"for this data (e.g. 'gpt' for 'text', 'mlp' for images and features).") from None
+    finally:
+        model.train(was_training)
+    if out.dim() == y.dim() + 1 and tuple(out.shape[2:]) == tuple(y.shape[1:]):
+        return
+    per_position = out.dim() > 2
+    raise GradzipError(
+        f"model {name!r} predicts {'a class per position' if per_position else 'one class per sample'} (output "
+        f"{tuple(out.shape[1:])} per sample) but dataset {dataset!r} has "
+        f"{'one label per sample' if y.dim() == 1 else f'targets of shape {tuple(y.shape[1:])} per sample'}; use "
+        f"{'a language-modelling dataset such as text' if per_position else 'the gpt model'} with it.")
 
 
 def build(name: str, input_shape: tuple, num_classes: int, *, seed: int = 0) -> nn.Module:

@@ -140,7 +140,7 @@ class ShardedOptimizer:
         self.comm.broadcast(total, src=0)
         self._evaluation_bytes += self.handle.bytes_sent - bytes_before
         self._evaluation_timings = _difference(self.handle.timings, before) + self._evaluation_timings
-        return total[0].item() / len(x), total[1].item() / len(x)
+        return total[0].item() / y.numel(), total[1].item() / y.numel()
 
     def metrics(self) -> dict[str, Any]:
         return {"error_memory_bytes": self.handle.error_memory_bytes}

@@ -11,6 +11,10 @@
 - ``modadd``: modular addition ``(a, b) -> (a + b) mod p`` as two float32 token ids
   (not normalized), for the ``transformer`` model; ``modadd:p=97,train=0.5,seed=0``. See
   :mod:`.algorithmic`.
+- ``text``: byte-level language modelling for the ``gpt`` model: the Python standard
+  library's source files (embedded: no download; the Python version is recorded) or a text
+  file from ``data_dir`` (``text:file=input.txt``), cut into sequences of ``context`` bytes
+  with next-byte targets; ``text:context=128,bytes=0``. See :mod:`.text`.
 - ``mnist``, ``fashion-mnist``: the standard IDX files (``train-images-idx3-ubyte.gz`` ...,
   gzipped or not) in ``data_dir/<name>/`` or ``data_dir``; downloaded into
   ``data_dir/<name>/`` from the standard mirrors (MD5-checked) when missing.
@@ -23,7 +27,7 @@ are the same across runs; the per-epoch shuffling is :func:`shard`'s job.
 
 Modules: :mod:`.registry` (names -> loaders; :func:`register` adds one), :mod:`.base` (``Dataset``, normalisation),
 :mod:`.sampler` (``shard``), :mod:`.generated` (``synthetic``), :mod:`.digits`,
-:mod:`.algorithmic` (``modadd``), :mod:`.storage` (finding, downloading and checking files), :mod:`.mnist` (IDX),
+:mod:`.algorithmic` (``modadd``), :mod:`.text` (``text``), :mod:`.storage` (finding, downloading and checking files), :mod:`.mnist` (IDX),
 :mod:`.cifar`.
 """
 from .base import Dataset

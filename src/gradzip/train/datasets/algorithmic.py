@@ -14,26 +14,12 @@ import torch
 
 from ... import specs
 from ...errors import GradzipError
-from .base import Dataset
-
-DEFAULTS = {"p": "97", "train": "0.5", "seed": "0"}
+from .base import Dataset, typed_options
 
 
 def parse_options(options: list[specs.Option]) -> dict:
     """:func:`modadd`'s keyword arguments from a spec's options."""
-    out: dict = {}
-    for opt in options:
-        key = opt.key.lower()
-        if not opt.has_value or key not in DEFAULTS:
-            raise GradzipError(f"bad modadd option {opt.item!r}; options are p, train, seed "
-                               f"(e.g. modadd:p=97,train=0.5,seed=0).")
-        kind = float if key == "train" else int
-        try:
-            out[key] = kind(opt.value)
-        except ValueError:
-            raise GradzipError(f"modadd option {key} needs {'a number' if kind is float else 'an integer'}, "
-                               f"got {opt.value!r}.") from None
-    return out
+    return typed_options("modadd", options, {"p": int, "train": float, "seed": int}, "modadd:p=97,train=0.5,seed=0")
 
 
 def modadd(p: int = 97, train: float = 0.5, seed: int = 0) -> Dataset:

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+
+from ... import specs
+from ...errors import GradzipError
 
 
 @dataclass
@@ -12,7 +16,10 @@ class Dataset:
 
     ``train_x`` / ``test_x`` are float32, ``(N, C, H, W)`` for images or ``(N, F)`` for
     flat features, normalized with the train split's per-channel mean and std;
-    ``train_y`` / ``test_y`` are int64 class indices in ``[0, num_classes)``.
+    ``train_y`` / ``test_y`` are int64 class indices in ``[0, num_classes)``. A
+    language-modelling dataset (``text``) holds token ids instead: int64 ``(N, T)`` inputs
+    and ``(N, T)`` targets, a class per position. ``info``: what else identifies the data
+    (e.g. the corpus's source, size and hash), recorded in ``summary.json``.
     """
 
     name: str
@@ -21,11 +28,17 @@ class Dataset:
     test_x: torch.Tensor = field(repr=False)
     test_y: torch.Tensor = field(repr=False)
     num_classes: int
+    info: dict = field(default_factory=dict, repr=False)
 
     @property
     def input_shape(self) -> tuple:
         """One sample's shape: ``(C, H, W)`` for images, ``(features,)`` for flat data."""
         return tuple(self.train_x.shape[1:])
+
+    @property
+    def targets_per_sample(self) -> int:
+        """Targets each sample carries: 1 for classification, ``T`` for a sequence of ``T`` tokens."""
+        return max(1, self.train_y[0].numel()) if len(self.train_y) else 1
 
     def __repr__(self) -> str:
         return (f"Dataset({self.name!r}, train={len(self.train_y)}, test={len(self.test_y)}, "
@@ -50,3 +63,29 @@ def normalize(train_x: torch.Tensor, test_x: torch.Tensor):
         x = x.float().contiguous()
         out.append(x.sub_(mean).div_(std))
     return out[0], out[1]
+
+
+#: How :func:`typed_options` names what a converter expects.
+_EXPECTED = {int: "an integer", float: "a number"}
+
+
+def typed_options(dataset: str, options: list[specs.Option], kinds: dict[str, Callable[[str], object]],
+                  example: str, names: dict[str, str] | None = None) -> dict:
+    """A dataset spec's options as its loader's keyword arguments: each key (case-insensitive)
+    one of ``kinds``, its value converted by ``kinds[key]`` (``int``, ``float``, ``str``, or a
+    parser that raises its own :class:`GradzipError`), under ``names.get(key, key)``. A key
+    not in ``kinds`` or an item without ``=`` names the valid keys and ``example``; a value
+    ``int`` / ``float`` refuses names what it needs."""
+    out: dict = {}
+    for opt in options:
+        key = opt.key.lower()
+        if not opt.has_value or key not in kinds:
+            raise GradzipError(f"bad {dataset} option {opt.item!r}; options are {', '.join(kinds)} (e.g. {example}).")
+        try:
+            out[(names or {}).get(key, key)] = kinds[key](opt.value)
+        except GradzipError:   # a parser's own message (a GradzipError is a ValueError too)
+            raise
+        except ValueError:
+            raise GradzipError(f"{dataset} option {key} needs {_EXPECTED.get(kinds[key], 'another value')}, got "
+                               f"{opt.value!r}.") from None
+    return out

@@ -11,7 +11,7 @@ from ... import seeds, specs
 from ...errors import GradzipError
 from ...validation import is_int
 
-from .base import Dataset, normalize
+from .base import Dataset, normalize, typed_options
 
 _SYNTH_DEFAULTS = {"n": 8192, "test": 2048, "shape": (1, 28, 28), "classes": 10, "seed": 0}
 _SYNTH_LATENT = 16      # dimension of the latent Gaussian the labels depend on
@@ -66,22 +66,8 @@ def _gb(nbytes: int) -> str:
 def parse_options(options: list[specs.Option]) -> dict:
     """The keyword arguments of :func:`synthetic` from a spec's options (``n=4096``,
     ``shape=3x32x32``, ...)."""
-    out = {}
-    for opt in options:
-        key, value = opt.key.lower(), opt.value
-        if not opt.has_value or key not in _SYNTH_DEFAULTS:
-            raise GradzipError(f"bad synthetic option {opt.item!r}; options are key=value with "
-                               f"keys {', '.join(_SYNTH_DEFAULTS)} "
-                               f"(e.g. synthetic:n=4096,shape=3x32x32,classes=10).")
-        if key == "shape":
-            out[key] = _parse_shape(value)
-        else:
-            try:
-                out[key] = int(value)
-            except ValueError:
-                raise GradzipError(f"synthetic option {key} needs an integer, "
-                                   f"got {value!r}.") from None
-    return out
+    kinds = {key: _parse_shape if key == "shape" else int for key in _SYNTH_DEFAULTS}
+    return typed_options("synthetic", options, kinds, "synthetic:n=4096,shape=3x32x32,classes=10")
 
 
 def synthetic(n: int = 8192, test: int = 2048, shape: tuple | str = (1, 28, 28),

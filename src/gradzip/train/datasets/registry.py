@@ -14,7 +14,7 @@ from typing import Callable
 from ... import specs
 from ...errors import GradzipError
 
-from . import algorithmic, cifar, digits, generated, mnist, storage
+from . import algorithmic, cifar, digits, generated, mnist, storage, text
 from .base import Dataset
 
 
@@ -22,7 +22,7 @@ from .base import Dataset
 class _Entry:
     """How to load one dataset name."""
 
-    load: Callable[..., Dataset]   # (root, download) when ``files``, else (options)
+    load: Callable[..., Dataset]   # (root, download) when ``files``, (data_dir, options) when both, else (options)
     files: bool = False            # read from files in a data directory
     options: bool = False          # takes spec options (``name:key=value,...``)
 
@@ -37,7 +37,9 @@ def register(name: str, *, files: bool = False, options: bool = False,
     under each of ``aliases``. With ``files`` the dataset reads a data directory and is
     called ``loader(root, download)`` (``root`` exists, from :func:`storage.require_dir`);
     otherwise ``loader(options)``, the spec's :class:`gradzip.specs.Option` list, which is
-    empty unless ``options`` is true (a name without ``options`` refuses any)::
+    empty unless ``options`` is true (a name without ``options`` refuses any). With both,
+    ``loader(data_dir, options)``: ``data_dir`` as given (None when not), which the loader
+    checks itself where its options name a file (``text:file=NAME``)::
 
         @register("tiny", options=True)
         def _tiny(options): ...
@@ -68,6 +70,7 @@ register("fashion-mnist", files=True, aliases=("fashion_mnist", "fashionmnist"))
     functools.partial(mnist.load, "fashion-mnist"))
 register("cifar10", files=True, aliases=("cifar-10", "cifar_10"))(cifar.load)
 register("modadd", options=True)(lambda options: algorithmic.modadd(**algorithmic.parse_options(options)))
+register("text", files=True, options=True)(lambda data_dir, options: text.load(data_dir, **text.parse_options(options)))
 
 
 def names() -> list[str]:
@@ -97,4 +100,6 @@ def load(name: str, data_dir: str | os.PathLike | None = None, *,
                            f"use just {base!r}.")
     if not entry.files:
         return entry.load(options)
+    if entry.options:
+        return entry.load(data_dir, options)
     return entry.load(storage.require_dir(base, data_dir, download), download)
