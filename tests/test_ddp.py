@@ -198,8 +198,10 @@ def test_hook_refuses_single_round_powersgd_and_ef_with_unbiased_codecs():
         assert gradzip.integrations.ddp.hook(unbiased).error_feedback is False
         with pytest.raises(GradzipError, match="unbiased"):
             gradzip.integrations.ddp.hook(unbiased, error_feedback=True)
-    for biased in ("none", "topk:ratio=0.1", "randomk:ratio=0.1", "sign", "2bit"):
+    for biased in ("topk:ratio=0.1", "randomk:ratio=0.1", "sign", "2bit"):
         assert gradzip.integrations.ddp.hook(biased).error_feedback is True
+    assert gradzip.integrations.ddp.hook("none").error_feedback is False   # its residual is zero
+    assert gradzip.integrations.ddp.hook("none", error_feedback=True).error_feedback is True
     assert gradzip.integrations.ddp.hook("topk:ratio=0.1", error_feedback=False).error_feedback is False
     with pytest.raises(GradzipError, match="nonfinite"):
         gradzip.integrations.ddp.hook("topk:ratio=0.1", nonfinite="ignore")

@@ -37,7 +37,8 @@ class CodecState(HookState):
 
     ``error_feedback=None`` (default): on for biased codecs, off for unbiased ones
     (:attr:`Compressor.unbiased`: error feedback only adds their variance to the next step;
-    ``qsgd`` with it reaches NaN within 20 steps in tests/test_ddp.py);
+    ``qsgd`` with it reaches NaN within 20 steps in tests/test_ddp.py) and for ``"none"``
+    (its residual is zero: the same numbers without a residual's pass and memory);
     ``True`` with an unbiased codec is refused, as is the single-round ``powersgd`` codec
     unless ``single_round_powersgd=True`` (the two-round PowerSGD is :func:`powersgd_hook`).
     ``codec`` may be a :class:`gradzip.PerTensor` policy (a codec per parameter; its name
@@ -75,8 +76,8 @@ class CodecState(HookState):
                 "PowerSGD is expected; use PowerSGD's hook: model.register_comm_hook("
                 "gradzip.integrations.ddp.PowerSGDState(rank=..., model=model), gradzip.integrations.ddp.powersgd_hook) "
                 "(or pass single_round_powersgd=True to mean the codec)")
-        if error_feedback is None:
-            error_feedback = not self.codec.unbiased
+        if error_feedback is None:   # "none": its residual is zero (as Compressed's default)
+            error_feedback = not self.codec.unbiased and self.codec.name != "none"
         elif error_feedback is True and self.codec.unbiased:
             raise GradzipError(
                 f"DDP hook: error feedback with the unbiased codec {self.codec.spec!r} accumulates its "
@@ -167,7 +168,7 @@ class CodecState(HookState):
                 for i, (view, agg, key) in enumerate(zip(b.views, result.aggregate, b.keys)):
                     if self.error_feedback and result.residual is not None:   # None: a dense warm-up step
                         residual = result.residual[i]
-                        if bool(torch.isfinite(residual).all()):   # nonfinite="off": keep the old one
+                        if all_finite([residual]):   # nonfinite="off": keep the old one
                             self.residuals[key] = residual
                     view.copy_(agg.reshape(view.shape))
             b.fut.set_result(b.buffer)
