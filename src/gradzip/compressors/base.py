@@ -47,6 +47,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import torch
 
 from .. import kernels
+from ..validation import require
 from .capabilities import Slices, Slicing  # noqa: F401  (Slices: re-exported)
 
 
@@ -212,6 +213,21 @@ class Compressor(Operations):
     def wire_nbytes(self, shape: Sequence[int]) -> int:
         """Expected wire bytes for a float32 tensor of this shape (docs/algorithms.md, the "Codecs" table)."""
         return self.compress(torch.zeros(tuple(shape))).nbytes
+
+    @property
+    def error_feedback_by_default(self) -> bool:
+        """Whether a method keeps error memory for this codec unless told otherwise: on for a
+        biased codec (its error is carried into the next step), off for an unbiased one
+        (:attr:`unbiased`: the memory would only add its variance) and for ``none`` (its
+        residual is zero). The one rule of every method, hook and integration."""
+        return not self.unbiased and self.name != "none"
+
+    def refuse_error_feedback(self, on: bool, where: str) -> None:
+        """Raise :class:`GradzipError` (``"<where>: ..."``) if error feedback is ``on`` with an
+        unbiased codec: its memory carries the codec's variance into the next step and grows."""
+        require(not (on and self.unbiased), where,
+                f"error feedback with the unbiased codec {self.spec!r} accumulates its variance and "
+                "diverges; leave error_feedback unset (off for unbiased codecs)")
 
     @property
     def spec(self) -> str:

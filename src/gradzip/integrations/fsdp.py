@@ -291,16 +291,14 @@ def _error_feedback(value, codec: Compressor | None, hsdp: bool) -> str:
         if value not in (None, False, "off"):
             raise GradzipError("gradzip.integrations.fsdp.compress: error feedback needs a codec; give compressor=...")
         return "off"
-    if value is None:   # (none is lossless: its residual is 0)
-        mode = "off" if codec.unbiased or codec.name == "none" else "full"
+    if value is None:
+        mode = "full" if codec.error_feedback_by_default else "off"
     else:
         mode = "full" if value is True else "off" if value is False else value
     if mode not in ERROR_FEEDBACK:
         raise GradzipError(f"gradzip.integrations.fsdp.compress: error_feedback must be None, True, False or one of "
                            f"{', '.join(ERROR_FEEDBACK)}, got {value!r}")
-    if mode != "off" and codec.unbiased:
-        raise GradzipError(f"gradzip.integrations.fsdp.compress: error feedback with the unbiased codec {codec.spec!r} accumulates "
-                           "its variance and diverges; leave error_feedback unset (off for unbiased codecs)")
+    codec.refuse_error_feedback(mode != "off", "gradzip.integrations.fsdp.compress")
     if mode == "shard" and hsdp:
         raise GradzipError("gradzip.integrations.fsdp.compress: with replicas the residual is the shard's already; use "
                            "error_feedback=True (or None)")

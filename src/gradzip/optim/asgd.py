@@ -129,7 +129,7 @@ class ASGD(DistributedOptimizer):
         self.order = order
         self.codec = codec
         self.compressor = codec.spec
-        self.error_feedback = not (codec.name == "none" or codec.unbiased)
+        self.error_feedback = codec.error_feedback_by_default
         self._codec_seed = seeds.exchange_seed(self.seed, 0)
         self._clock = 0          # this worker's pushes
         self._pulled_version = 0  # τ_i: the server's version of the parameters the model holds

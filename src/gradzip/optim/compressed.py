@@ -60,12 +60,10 @@ class Compressed(GradientExchange):
                 "already exchanges its gradients: use it alone")
         codec = build(compressor)
         if error_feedback is None:
-            error_feedback = not codec.unbiased and codec.name != "none"
+            error_feedback = codec.error_feedback_by_default
         require(isinstance(error_feedback, bool), name,
                 f"error_feedback must be True, False or None (by the codec), got {error_feedback!r}")
-        require(not (error_feedback and codec.unbiased), name,
-                f"error feedback with the unbiased codec {codec.spec!r} accumulates its variance and "
-                "diverges; leave error_feedback unset (off for unbiased codecs)")
+        codec.refuse_error_feedback(error_feedback, name)
         hold_once(inner, name)   # the groups are shared (below): each parameter once
         params = [p for g in inner.param_groups for p in g["params"]]
         require(len(params) > 0, name, "the inner optimizer has no parameters")

@@ -110,7 +110,7 @@ class DiLoCo(DistributedOptimizer):
         self.delay = delay
         self.alpha = float(alpha)
         self.codec = build(compressor)
-        self.error_feedback = not self.codec.unbiased and self.codec.name != "none"
+        self.error_feedback = self.codec.error_feedback_by_default
         self._error_decay = 1.0          # e_i enters as β·e_i (SparseLoCo's β; DiLoCo's is 1)
         self.psync = self.make_psync(self.codec)
         self._fragments = parts

@@ -76,14 +76,11 @@ class CodecState(HookState):
                 "PowerSGD is expected; use PowerSGD's hook: model.register_comm_hook("
                 "gradzip.integrations.ddp.PowerSGDState(rank=..., model=model), gradzip.integrations.ddp.powersgd_hook) "
                 "(or pass single_round_powersgd=True to mean the codec)")
-        if error_feedback is None:   # "none": its residual is zero (as Compressed's default)
-            error_feedback = not self.codec.unbiased and self.codec.name != "none"
-        elif error_feedback is True and self.codec.unbiased:
-            raise GradzipError(
-                f"DDP hook: error feedback with the unbiased codec {self.codec.spec!r} accumulates its "
-                "variance and diverges; leave error_feedback unset (off for unbiased codecs)")
+        if error_feedback is None:
+            error_feedback = self.codec.error_feedback_by_default
         if not isinstance(error_feedback, bool):
             raise GradzipError(f"DDP hook: error_feedback must be True, False or None, got {error_feedback!r}")
+        self.codec.refuse_error_feedback(error_feedback, "DDP hook")
         self.error_feedback = error_feedback
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
