@@ -226,9 +226,70 @@ def overflow_keeps_state(comm):
     return out
 
 
+def native_vs_psync(comm, steps=4):
+    """The hook with ``none``: buckets sent as DDP sends them (the allreduce of the bucket's
+    own buffer) against the same hook made to take its PSync path (copies into gradzip's
+    buckets). Both parameter lists, and whether the native run built a PSync."""
+    import gradzip.integrations.ddp
+    from gradzip.integrations.ddp.codec import CodecState
+
+    out = {}
+    for path in ("native", "psync"):
+        net, ddp = make_ddp()
+        state = gradzip.integrations.ddp.hook("none", model=ddp)
+        if path == "psync":
+            state.sends_uncompressed = lambda *args: False
+        ddp.register_comm_hook(state, gradzip.integrations.ddp.codec_hook)
+        train(comm, ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), steps)
+        out[path] = params(net)
+        out[f"{path}_built_psync"] = state._psync is not None
+        out[f"{path}_iter"] = state.iter
+    assert CodecState.sends_uncompressed is not None
+    return out
+
+
+def switch_folds_residual(comm):
+    """auto:1bit in the hook: step 1 compresses every unit (a link no byte crosses), then
+    the decision switches every unit to none (as a recalibration would). Step 2's bucket
+    sends the kept residual with the gradient, as DDP sends it: the gradients after step 2
+    are ``mean_i(g_i + e_i)`` bit for bit, and the residuals are dropped."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    import gradzip.integrations.ddp
+    from gradzip.exchange.planner import Link
+
+    net, ddp = make_ddp()
+    state = gradzip.integrations.ddp.hook("auto:1bit", model=ddp, link=Link(1e-9, 0.0))
+    ddp.register_comm_hook(state, gradzip.integrations.ddp.codec_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    train(comm, ddp, opt, 2)   # DDP rebuilds its buckets after the first step: decided again at step 2
+    kept = {k: v.clone() for k, v in state.residuals.items()}
+    for key, d in list(state.decisions.items()):
+        state.decisions[key] = dataclasses.replace(d, choices=("none",) * len(d.choices))
+    state.psync.plan_version += 1
+    x, y = batch(comm.rank, 2)
+    opt.zero_grad()
+    with ddp.no_sync():   # this rank's own gradient, nothing exchanged
+        F.cross_entropy(ddp(x), y).backward()
+    local = {state._key(p): p.grad.clone() for p in ddp.parameters()}
+    opt.zero_grad()
+    F.cross_entropy(ddp(x), y).backward()
+    sent = torch.cat([(local[k] + kept[k]).reshape(-1) if k in kept else local[k].reshape(-1)
+                      for k in sorted(local)])
+    every = [torch.empty_like(sent) for _ in range(comm.world_size)]
+    dist.all_gather(every, sent)
+    expected = (every[0] + every[1]) / 2
+    got = torch.cat([p.grad.reshape(-1) for k, p in sorted((state._key(p), p) for p in ddp.parameters())])
+    return {"kept": len(kept), "equal": torch.equal(got, expected), "left": len(state.residuals)}
+
+
 def ddp_suite(comm):
     """Everything test_ddp checks on real processes, in one spawn (CI time)."""
     return {
+        "native": native_vs_psync(comm),
+        "switch": switch_folds_residual(comm),
         "none": none_vs_default(comm, steps=6),
         "none_accumulate": none_vs_default(comm, steps=3, accumulate=2),
         "ckpt_topk_pickle": checkpoint_resume(comm, "topk:ratio=0.1", 4, True, "pickle"),
@@ -274,7 +335,7 @@ def nonfinite_policies(comm):
     """An Inf in rank 1's gradient only, under each policy of both hooks: the error on
     each rank ("raise"), or the gradients and hook state after the step ("skip")."""
     out = {}
-    for kind in ("topk:ratio=0.1", "powersgd"):
+    for kind in ("topk:ratio=0.1", "powersgd", "none"):
         for policy in ("raise", "skip"):
             net, ddp, state, memory = _hooked_ddp(kind, policy)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
@@ -293,7 +354,7 @@ def nonfinite_policies(comm):
                 after = memory()
                 res.update(
                     grads_zero=all(p.grad is not None and not p.grad.any() for p in net.parameters()),
-                    state_kept=len(before) > 0 and before.keys() == after.keys()
+                    state_kept=(len(before) > 0 or kind == "none") and before.keys() == after.keys()
                     and all(torch.equal(before[k], after[k]) for k in before),
                     skipped=state.skipped_steps, iter=state.iter)
                 train(comm, ddp, opt, 1, first=60)   # and training goes on

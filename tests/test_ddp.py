@@ -47,6 +47,20 @@ def test_powersgd_hook_matches_pytorch():
 
 
 @pytest.mark.slow
+def test_uncompressed_buckets_go_as_ddp_sends_them(suite):
+    """``none`` (and every bucket auto sends uncompressed) is the allreduce of DDP's own bucket
+    buffer, no PSync built: the numbers of the PSync path bit for bit. A residual kept from
+    compressed steps is sent with the gradient when its bucket switches to none, and dropped."""
+    for out in suite:
+        native = out["native"]
+        assert not native["native_built_psync"] and native["psync_built_psync"]
+        assert native["native_iter"] == native["psync_iter"] == 4
+        assert all(torch.equal(a, b) for a, b in zip(native["native"], native["psync"]))
+        switch = out["switch"]
+        assert switch["kept"] > 0 and switch["equal"] and switch["left"] == 0
+
+
+@pytest.mark.slow
 def test_none_hook_is_ddp_default(suite):
     for out in suite:
         for key in ("none", "none_accumulate"):
@@ -128,7 +142,8 @@ def test_qsgd_default_in_the_hook_stays_finite(fixes):
 @pytest.mark.slow
 def test_hook_nonfinite_raise_and_skip_agree_on_every_rank(fixes):
     # the original hooks had no policy: the Inf of rank 1 reached every rank's gradients
-    expected = {"topk:ratio=0.1": "in the gradient on rank 1;", "powersgd": "in the allreduced sums"}
+    expected = {"topk:ratio=0.1": "in the gradient on rank 1;", "powersgd": "in the allreduced sums",
+                "none": "in the allreduced sums of the uncompressed buckets"}
     for out in fixes:
         for kind, where in expected.items():
             raised = out["nonfinite"][kind]["raise"]["error"]

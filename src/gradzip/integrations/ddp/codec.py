@@ -12,24 +12,27 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ...compressors import Compressor, PerTensor, build
+from ...compressors import Auto, Compressor, PerTensor, build
 from ...errors import GradzipError
 from ...exchange import DEFAULT_BUCKET_BYTES, PSync, calibration
 from ...exchange.calibration import check_recalibrate_every
 from ...exchange.planner import Link, as_link
 from ...guards.nonfinite import all_finite
+from ...kernels.average import mean_in_place
 from ...validation import refuses_unknown_options
 from .state import HookState, views
 
 class _Bucket(NamedTuple):
     """One bucket in flight: its future, exchange, gradient views, keys, buffer, and
-    whether its gradient held a NaN or Inf on this rank."""
+    whether its gradient held a NaN or Inf on this rank. ``native``: sent as DDP sends it
+    (the allreduce of the bucket's own buffer, :meth:`CodecState.sends_uncompressed`)."""
     fut: torch.futures.Future
     work: Any
     views: list
     keys: list
     buffer: torch.Tensor
     bad: bool
+    native: bool = False
 
 
 class CodecState(HookState):
@@ -145,23 +148,84 @@ class CodecState(HookState):
         self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
         self.decisions = calibration.load(state.get("auto", []))   # auto:<codec>: executed as saved
 
+    def sends_uncompressed(self, bucket: dist.GradBucket, views: list, keys: list, step: int,
+                           compressing: bool) -> bool:
+        """Whether this bucket goes as DDP sends it: the allreduce of its own buffer, then
+        the mean in place (no copy, no codec; the numbers of the ``none`` exchange bit for
+        bit). So it goes where every tensor of it is sent uncompressed (a dense warm-up
+        step, ``"none"``, or every unit of auto's decision ``none``: deciding it is
+        collective) in a dtype the exchange sums in as it is (float32, float64)."""
+        if bucket.buffer().dtype not in (torch.float32, torch.float64):
+            return False
+        if not compressing:
+            return True
+        if not isinstance(self.codec, (Auto, PerTensor)):
+            return self.codec.name == "none"
+        _, plan = self.psync.exchange_plan(views, keys, step)
+        return all(codec.name == "none" for codec in plan.codecs)
+
+    def _start_native(self, bucket: dist.GradBucket, views: list, keys: list, feedback: bool) -> torch.futures.Future:
+        """Launch the allreduce of the bucket's buffer (:meth:`sends_uncompressed`); a
+        residual kept for its tensors (a unit auto switched to ``none``) is added in and so
+        sent whole, and dropped once the step counts (docs/algorithms.md §Auto codec
+        choice, "Residual folding")."""
+        folded = []
+        for view, key in zip(views, keys):
+            if feedback and key in self.residuals:
+                view.add_(self.residuals[key])
+                folded.append(key)
+        buffer = bucket.buffer()
+        work = self.comm.allreduce(buffer, async_op=True)
+        fut = torch.futures.Future()
+        self._pending.append(_Bucket(fut, work, views, folded, buffer, False, native=True))
+        return fut
+
+    def _start_coded(self, bucket: dist.GradBucket, views: list, keys: list, step: int, compressing: bool,
+                     feedback: bool) -> torch.futures.Future:
+        """Compress the bucket's gradients (``v = g + e`` with error feedback) and launch
+        their exchange through the hook's PSync (the dense one on a warm-up step)."""
+        carried = []
+        for view, key in zip(views, keys):
+            v = view.to(torch.promote_types(view.dtype, torch.float32))
+            if feedback and key in self.residuals:
+                v = v + self.residuals[key]
+            carried.append(v)
+        bad = self.nonfinite != "off" and not all_finite(views)
+        psync = self.psync if compressing else self.dense
+        work = psync.start(carried, step, keys=keys, residual=feedback)
+        fut = torch.futures.Future()
+        self._pending.append(_Bucket(fut, work, views, keys, bucket.buffer(), bad))
+        return fut
+
     def _finish_all(self) -> bool:
         """Wait for every bucket of the step, apply ``nonfinite``, write the buckets and the
-        residuals; whether the step counts (not skipped)."""
+        residuals; whether the step counts (not skipped). A native bucket's mean is checked
+        on the sum itself, the same on every rank (a NaN or Inf in any rank's gradient makes
+        it non-finite), so it needs no agreement; the other buckets' checks are agreed."""
         pending, self._pending = self._pending, []
         results = [b.work.wait() for b in pending]
+        n = self.comm.world_size
+        sums_finite = [mean_in_place(b.buffer, n) for b in pending if b.native]   # the none codec's from_sum
+        sums_bad = self.nonfinite != "off" and not all(sums_finite)
+        coded = [(b, r) for b, r in zip(pending, results) if not b.native]
         output_bad = self.nonfinite != "off" and not all(   # the codec overflowed (qsgd's norm, a residual)
             all_finite(list(r.aggregate)) and (r.residual is None or all_finite(list(r.residual)))
-            for r in results)
+            for _, r in coded)
         try:
-            where = self.agree(any(b.bad for b in pending), output_bad)
+            where = self.agree(any(b.bad for b, _ in coded), output_bad) if coded else None
+            if where is None and sums_bad:
+                where = "in the allreduced sums of the uncompressed buckets (every rank's)"
             skipped = self.settle(where, [b.buffer for b in pending], "codec_hook")
         except GradzipError as error:
             for b in pending:
                 b.fut.set_exception(error)
             raise
         for b, result in zip(pending, results):
-            if not skipped:
+            if b.native:
+                if not skipped:
+                    for key in b.keys:   # the folded residuals: sent
+                        del self.residuals[key]
+            elif not skipped:
                 for i, (view, agg, key) in enumerate(zip(b.views, result.aggregate, b.keys)):
                     if self.error_feedback and result.residual is not None:   # None: a dense warm-up step
                         residual = result.residual[i]
@@ -190,17 +254,9 @@ def codec_hook(state: CodecState, bucket: dist.GradBucket) -> torch.futures.Futu
     step = state.iter + 1
     compressing = step > state.start_iter          # else a dense warm-up step: no error feedback
     feedback = state.error_feedback and compressing
-    carried = []
-    for view, key in zip(bucket_views, keys):
-        v = view.to(torch.promote_types(view.dtype, torch.float32))
-        if feedback and key in state.residuals:
-            v = v + state.residuals[key]
-        carried.append(v)
-    bad = state.nonfinite != "off" and not all_finite(bucket_views)
-    psync = state.psync if compressing else state.dense
-    work = psync.start(carried, step, keys=keys, residual=feedback)
-    fut = torch.futures.Future()
-    state._pending.append(_Bucket(fut, work, bucket_views, keys, bucket.buffer(), bad))
+    fut = (state._start_native(bucket, bucket_views, keys, feedback)
+           if state.sends_uncompressed(bucket, bucket_views, keys, step, compressing)
+           else state._start_coded(bucket, bucket_views, keys, step, compressing, feedback))
     if bucket.is_last() and state._finish_all():
         state.iter += 1
     return fut
