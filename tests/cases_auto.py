@@ -217,3 +217,24 @@ def ddp_resume(comm, split: int = 3, steps: int = 3):
         _FORBIDDEN.on = False
     return (cases_ddp.params(net), cases_ddp.params(net2), calibration.save(state.decisions),
             calibration.save(state2.decisions))
+
+
+#: The link the trial tests measure (calibration.measure_link replaced by its ring times).
+MEASURED = Link(100e6 / 8, 20e-6)
+
+
+def measured_link(comm, device="cpu"):
+    """A stand-in for calibration.measure_link: MEASURED's ring times, on every worker."""
+    from gradzip.exchange.planner import collective_time
+
+    return [collective_time(kind, nbytes, comm.world_size, MEASURED)
+            for kind in ("allreduce", "allgather") for nbytes in calibration.LINK_PROBE_BYTES]
+
+
+def step_seconds(times: dict[int, float]):
+    """A stand-in for PSync._step_seconds: ``times[step]`` (worker-independent), known only
+    once this process saw the exchanges of both ``step`` and ``step + 1`` (as the clock)."""
+    def seconds(self, step):
+        seen = self._step_began
+        return times.get(step) if step in seen and step + 1 in seen else None
+    return seconds

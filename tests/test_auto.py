@@ -189,6 +189,74 @@ def test_resume_executes_the_saved_decision_on_threads(monkeypatch, overlap):
     assert all(torch.equal(a, b) for a, b in zip(results[0][0][0], other[0][0]))
 
 
+# -- the trial: the rule's choices against nothing compressed, timed in real steps ----------------
+def _trial_steps(comm, times_by_rank, start=3):
+    """advance() through a whole trial on ``comm``: the choices executed at each step, and the
+    decision after the verdict."""
+    decision = calibration.on_trial(calibration.Decision(("1bit", "none"), Link(1e7, 0.0), {}, start, True))
+    executed = []
+    for step in range(start, start + 2 * calibration.TRIAL_STEPS + 1):
+        decision = calibration.advance(comm, decision, step, lambda s: times_by_rank[comm.rank].get(s))
+        executed.append(decision.choices)
+    return executed, decision
+
+
+@pytest.mark.parametrize("rule_s, none_s, kept", [((0.10, 0.05), (0.07, 0.08), True),
+                                                  ((0.10, 0.09), (0.07, 0.12), False),
+                                                  ((0.5, 0.75), (0.25, 0.5), False)])
+def test_the_trial_by_hand(rule_s, none_s, kept):
+    """Steps 3-4 execute the rule's choices, 5-6 nothing compressed, the verdict at step 7:
+    per step the slowest worker's seconds (rank 1 adds 10 ms to step 4 and to step 5), per
+    candidate the best step; the rule's choices kept iff strictly shorter (ties: none). Every
+    worker reaches the same verdict; the per-worker times are not kept after it."""
+    times = [dict(zip(range(3, 7), (*rule_s, *none_s))),
+             dict(zip(range(3, 7), (rule_s[0], rule_s[1] + 0.01, none_s[0] + 0.01, none_s[1])))]
+    results = simulate(2, lambda comm: _trial_steps(comm, times))
+    slowest = [max(a, b) for a, b in zip(times[0].values(), times[1].values())]
+    for executed, decision in results:
+        assert executed[:4] == [("1bit", "none")] * 2 + [("none", "none")] * 2
+        assert decision.verdict == (min(slowest[:2]), min(slowest[2:])) and not decision.on_trial
+        assert decision.choices == (("1bit", "none") if kept else ("none", "none")) and decision.timed == ()
+        assert decision.describe() == results[0][1].describe()
+        assert ("kept from step 7" if kept else "none taken from step 7") in decision.describe()
+    assert calibration.Decision.from_state(results[0][1].state()) == results[0][1]
+
+
+def test_no_trial_where_the_link_is_declared_or_nothing_is_compressed():
+    """A declared link is the user's word (the extreme links' runs stay the fixed runs bit for
+    bit); a rule that compresses nothing has nothing to try."""
+    declared = calibration.Decision(("1bit",), Link(1e7, 0.0), {}, 1, False)
+    uncompressed = calibration.Decision(("none", "none"), Link(1e7, 0.0), {}, 1, True)
+    assert calibration.on_trial(declared) is declared and calibration.on_trial(uncompressed) is uncompressed
+    assert calibration.on_trial(calibration.Decision(("1bit",), Link(1e7, 0.0), {}, 1, True)).on_trial
+
+
+@pytest.mark.parametrize("split", [2, 5])
+@pytest.mark.parametrize("rule_wins", [True, False])
+def test_the_trial_in_a_run_and_its_resume(monkeypatch, rule_wins, split):
+    """EF-SGD auto:1bit with a measured link (stand-in probes: a mixed rule): steps 1-2 with
+    the rule's choices, 3-4 nothing compressed, then the verdict from the steps' times, the
+    same on both workers and in describe(). A run resumed from the state saved after step 2
+    (inside the trial: the times measured so far travel with it) or after step 5 (after the
+    verdict) repeats the uninterrupted run bit for bit."""
+    monkeypatch.setattr(calibration, "measure_codec", cases_auto.fixed_costs)
+    monkeypatch.setattr(calibration, "measure_link", cases_auto.measured_link)
+    fast, slow = 0.1, 0.2
+    times = {1: fast, 2: fast, 3: slow, 4: slow} if rule_wins else {1: slow, 2: slow, 3: fast, 4: fast}
+    monkeypatch.setattr(PSync, "_step_seconds", cases_auto.step_seconds(times))
+    options = {"lr": 0.1, "compressor": "auto:1bit"}
+    results = simulate(2, lambda comm: cases_auto.resume_without_probing(comm, "efsgd", options, split=split,
+                                                                          steps=7 - split))
+    (straight0, resumed0), (straight1, resumed1) = results
+    decided = straight0[2]["exchange 0 auto"]
+    assert decided == straight1[2]["exchange 0 auto"] == resumed0[2]["exchange 0 auto"]
+    assert "trial of (none,none,none,1bit) against none: 100.0 ms against 200.0 ms" in decided or not rule_wins
+    assert ("(none,none,none,1bit)" if rule_wins else "(none,none,none,none)") in decided.split(";")[0]
+    for straight, resumed in ((straight0, resumed0), (straight1, resumed1)):
+        assert all(torch.equal(a, b) for a, b in zip(straight[0], resumed[0]))
+    assert all(torch.equal(a, b) for a, b in zip(straight0[0], straight1[0]))
+
+
 # -- the extreme links: the codec's run, the uncompressed run ----------------------------------
 METHODS = {
     "ssgd": ("ssgd", {"lr": 0.1, "momentum": 0.9}),

@@ -16,13 +16,21 @@ The workers' numbers are gathered (``allgather_control``); rank 0 takes the larg
 (the slowest worker sets a synchronous step's pace), fits the link (:func:`fit_link`), plans
 with those costs and sends its :class:`Decision` (a second ``allgather_control``: rank 0's
 row), which every worker returns. So the plans agree whatever each worker measured.
+
+Where the link was measured and the rule compresses something, the rule's choices go on
+**trial** (:func:`on_trial`, :func:`advance`): :data:`TRIAL_STEPS` steps with them, as many
+with nothing compressed, each worker timing its steps; every worker gathers every worker's
+times and keeps the rule's choices only where their step (the slowest worker's, the best of
+the trial's) is shorter than the uncompressed one. The probes price coding and link apart;
+the trial prices what they cannot see: compute the uncompressed allreduce hides behind, and
+coding that takes the cores the collectives and the backward pass need.
 """
 from __future__ import annotations
 
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -49,6 +57,9 @@ SMALL_REPEATS = 30
 SMALL_NUMEL = 1 << 16
 #: The smallest tensor the codec probe times (the per-call cost ``a``).
 SMALL_PROBE = 64
+#: Steps per candidate of the trial (the rule's choices, then nothing compressed); the best
+#: of them counts (the first step of a plan may carry one-time costs).
+TRIAL_STEPS = 2
 
 
 def check_recalibrate_every(value, where: str = "PSync") -> int | None:
@@ -70,27 +81,54 @@ class Decision:
     costs: dict[str, CodecCost] = field(hash=False)
     step: int
     measured: bool
+    #: the trial (module docstring): the rule's choices under trial (None: no trial; ``choices``
+    #: are then what is executed now: the rule's, the uncompressed trial steps', or the verdict's)
+    proposed: tuple[str, ...] | None = None
+    #: this worker's seconds of the trial's steps so far, ``(step, seconds)`` (kept in a
+    #: checkpoint taken during the trial; emptied at the verdict)
+    timed: tuple[tuple[int, float], ...] = ()
+    #: the trial's verdict: the step seconds of (the rule's choices, nothing compressed) it was made on
+    verdict: tuple[float, float] | None = None
+
+    @property
+    def on_trial(self) -> bool:
+        return self.proposed is not None and self.verdict is None
 
     def describe(self) -> str:
         """One line, the same on every worker (a setting they agree on)."""
         counts = {c: self.choices.count(c) for c in dict.fromkeys(self.choices)}
         costs = ", ".join(f"{spec} {c.fixed_s * 1e6:.3g} us + {c.per_element_s * 1e9:.3g} ns/element"
                           for spec, c in self.costs.items())
+        trial = ""
+        if self.proposed is not None:
+            trial = f"; trial of ({','.join(self.proposed)}) against none"
+            if self.verdict is not None:
+                kept = self.choices == self.proposed
+                trial += (f": {self.verdict[0] * 1e3:.1f} ms against {self.verdict[1] * 1e3:.1f} ms a step, "
+                          f"{'kept' if kept else 'none taken'} from step {self.step + 2 * TRIAL_STEPS}")
+            else:
+                trial += f", steps {self.step}-{self.step + 2 * TRIAL_STEPS - 1}"
         return (f"step {self.step}: " + ", ".join(f"{c} x{k}" for c, k in counts.items())
                 + f" ({','.join(self.choices)}); link {self.link} ({'measured' if self.measured else 'declared'})"
-                + (f"; {costs}" if costs else ""))
+                + (f"; {costs}" if costs else "") + trial)
 
     def state(self) -> dict:
         """Plain values (a checkpoint's ``exchange_states``)."""
+        trial = {} if self.proposed is None else {
+            "proposed": list(self.proposed), "timed": [list(t) for t in self.timed],
+            **({"verdict": list(self.verdict)} if self.verdict is not None else {})}
         return {"choices": list(self.choices), "link": [self.link.bytes_per_s, self.link.latency_s],
                 "costs": {spec: [c.fixed_s, c.per_element_s] for spec, c in self.costs.items()},
-                "step": self.step, "measured": self.measured}
+                "step": self.step, "measured": self.measured, **trial}
 
     @classmethod
     def from_state(cls, state: dict) -> "Decision":
+        proposed, verdict = state.get("proposed"), state.get("verdict")
         return cls(tuple(state["choices"]), Link(*state["link"]),
                    {spec: CodecCost(*c) for spec, c in state["costs"].items()}, int(state["step"]),
-                   bool(state["measured"]))
+                   bool(state["measured"]), None if proposed is None else tuple(proposed),
+                   tuple((int(s), float(t)) for s, t in state.get("timed", [])),
+                   None if verdict is None else (float(verdict[0]), float(verdict[1])))
 
 
 def save(decisions: dict[tuple, Decision]) -> list[dict]:
@@ -104,6 +142,37 @@ def load(entries: Sequence[dict]) -> dict[tuple, Decision]:
     """:func:`save`'s entries back."""
     return {(tuple((tuple(shape), getattr(torch, d)) for shape, d in zip(e["shapes"], e["dtypes"])),
              tuple(e["keys"])): Decision.from_state(e) for e in entries}
+
+
+def on_trial(decision: Decision) -> Decision:
+    """``decision`` with its trial started where it has one (module docstring): a measured
+    link and the rule compressing some unit; its first steps execute the rule's choices."""
+    if not decision.measured or all(c == "none" for c in decision.choices):
+        return decision
+    return replace(decision, proposed=decision.choices)
+
+
+def advance(comm: Group, decision: Decision, step: int, seconds: Callable[[int], float | None]) -> Decision:
+    """``decision`` (on trial) at the first exchange of ``step``: the trial steps' seconds this
+    worker knows by now recorded (``seconds(s)``: step s's, None where not known); from step
+    ``s0 + TRIAL_STEPS`` (``s0``: the decision's step) nothing compressed; at step
+    ``s0 + 2·TRIAL_STEPS`` the verdict (collective on ``comm``: every worker gathers every
+    worker's times and takes, per step, the slowest worker's, per candidate the best step;
+    the rule's choices are kept iff theirs is shorter; ties and missing times: uncompressed)."""
+    window = range(decision.step, decision.step + 2 * TRIAL_STEPS)
+    known = dict(decision.timed)
+    known.update({s: t for s in window if s < step and s not in known and (t := seconds(s)) is not None})
+    timed = tuple(sorted(known.items()))
+    if step < window.stop:
+        uncompressed = step >= decision.step + TRIAL_STEPS
+        choices = ("none",) * len(decision.proposed) if uncompressed else decision.proposed
+        return replace(decision, choices=choices, timed=timed)
+    mine = torch.tensor([known.get(s, math.nan) for s in window], dtype=torch.float64)
+    every = comm.allgather_control(mine).reshape(comm.world_size, -1)
+    slowest = torch.where(torch.isnan(every), math.inf, every).max(dim=0).values.tolist()
+    rule, none = min(slowest[:TRIAL_STEPS]), min(slowest[TRIAL_STEPS:])
+    choices = decision.proposed if rule < none else ("none",) * len(decision.proposed)
+    return replace(decision, choices=choices, timed=(), verdict=(rule, none))
 
 
 def switches(old: Decision, new: Decision) -> list[str]:

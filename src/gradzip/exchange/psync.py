@@ -203,6 +203,8 @@ class PSync:
         self.decisions: dict[tuple, calibration.Decision] = {}
         #: bumped whenever a decision is made or loaded (the backward hooks' plans key on it)
         self.plan_version = 0
+        #: auto:<codec>'s trial: when this process's first exchange of each step began (perf_counter)
+        self._step_began: dict[int, float] = {}
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.timings = Timings()
@@ -293,10 +295,16 @@ class PSync:
         """auto:<codec>: rank 0's decision for the tensors of ``key`` (docs/algorithms.md §Auto
         codec choice), where none is or ``recalibrate_every`` steps have passed since the
         last; the units that switch are logged. Counted as communication."""
+        began = time.perf_counter()
+        if step not in self._step_began:   # the trial's clock: the last steps only
+            self._step_began = {s: t for s, t in self._step_began.items() if s >= step - 2 * calibration.TRIAL_STEPS}
+            self._step_began[step] = began
         old = self.decisions.get(key)
+        if old is not None and old.on_trial:
+            self._advance_trial(key, old, step)
+            return
         if old is not None and (self.recalibrate_every is None or step - old.step < self.recalibrate_every):
             return
-        began = time.perf_counter()
         specs, _ = key
         codecs = [self.compressor] * len(specs)
         # one link probe for every set of tensors: reuse the last measured link, except where it is a
@@ -312,6 +320,7 @@ class PSync:
             uplink_share=share, device=device, seed=self.seed)
         if reuse is not None and self.declared_link is None:
             decision = dataclasses.replace(decision, measured=True)
+        decision = calibration.on_trial(decision)
         if old is not None:
             for change in calibration.switches(old, decision):
                 calibration.log.warning("%s exchange (seed %d), step %d: %s", self.compressor.spec, self.seed, step,
@@ -319,6 +328,26 @@ class PSync:
         self.decisions[key] = decision
         self.plan_version += 1
         self.count_wait(began, time.perf_counter())
+
+    def _advance_trial(self, key: tuple, decision: calibration.Decision, step: int) -> None:
+        """The trial of ``decision`` at the first exchange of ``step``
+        (:func:`gradzip.exchange.calibration.advance`; its verdict is collective and counts
+        as communication, and is logged)."""
+        began = time.perf_counter()
+        new = calibration.advance(self.comm, decision, step, self._step_seconds)
+        self.decisions[key] = new
+        if new.choices != decision.choices:
+            self.plan_version += 1
+        if new.verdict is not None:
+            calibration.log.info("%s exchange (seed %d), step %d: %s", self.compressor.spec, self.seed, step,
+                                 new.describe())
+            self.count_wait(began, time.perf_counter())
+
+    def _step_seconds(self, step: int) -> float | None:
+        """Seconds from the first exchange of ``step`` to the first of ``step + 1`` (None:
+        not both seen by this process)."""
+        began, ended = self._step_began.get(step), self._step_began.get(step + 1)
+        return None if began is None or ended is None else ended - began
 
     def describe_decisions(self) -> str | None:
         """auto:<codec>: every decision in one line (``describe()``'s ``exchange i auto``), or
