@@ -156,7 +156,8 @@ def test_an_auto_run_says_per_link_rate_which_buckets_it_compresses():
     small tensors together) take 1bit, whose fp32 allreduce would cost milliseconds; at 1 Tbit/s
     neither (the codec's own time outweighs the microseconds it saves). Each projected cell says
     how many units auto compresses there, and the legend says what that is. The codec seconds
-    are that decision's (the profile's), not the run's 50 ms a step (its own decision's)."""
+    are that decision's (the profile's) where the summary does not say on which link the run
+    decided (``auto_link``, written since; see the next test)."""
     base = _run("ssgd", {}, 2 * 3 / 4 * PARAMS * 4)
     auto = _run("efsgd", {"compressor": "auto:1bit", "bucket_bytes": 4096}, 1000.0, compress=0.05)
     auto["summary"]["algo"] = "efsgd@auto:1bit"
@@ -169,6 +170,22 @@ def test_an_auto_run_says_per_link_rate_which_buckets_it_compresses():
     assert "auto k/m: the units (buckets) auto:<codec> compresses on that link, of m" in text
     assert slow["speedup"] > 1 > fast["speedup"]
     assert fast["compress_s"] < 0.01 and slow["compress_s"] < 0.01
+
+
+def test_auto_and_its_fixed_codec_are_projected_from_the_same_measured_codec_speed():
+    """An auto:1bit run that executed 1bit on both units (its summary's ``auto_link``: 1 Mbit/s)
+    and measured 50 ms of codec work a step: projected at that rate, where auto decides as
+    it ran, its codec seconds are the run's 50 ms, as EF-SGD 1bit's own run's are (not the
+    profile's uncontended time, which made auto look faster than the same codec); at a rate
+    where auto sends nothing compressed, the run's 50 ms scaled by the profile's ratio."""
+    alpha = projection.ALPHA_S
+    auto = _run("efsgd", {"compressor": "auto:1bit", "bucket_bytes": 4096}, 1000.0, compress=0.05)
+    auto["summary"]["auto_link"] = {"exchange 0": [1e6 / 8, alpha]}
+    fixed = _run("efsgd", {"compressor": "1bit", "bucket_bytes": 4096}, 1000.0, compress=0.05)
+    (slow, fast), (fixed_slow, _) = _projected([auto, fixed], [1e6, 1e12])
+    assert slow["auto"] == ["1bit", "1bit"] and fast["auto"] == ["none", "none"]
+    assert slow["compress_s"] == pytest.approx(0.05) and fixed_slow["compress_s"] == pytest.approx(0.05)
+    assert 0 < fast["compress_s"] < 0.05
 
 
 def test_a_method_the_profile_cannot_run_is_left_out_with_a_note():

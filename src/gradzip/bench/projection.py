@@ -17,9 +17,12 @@ its summary says why instead.
 
 An auto:<codec> run (docs/algorithms.md §Auto codec choice) is profiled with ``link=`` each
 projected rate, so the profile executes what auto would decide on that link (its coding costs
-probed on this machine), and its bytes and codec seconds are that decision's (the profile's),
-not rescaled from the run's; the row says how many of the exchange's units auto compresses
-there (``auto``).
+probed on this machine), and its bytes are that decision's (the profile's); its codec seconds
+are the run's measured ones scaled, as a fixed codec's are, by the profile's ratio of that
+decision's coding to the coding of the decision the run executed (profiled on the run's own
+link, ``auto_link`` of its summary), so that the projections of auto and of a fixed codec rest
+on the same measured codec speed; the row says how many of the exchange's units auto
+compresses there (``auto``).
 
 These are projections, not measurements: the printed table and the plot say so; so does a
 note where the times rest on fewer than :data:`STEADY_MIN_STEPS` steps after the warm-up.
@@ -79,6 +82,15 @@ def is_auto(options: dict[str, Any]) -> bool:
     return any(isinstance(v, str) and v.startswith("auto:") for v in options.values())
 
 
+def _ran_profile(summary: dict[str, Any], algo: str, options: dict[str, Any], shapes, run_n: int, cache: dict):
+    """The profile of the decision an auto:<codec> run executed: on its own link (its
+    summary's ``auto_link``; None where the summary has none, as one written by an older gradzip)."""
+    link = next(iter((summary.get("auto_link") or {}).values()), None)
+    if link is None:
+        return None
+    return _profile(algo, {**options, "link": Link(*link)}, shapes, run_n, run_n, cache)
+
+
 def _period(summary: dict[str, Any], times: dict[str, float], n: int, bandwidth_Bps: float, alpha_s: float,
             shapes, algo: str, options: dict[str, Any], compress_s: float, cache: dict) -> dict[str, Any]:
     """One projected iteration of ``algo`` at ``n`` workers with the run's measured
@@ -93,8 +105,10 @@ def _period(summary: dict[str, Any], times: dict[str, float], n: int, bandwidth_
                       if algo == summary["method"] and not auto else None)
     scale = measured_bytes / here.wire_bytes_per_step if measured_bytes and here.wire_bytes_per_step else 1.0
     communicate = there.comm_time(bandwidth_Bps, alpha_s) * scale
-    if auto:   # the codec work of that link's decision, not of the run's
-        compress_s = there.compress_s
+    if auto:   # the codec work of that link's decision, at the run's measured codec speed
+        ran = _ran_profile(summary, algo, options, shapes, run_n, cache)
+        compress_s = (compress_s * there.compress_s / ran.compress_s if ran is not None and ran.compress_s > 0
+                      else there.compress_s)
     elif here.compress_s > 0:
         compress_s *= there.compress_s / here.compress_s
     if there.overlaps_backward and not there.overlaps:   # the exchange starts during backward

@@ -70,6 +70,17 @@ class ExchangeOwner:
         return {f"exchange {i}": x.describe_decisions() for i, x in enumerate(self._exchanges)
                 if x.describe_decisions() is not None}
 
+    def auto_links(self) -> dict[str, list[float]]:
+        """Per auto:<codec> exchange, the link (bytes/s, latency s) of its latest decision:
+        the run's summary (``auto_link``; the projection profiles the run's own decision
+        on it)."""
+        out = {}
+        for i, x in enumerate(self._exchanges):
+            latest = max(x.decisions.values(), key=lambda d: d.step, default=None)
+            if latest is not None:
+                out[f"exchange {i}"] = [latest.link.bytes_per_s, latest.link.latency_s]
+        return out
+
     def auto_choices(self) -> list[str]:
         """The codec every unit of every auto:<codec> decision took (``"none"``: uncompressed),
         exchange by exchange: how many buckets auto compresses (the projections count them)."""
