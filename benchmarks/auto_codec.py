@@ -12,8 +12,9 @@ and, per path P (``ddp``: DDP + SGD with gradzip's codec hook, ``gradzip.ddp.hoo
 
 * ``P@C``: C on every bucket ("the codec everywhere");
 * ``P@auto:C``: ``auto:C`` (docs/algorithms.md §Auto codec choice): per bucket C or
-  uncompressed, decided at the first step from costs measured there (codec probe and link
-  probe, no ``link=`` given), executed from then on.
+  uncompressed, decided in the warm-up from costs measured there (codec probe and link
+  probe, no ``link=`` given: the rule, then its trial against nothing compressed in real
+  steps), executed from then on.
  Models: ``mlp10m`` (10M parameters, 3x32x32),
 ``resnet18`` (ResNet-18's 11.2M parameters in its 62 tensors; 3x8x8 inputs keep its compute
 small on a 2-core host) and ``mixed`` (``mlp:hidden=2048x2048x16x…``: two large layers and 200
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -88,10 +90,21 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def trial_text(decisions: dict[str, str] | None) -> str:
+    """What auto's trials said (docs/algorithms.md §Auto codec choice, "Trial"): per decision
+    ``kept`` or ``none``, with the two step times, or ``-`` where none ran."""
+    out = []
+    for line in (decisions or {}).values():
+        found = re.search(r"against none: ([\d.]+) ms against ([\d.]+) ms a step, (kept|none taken)", line)
+        if found:
+            out.append(f"{'kept' if found[3] == 'kept' else 'none'} ({found[1]} vs {found[2]} ms)")
+    return ", ".join(dict.fromkeys(out)) or "-"
+
+
 def _verdict(path: str, c: str, ddp: dict, fixed: dict, auto: dict) -> dict[str, Any]:
     best = min(ddp["median_s"], fixed["median_s"])
     chosen = auto.get("auto") or []
-    return {"path": path, "codec": c, "ddp_s": ddp["median_s"], "fixed_s": fixed["median_s"], "auto_s": auto["median_s"],
+    return {"trial": trial_text(auto.get("auto_decisions")), "path": path, "codec": c, "ddp_s": ddp["median_s"], "fixed_s": fixed["median_s"], "auto_s": auto["median_s"],
             "auto_over_ddp": auto["median_s"] / ddp["median_s"], "auto_over_best": auto["median_s"] / best,
             "compressed": sum(x != "none" for x in chosen), "units": len(chosen),
             "below_both": auto["median_s"] < min(ddp["median_s"], fixed["median_s"])}
@@ -109,14 +122,15 @@ def target_text(result: dict[str, Any], v: dict[str, Any]) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| model | workers | network | path P | codec C | ddp ms | P@C ms | P@auto:C ms | auto / ddp | "
-             "auto / best fixed | buckets auto compresses | target |",
-             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "auto / best fixed | buckets auto compresses | trial: rule vs none | target |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in results:
         for v in verdicts(r):
             lines.append(f"| {r['model']} | {r['workers']} | {r['network']} | {v['path']} | {v['codec']} | "
                          f"{v['ddp_s'] * 1e3:.1f} | "
                          f"{v['fixed_s'] * 1e3:.1f} | {v['auto_s'] * 1e3:.1f} | **{v['auto_over_ddp']:.2f}** | "
-                         f"**{v['auto_over_best']:.2f}** | {v['compressed']}/{v['units']} | {target_text(r, v)} |")
+                         f"**{v['auto_over_best']:.2f}** | {v['compressed']}/{v['units']} | {v.get('trial', '-')} | "
+                         f"{target_text(r, v)} |")
     return "\n".join(lines)
 
 
@@ -153,8 +167,11 @@ def step_text(args, command: str, host: dict[str, Any], results: list[dict[str, 
     return (f"Step time per variant, side by side in one run per (model, workers, network) "
             f"(benchmarks/step_vs_ddp.py's harness: batch {args.batch} per worker, 1 torch thread per worker, "
             f"{args.warmup} warm-up steps, then {args.rounds} interleaved rounds of {args.steps} steps; the slowest "
-            "worker's median step of a round, median over rounds). auto decides at its first warm-up step from "
-            "what it measured there (no `link=`). Best fixed: the faster of `ddp` (nothing compressed) and "
+            "worker's median step of a round, median over rounds). auto decides in the warm-up from what it "
+            "measured there (no `link=`): the rule from the probes at its first step (under DDP the second: DDP "
+            "rebuilds its buckets after the first), then, where the rule compresses a unit, the trial of its "
+            "choices against nothing compressed in the next 4 steps (column *trial*: which it kept, and the two "
+            "step times it compared). Best fixed: the faster of `ddp` (nothing compressed) and "
             "`P@C` (C on every bucket). Targets: loopback auto / ddp ≤ 1.05; shaped links auto / best fixed "
             "≤ 1.10, and on `mixed` below both. Host: "
             f"{host['cpus']} CPUs, load average {', '.join(f'{x:.1f}' for x in host['loadavg'])} at the end. "
@@ -169,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--network", default="loopback,1gbit,100mbit",
                         help="comma-separated: loopback or link rates (namespaces, root) (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=32, help="batch per worker (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps per variant (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=7,
+                        help="warm-up steps per variant: auto's decision (step 2 under DDP, whose buckets are "
+                             "rebuilt after step 1) and its trial (4 steps) fall in them (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per variant and round (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=3600.0)

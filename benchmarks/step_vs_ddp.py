@@ -103,8 +103,18 @@ class HookedSGD(torch.optim.SGD):
     def bytes_sent(self) -> int:
         return self.hook_state.bytes_sent
 
+    def _latest(self) -> list:
+        """The decisions of the buckets in use: DDP rebuilds its buckets after the first step,
+        so those decided then (the first layout's) are not executed after it."""
+        made = list(self.hook_state.decisions.values())
+        last = max((d.step for d in made), default=None)
+        return [d for d in made if d.step == last]
+
     def auto_choices(self) -> list[str]:
-        return [c for d in self.hook_state.decisions.values() for c in d.choices]
+        return [c for d in self._latest() for c in d.choices]
+
+    def auto_decisions(self) -> dict[str, str]:
+        return {f"bucket {i}": d.describe() for i, d in enumerate(self._latest())}
 
 
 def build(variant: str, comm, model_name: str, shape: tuple = SHAPE):
@@ -198,8 +208,9 @@ def measure(comm, spec: dict[str, Any]) -> dict[str, Any]:
     sent = {v: (getattr(built[v][1], "bytes_sent", 0) - bytes0[v]) / measured for v in variants}
     numel = sum(p.numel() for p in built[variants[0]][0].parameters())
     auto = {v: built[v][1].auto_choices() for v in variants if getattr(built[v][1], "auto_choices", None)}
+    decided = {v: built[v][1].auto_decisions() for v in auto}
     return {"rank": rank, "rounds": rounds, "means": means, "bytes_per_step": sent, "parameters": numel,
-            "copy_s": copy_seconds(numel), "auto": auto}
+            "copy_s": copy_seconds(numel), "auto": auto, "auto_decisions": decided}
 
 
 # ----------------------------------------------------------------------------- launching
@@ -264,7 +275,8 @@ def summarize(ranks: list[dict[str, Any]], n: int, bandwidth: float | None) -> d
             sent = allreduce_wire_bytes(2 * params, n)
         rows.append({"variant": v, "median_s": statistics.median(per_round), "min_s": min(per_round),
                      "max_s": max(per_round), "rounds_s": per_round, "mean_s": statistics.median(round_means),
-                     "bytes_per_step": sent, **({"auto": ranks[0]["auto"][v]} if v in ranks[0].get("auto", {}) else {})})
+                     "bytes_per_step": sent, **({"auto": ranks[0]["auto"][v], "auto_decisions": ranks[0]["auto_decisions"][v]}
+                                                if v in ranks[0].get("auto", {}) else {})})
     base = rows[0]["median_s"]
     for row in rows:
         row["ratio"] = row["median_s"] / base
