@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accuracy-link", default="100mbit", help="--link of the accuracy runs (default: %(default)s)")
     parser.add_argument("--epochs", type=int, default=10, help="epochs of the accuracy runs (default: %(default)s)")
     parser.add_argument("--json", help="also write the results to this JSON file")
-    parser.add_argument("--from", dest="source", help="tabulate an earlier --json file, run nothing")
+    parser.add_argument("--from", dest="source",
+                        help="tabulate earlier --json files (comma-separated, their rows in that order), run nothing")
     parser.add_argument("--write", action="store_true", help=f"replace the sections of {PAGE.relative_to(ROOT)}")
     args = parser.parse_args(argv)
     command = "python -m benchmarks.auto_codec " + " ".join(argv)
@@ -221,10 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     host = emulated.host_info()
     taken = args   # the settings the results were taken with
-    if args.source:   # an earlier run's results, tabulated again
-        data = json.loads(Path(args.source).read_text())
-        command, host, results = data["command"], data["host"], data["results"]
-        taken = parser.parse_args(command.split()[3:])
+    if args.source:   # earlier runs' results (one file or several, comma-separated), tabulated again
+        runs = [json.loads(Path(f).read_text()) for f in args.source.split(",") if f.strip()]
+        command = "\n".join(data["command"] for data in runs)
+        host, results = runs[-1]["host"], [r for data in runs for r in data["results"]]
+        taken = parser.parse_args(runs[0]["command"].split()[3:])
     text = step_text(taken, command, host, results)
     if results:
         print(text)

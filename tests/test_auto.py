@@ -409,6 +409,7 @@ def test_cli_train_with_auto_and_a_declared_link(tmp_path, capsys):
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["auto"]["exchange 0"].startswith("step 1: ") and "1 Gbit/s" in summary["auto"]["exchange 0"]
+    assert summary["auto_link"] == {"exchange 0": [1e9 / 8, planner.DEFAULT_LINK.latency_s]}   # for the projection
     capsys.readouterr()
     for link, message in (("fast", "bad bandwidth 'fast'"), ("-1gbit", "bad bandwidth '-1gbit'")):
         with pytest.raises(SystemExit):
