@@ -95,7 +95,7 @@ def trial_text(decisions: dict[str, str] | None) -> str:
     ``kept`` or ``none``, with the two step times, or ``-`` where none ran."""
     out = []
     for line in (decisions or {}).values():
-        found = re.search(r"against none: ([\d.]+) ms against ([\d.]+) ms a step, (kept|none taken)", line)
+        found = re.search(r"against none: ([\d.]+) ms against ([\d.]+) ms a period, (kept|none taken)", line)
         if found:
             out.append(f"{'kept' if found[3] == 'kept' else 'none'} ({found[1]} vs {found[2]} ms)")
     return ", ".join(dict.fromkeys(out)) or "-"

@@ -233,8 +233,8 @@ def measured_link(comm, device="cpu"):
 
 def step_seconds(times: dict[int, float]):
     """A stand-in for PSync._step_seconds: ``times[step]`` (worker-independent), known only
-    once this process saw the exchanges of both ``step`` and ``step + 1`` (as the clock)."""
+    once this process saw the exchanges of ``step`` and of a later step (as the clock)."""
     def seconds(self, step):
         seen = self._step_began
-        return times.get(step) if step in seen and step + 1 in seen else None
+        return times.get(step) if step in seen and any(s > step for s in seen) else None
     return seconds

@@ -190,13 +190,15 @@ def test_resume_executes_the_saved_decision_on_threads(monkeypatch, overlap):
 
 
 # -- the trial: the rule's choices against nothing compressed, timed in real steps ----------------
-def _trial_steps(comm, times_by_rank, start=3):
-    """advance() through a whole trial on ``comm``: the choices executed at each step, and the
-    decision after the verdict."""
+def _trial_steps(comm, times_by_rank, start=3, every=1):
+    """advance() through a whole trial on ``comm`` (an exchange every ``every`` steps, each
+    step's advance called twice, as two buckets of a step do): the choices executed at each
+    exchange, and the decision after the verdict."""
     decision = calibration.on_trial(calibration.Decision(("1bit", "none"), Link(1e7, 0.0), {}, start, True))
     executed = []
-    for step in range(start, start + 2 * calibration.TRIAL_STEPS + 1):
-        decision = calibration.advance(comm, decision, step, lambda s: times_by_rank[comm.rank].get(s))
+    for step in range(start, start + every * 2 * calibration.TRIAL_STEPS + 1, every):
+        for _ in range(2):
+            decision = calibration.advance(comm, decision, step, lambda s: times_by_rank[comm.rank].get(s))
         executed.append(decision.choices)
     return executed, decision
 
@@ -220,6 +222,27 @@ def test_the_trial_by_hand(rule_s, none_s, kept):
         assert decision.describe() == results[0][1].describe()
         assert ("kept from step 7" if kept else "none taken from step 7") in decision.describe()
     assert calibration.Decision.from_state(results[0][1].state()) == results[0][1]
+
+
+def test_the_trial_of_a_method_that_exchanges_every_h_steps_counts_exchanges():
+    """Exchanges at steps 3, 8, 13, 18 (H = 5): the rule at the first two, none at the next two,
+    the verdict at step 23 from the four periods."""
+    times = [{3: 0.5, 8: 0.5, 13: 0.25, 18: 0.25}] * 2
+    executed, decision = simulate(2, lambda comm: _trial_steps(comm, times, every=5))[0]
+    assert executed[:4] == [("1bit", "none")] * 2 + [("none", "none")] * 2
+    assert decision.verdict == (0.5, 0.25) and decision.choices == ("none", "none")
+    assert decision.trial_steps == (3, 8, 13, 18, 23) and "none taken from step 23" in decision.describe()
+
+
+def test_a_periodic_method_reaches_its_verdict_on_real_periods(monkeypatch):
+    """QSparse (H = 2) with a measured link on threads, real clocks: the trial's verdict comes
+    at its fifth exchange, from periods of 2 steps each, finite on both workers and the same."""
+    monkeypatch.setattr(calibration, "measure_codec", cases_auto.fixed_costs)
+    monkeypatch.setattr(calibration, "measure_link", cases_auto.measured_link)
+    options = {"lr": 0.1, "compressor": "auto:1bit", "H": 2}
+    results = simulate(2, lambda comm: cases_auto.train(comm, "qsparse", options, steps=12))
+    decided = [r[2]["exchange 0 auto"] for r in results]
+    assert decided[0] == decided[1] and " ms a period, " in decided[0] and "inf ms" not in decided[0], decided[0]
 
 
 def test_no_trial_where_the_link_is_declared_or_nothing_is_compressed():
@@ -250,7 +273,7 @@ def test_the_trial_in_a_run_and_its_resume(monkeypatch, rule_wins, split):
     (straight0, resumed0), (straight1, resumed1) = results
     decided = straight0[2]["exchange 0 auto"]
     assert decided == straight1[2]["exchange 0 auto"] == resumed0[2]["exchange 0 auto"]
-    assert "trial of (none,none,none,1bit) against none: 100.0 ms against 200.0 ms" in decided or not rule_wins
+    assert "trial of (none,none,none,1bit) against none: 100.0 ms against 200.0 ms a period, kept from step 5" in decided or not rule_wins
     assert ("(none,none,none,1bit)" if rule_wins else "(none,none,none,none)") in decided.split(";")[0]
     for straight, resumed in ((straight0, resumed0), (straight1, resumed1)):
         assert all(torch.equal(a, b) for a, b in zip(straight[0], resumed[0]))

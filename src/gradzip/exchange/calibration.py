@@ -18,10 +18,11 @@ with those costs and sends its :class:`Decision` (a second ``allgather_control``
 row), which every worker returns. So the plans agree whatever each worker measured.
 
 Where the link was measured and the rule compresses something, the rule's choices go on
-**trial** (:func:`on_trial`, :func:`advance`): :data:`TRIAL_STEPS` steps with them, as many
-with nothing compressed, each worker timing its steps; every worker gathers every worker's
-times and keeps the rule's choices only where their step (the slowest worker's, the best of
-the trial's) is shorter than the uncompressed one. The probes price coding and link apart;
+**trial** (:func:`on_trial`, :func:`advance`): :data:`TRIAL_STEPS` exchanges with them, as
+many with nothing compressed, each worker timing the periods from one exchange to the next
+(a step, or H steps for a method that exchanges every H); every worker gathers every
+worker's times and keeps the rule's choices only where their period (the slowest worker's,
+the best of the trial's) is shorter than the uncompressed one. The probes price coding and link apart;
 the trial prices what they cannot see: compute the uncompressed allreduce hides behind, and
 coding that takes the cores the collectives and the backward pass need.
 """
@@ -57,8 +58,8 @@ SMALL_REPEATS = 30
 SMALL_NUMEL = 1 << 16
 #: The smallest tensor the codec probe times (the per-call cost ``a``).
 SMALL_PROBE = 64
-#: Steps per candidate of the trial (the rule's choices, then nothing compressed); the best
-#: of them counts (the first step of a plan may carry one-time costs).
+#: Exchanges per candidate of the trial (the rule's choices, then nothing compressed); the
+#: best of their periods counts (the first of a plan may carry one-time costs).
 TRIAL_STEPS = 2
 
 
@@ -87,8 +88,11 @@ class Decision:
     #: this worker's seconds of the trial's steps so far, ``(step, seconds)`` (kept in a
     #: checkpoint taken during the trial; emptied at the verdict)
     timed: tuple[tuple[int, float], ...] = ()
-    #: the trial's verdict: the step seconds of (the rule's choices, nothing compressed) it was made on
+    #: the trial's verdict: the seconds a period of (the rule's choices, nothing compressed) it was made on
     verdict: tuple[float, float] | None = None
+    #: the steps of the exchanges of the trial so far (the decision's first: a method that
+    #: exchanges every H steps tries H-step periods)
+    trial_steps: tuple[int, ...] = ()
 
     @property
     def on_trial(self) -> bool:
@@ -104,10 +108,10 @@ class Decision:
             trial = f"; trial of ({','.join(self.proposed)}) against none"
             if self.verdict is not None:
                 kept = self.choices == self.proposed
-                trial += (f": {self.verdict[0] * 1e3:.1f} ms against {self.verdict[1] * 1e3:.1f} ms a step, "
-                          f"{'kept' if kept else 'none taken'} from step {self.step + 2 * TRIAL_STEPS}")
+                trial += (f": {self.verdict[0] * 1e3:.1f} ms against {self.verdict[1] * 1e3:.1f} ms a period, "
+                          f"{'kept' if kept else 'none taken'} from step {self.trial_steps[-1]}")
             else:
-                trial += f", steps {self.step}-{self.step + 2 * TRIAL_STEPS - 1}"
+                trial += f", under way ({len(self.trial_steps)} of {2 * TRIAL_STEPS} exchanges)"
         return (f"step {self.step}: " + ", ".join(f"{c} x{k}" for c, k in counts.items())
                 + f" ({','.join(self.choices)}); link {self.link} ({'measured' if self.measured else 'declared'})"
                 + (f"; {costs}" if costs else "") + trial)
@@ -116,7 +120,7 @@ class Decision:
         """Plain values (a checkpoint's ``exchange_states``)."""
         trial = {} if self.proposed is None else {
             "proposed": list(self.proposed), "timed": [list(t) for t in self.timed],
-            **({"verdict": list(self.verdict)} if self.verdict is not None else {})}
+            "trial_steps": list(self.trial_steps), **({"verdict": list(self.verdict)} if self.verdict is not None else {})}
         return {"choices": list(self.choices), "link": [self.link.bytes_per_s, self.link.latency_s],
                 "costs": {spec: [c.fixed_s, c.per_element_s] for spec, c in self.costs.items()},
                 "step": self.step, "measured": self.measured, **trial}
@@ -128,7 +132,8 @@ class Decision:
                    {spec: CodecCost(*c) for spec, c in state["costs"].items()}, int(state["step"]),
                    bool(state["measured"]), None if proposed is None else tuple(proposed),
                    tuple((int(s), float(t)) for s, t in state.get("timed", [])),
-                   None if verdict is None else (float(verdict[0]), float(verdict[1])))
+                   None if verdict is None else (float(verdict[0]), float(verdict[1])),
+                   tuple(int(s) for s in state.get("trial_steps", [])))
 
 
 def save(decisions: dict[tuple, Decision]) -> list[dict]:
@@ -153,26 +158,29 @@ def on_trial(decision: Decision) -> Decision:
 
 
 def advance(comm: Group, decision: Decision, step: int, seconds: Callable[[int], float | None]) -> Decision:
-    """``decision`` (on trial) at the first exchange of ``step``: the trial steps' seconds this
-    worker knows by now recorded (``seconds(s)``: step s's, None where not known); from step
-    ``s0 + TRIAL_STEPS`` (``s0``: the decision's step) nothing compressed; at step
-    ``s0 + 2·TRIAL_STEPS`` the verdict (collective on ``comm``: every worker gathers every
-    worker's times and takes, per step, the slowest worker's, per candidate the best step;
-    the rule's choices are kept iff theirs is shorter; ties and missing times: uncompressed)."""
-    window = range(decision.step, decision.step + 2 * TRIAL_STEPS)
+    """``decision`` (on trial) at its exchange of ``step``: the trial's exchanges counted (the
+    decision's step is the first), the periods this worker knows by now recorded
+    (``seconds(s)``: from its exchange of step s to its next one, None where not known);
+    exchanges 1…T of the trial execute the rule's choices, T+1…2T nothing compressed; at
+    exchange 2T+1 the verdict (collective on ``comm``: every worker gathers every worker's
+    periods and takes, per period, the slowest worker's, per candidate the best period; the
+    rule's choices are kept iff theirs is shorter; ties and missing times: uncompressed)."""
+    steps = decision.trial_steps or (decision.step,)
+    if step not in steps:
+        steps += (step,)
+    at = steps.index(step)
     known = dict(decision.timed)
-    known.update({s: t for s in window if s < step and s not in known and (t := seconds(s)) is not None})
+    known.update({s: t for s in steps[:at] if s not in known and (t := seconds(s)) is not None})
     timed = tuple(sorted(known.items()))
-    if step < window.stop:
-        uncompressed = step >= decision.step + TRIAL_STEPS
-        choices = ("none",) * len(decision.proposed) if uncompressed else decision.proposed
-        return replace(decision, choices=choices, timed=timed)
-    mine = torch.tensor([known.get(s, math.nan) for s in window], dtype=torch.float64)
+    if at < 2 * TRIAL_STEPS:
+        choices = decision.proposed if at < TRIAL_STEPS else ("none",) * len(decision.proposed)
+        return replace(decision, choices=choices, timed=timed, trial_steps=steps)
+    mine = torch.tensor([known.get(s, math.nan) for s in steps[:2 * TRIAL_STEPS]], dtype=torch.float64)
     every = comm.allgather_control(mine).reshape(comm.world_size, -1)
     slowest = torch.where(torch.isnan(every), math.inf, every).max(dim=0).values.tolist()
     rule, none = min(slowest[:TRIAL_STEPS]), min(slowest[TRIAL_STEPS:])
     choices = decision.proposed if rule < none else ("none",) * len(decision.proposed)
-    return replace(decision, choices=choices, timed=(), verdict=(rule, none))
+    return replace(decision, choices=choices, timed=(), verdict=(rule, none), trial_steps=steps)
 
 
 def switches(old: Decision, new: Decision) -> list[str]:

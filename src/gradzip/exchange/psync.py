@@ -203,7 +203,7 @@ class PSync:
         self.decisions: dict[tuple, calibration.Decision] = {}
         #: bumped whenever a decision is made or loaded (the backward hooks' plans key on it)
         self.plan_version = 0
-        #: auto:<codec>'s trial: when this process's first exchange of each step began (perf_counter)
+        #: auto:<codec>'s trial: when this process's first exchange of each of the last steps began (perf_counter)
         self._step_began: dict[int, float] = {}
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
@@ -296,9 +296,10 @@ class PSync:
         codec choice), where none is or ``recalibrate_every`` steps have passed since the
         last; the units that switch are logged. Counted as communication."""
         began = time.perf_counter()
-        if step not in self._step_began:   # the trial's clock: the last steps only
-            self._step_began = {s: t for s, t in self._step_began.items() if s >= step - 2 * calibration.TRIAL_STEPS}
+        if step not in self._step_began:   # the trial's clock: the last exchanges only
             self._step_began[step] = began
+            if len(self._step_began) > 2 * calibration.TRIAL_STEPS + 2:
+                del self._step_began[min(self._step_began)]
         old = self.decisions.get(key)
         if old is not None and old.on_trial:
             self._advance_trial(key, old, step)
@@ -344,10 +345,12 @@ class PSync:
             self.count_wait(began, time.perf_counter())
 
     def _step_seconds(self, step: int) -> float | None:
-        """Seconds from the first exchange of ``step`` to the first of ``step + 1`` (None:
-        not both seen by this process)."""
-        began, ended = self._step_began.get(step), self._step_began.get(step + 1)
-        return None if began is None or ended is None else ended - began
+        """Seconds from the first exchange of ``step`` to the first of the next step this
+        exchange ran at (None: not both seen by this process)."""
+        later = [s for s in self._step_began if s > step]
+        if step not in self._step_began or not later:
+            return None
+        return self._step_began[min(later)] - self._step_began[step]
 
     def describe_decisions(self) -> str | None:
         """auto:<codec>: every decision in one line (``describe()``'s ``exchange i auto``), or
