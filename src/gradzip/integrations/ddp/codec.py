@@ -18,7 +18,6 @@ from ...exchange import DEFAULT_BUCKET_BYTES, PSync, calibration
 from ...exchange.calibration import check_recalibrate_every
 from ...exchange.planner import Link, as_link
 from ...guards.nonfinite import all_finite
-from ...kernels.average import mean_in_place
 from ...validation import refuses_unknown_options
 from .state import HookState, views
 
@@ -205,8 +204,8 @@ class CodecState(HookState):
         pending, self._pending = self._pending, []
         results = [b.work.wait() for b in pending]
         n = self.comm.world_size
-        sums_finite = [mean_in_place(b.buffer, n) for b in pending if b.native]   # the none codec's from_sum
-        sums_bad = self.nonfinite != "off" and not all(sums_finite)
+        sums = [b.buffer.div_(n) for b in pending if b.native]   # the none codec's from_sum
+        sums_bad = self.nonfinite != "off" and not all_finite(sums)
         coded = [(b, r) for b, r in zip(pending, results) if not b.native]
         output_bad = self.nonfinite != "off" and not all(   # the codec overflowed (qsgd's norm, a residual)
             all_finite(list(r.aggregate)) and (r.residual is None or all_finite(list(r.residual)))
