@@ -238,7 +238,7 @@ def native_vs_psync(comm, steps=4):
         net, ddp = make_ddp()
         state = gradzip.integrations.ddp.hook("none", model=ddp)
         if path == "psync":
-            state.sends_uncompressed = lambda *args: False
+            state.sends_uncompressed = lambda *args: False   # the copying path
         ddp.register_comm_hook(state, gradzip.integrations.ddp.codec_hook)
         train(comm, ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), steps)
         out[path] = params(net)

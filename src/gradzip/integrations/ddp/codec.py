@@ -147,8 +147,7 @@ class CodecState(HookState):
         self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
         self.decisions = calibration.load(state.get("auto", []))   # auto:<codec>: executed as saved
 
-    def sends_uncompressed(self, bucket: dist.GradBucket, views: list, keys: list, step: int,
-                           compressing: bool) -> bool:
+    def sends_uncompressed(self, bucket: dist.GradBucket, keys: list, step: int, compressing: bool) -> bool:
         """Whether this bucket goes as DDP sends it: the allreduce of its own buffer, then
         the mean in place (no copy, no codec; the numbers of the ``none`` exchange bit for
         bit). So it goes where every tensor of it is sent uncompressed (a dense warm-up
@@ -160,23 +159,23 @@ class CodecState(HookState):
             return True
         if not isinstance(self.codec, (Auto, PerTensor)):
             return self.codec.name == "none"
-        _, plan = self.psync.exchange_plan(views, keys, step)
+        _, plan = self.psync.exchange_plan(bucket.gradients(), keys, step)   # the views' shapes and dtypes
         return all(codec.name == "none" for codec in plan.codecs)
 
-    def _start_native(self, bucket: dist.GradBucket, views: list, keys: list, feedback: bool) -> torch.futures.Future:
+    def _start_native(self, bucket: dist.GradBucket, keys: list, feedback: bool) -> torch.futures.Future:
         """Launch the allreduce of the bucket's buffer (:meth:`sends_uncompressed`); a
         residual kept for its tensors (a unit auto switched to ``none``) is added in and so
         sent whole, and dropped once the step counts (docs/algorithms.md §Auto codec
         choice, "Residual folding")."""
-        folded = []
-        for view, key in zip(views, keys):
-            if feedback and key in self.residuals:
-                view.add_(self.residuals[key])
-                folded.append(key)
+        folded = [key for key in keys if feedback and key in self.residuals]
+        if folded:
+            for view, key in zip(views(bucket), keys):
+                if key in folded:
+                    view.add_(self.residuals[key])
         buffer = bucket.buffer()
         work = self.comm.allreduce(buffer, async_op=True)
         fut = torch.futures.Future()
-        self._pending.append(_Bucket(fut, work, views, folded, buffer, False, native=True))
+        self._pending.append(_Bucket(fut, work, None, folded, buffer, False, native=True))
         return fut
 
     def _start_coded(self, bucket: dist.GradBucket, views: list, keys: list, step: int, compressing: bool,
@@ -248,14 +247,13 @@ def codec_hook(state: CodecState, bucket: dist.GradBucket) -> torch.futures.Futu
     """DDP communication hook: compress each gradient of the bucket with ``state.codec``
     (error feedback if enabled) and write the aggregate into the bucket; the last bucket
     of a step finishes them all (see :class:`CodecState`)."""
-    bucket_views = views(bucket)
     keys = [state._key(p) for p in bucket.parameters()]
     step = state.iter + 1
     compressing = step > state.start_iter          # else a dense warm-up step: no error feedback
     feedback = state.error_feedback and compressing
-    fut = (state._start_native(bucket, bucket_views, keys, feedback)
-           if state.sends_uncompressed(bucket, bucket_views, keys, step, compressing)
-           else state._start_coded(bucket, bucket_views, keys, step, compressing, feedback))
+    fut = (state._start_native(bucket, keys, feedback)
+           if state.sends_uncompressed(bucket, keys, step, compressing)
+           else state._start_coded(bucket, views(bucket), keys, step, compressing, feedback))
     if bucket.is_last() and state._finish_all():
         state.iter += 1
     return fut
