@@ -6,6 +6,9 @@ batch 32 per worker, one torch thread each; every step is real: ``zero_grad``, f
 cross-entropy, backward, ``step()``. Variants:
 
 * ``ddp``: ``DistributedDataParallel`` + ``torch.optim.SGD`` (the peer; the ratio's base);
+* ``ddp-allreduce-hook``: the same with torch's own ``allreduce_hook`` (uncompressed: what
+  any communication hook pays over DDP's built-in allreduce, which divides while it copies
+  the gradients into the bucket);
 * ``ddp-fp16``: the same with torch's ``fp16_compress_hook`` (the peer's codec);
 * ``ssgd-unguarded``: SSGD with ``nonfinite="off"`` (no NaN/Inf check of the aggregate,
   which for S-SGD with ``none`` under ``"raise"`` also guards the gradients: what the
@@ -72,7 +75,7 @@ from gradzip.train import models
 HEADING = "Step time against PyTorch DDP"
 PAGE = PAGES / "step-vs-ddp.md"
 #: The variants (:func:`build`), in the default order; the first given is the ratios' base.
-VARIANTS = ("ddp", "ddp-fp16", "ssgd", "ssgd-unguarded", "efsgd-topk1%", "bitsgd", "cdsgd")
+VARIANTS = ("ddp", "ddp-allreduce-hook", "ddp-fp16", "ssgd", "ssgd-unguarded", "efsgd-topk1%", "bitsgd", "cdsgd")
 SHAPE = (3, 32, 32)
 CLASSES = 10
 LR = 0.01
@@ -125,6 +128,8 @@ def build(variant: str, comm, model_name: str, shape: tuple = SHAPE):
         model = DDP(model)
         if variant == "ddp-fp16":
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif variant == "ddp-allreduce-hook":   # PyTorch's own uncompressed hook: what any comm hook pays
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
         elif variant.startswith("ddp@"):
             state = ddp_hooks.hook(variant.partition("@")[2], model=model)
             model.register_comm_hook(state, ddp_hooks.codec_hook)
@@ -269,7 +274,7 @@ def summarize(ranks: list[dict[str, Any]], n: int, bandwidth: float | None) -> d
         per_round = [max(r["rounds"][v][i] for r in ranks) for i in range(len(ranks[0]["rounds"][v]))]
         round_means = [max(r["means"][v][i] for r in ranks) for i in range(len(ranks[0]["means"][v]))]
         sent = statistics.fmean(r["bytes_per_step"][v] for r in ranks)
-        if v == "ddp":
+        if v in ("ddp", "ddp-allreduce-hook"):
             sent = dense
         elif v == "ddp-fp16":
             sent = allreduce_wire_bytes(2 * params, n)
