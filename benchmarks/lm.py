@@ -23,6 +23,12 @@ page without running anything::
     python -m benchmarks.lm --from docs/benchmarks/lm-runs.json --write
     python -m benchmarks.lm --dry-run                                         # seconds: CI
 
+**Two studies.** The default settings (:data:`SETTINGS`) train 4 epochs with every method's
+(inner) rate under the same ``--lr-schedule cosine:warmup=100,final=0.1``; ``--preset
+one-epoch`` (:data:`ONE_EPOCH`) is the first study, one epoch at a constant rate. Each has its
+own section of the page and its own plot (:func:`title_of`, :func:`plot_of`); the records
+file keeps both, and ``--from`` rewrites every study it holds.
+
 Projections: each run's own compute, codec and update seconds per step and its bytes fed to
 the timeline model (:func:`gradzip.bench.projection.project_runs`) at 1, 10 and 100 Gbit/s.
 """
@@ -49,18 +55,40 @@ from gradzip.train.loop import run_worker
 
 PAGE = PAGES / "lm.md"
 RECORDS = PAGES / "lm-runs.json"
-PLOT = DOCS / "bench_lm_loss.png"
 TITLE = "Methods for a transformer: the language-model study"
 BANDWIDTHS = (1e9, 1e10, 1e11)
 
-#: The study's settings (the CLI flags of the same names override them).
+#: The study's settings (the CLI flags of the same names override them): several epochs, every
+#: method's (inner) rate warmed up and decayed by the same ``--lr-schedule``.
 SETTINGS = {"model": "gpt:layers=2,d=64,heads=4", "dataset": "text:context=64,bytes=2400000", "workers": 4,
-            "batch_size": 8, "epochs": 1, "lr": 3e-3, "lamb_lr": 1e-2, "eval_every": 100, "freeze_fraction": 0.2,
-            "checkpoint_every": 100}
+            "batch_size": 8, "epochs": 4, "lr": 3e-3, "lamb_lr": 1e-2, "eval_every": 250, "freeze_fraction": 0.2,
+            "checkpoint_every": 250, "lr_schedule": "cosine:warmup=100,final=0.1"}
+#: The first study's (``--preset one-epoch``): one epoch at a constant rate. Its records carry no
+#: ``lr_schedule`` (constant); its section keeps the page's first title.
+ONE_EPOCH = {"model": "gpt:layers=2,d=64,heads=4", "dataset": "text:context=64,bytes=2400000", "workers": 4,
+             "batch_size": 8, "epochs": 1, "lr": 3e-3, "lamb_lr": 1e-2, "eval_every": 100, "freeze_fraction": 0.2,
+             "checkpoint_every": 100}
 #: The dry run's (CI): seconds.
 DRY = {"model": "gpt:layers=1,d=16,heads=2", "dataset": "text:context=16,bytes=12000", "workers": 2,
-       "batch_size": 8, "epochs": 1, "lr": 2e-3, "lamb_lr": 1e-2, "eval_every": 20, "freeze_fraction": 0.2,
-       "checkpoint_every": 20}
+       "batch_size": 8, "epochs": 2, "lr": 2e-3, "lamb_lr": 1e-2, "eval_every": 20, "freeze_fraction": 0.2,
+       "checkpoint_every": 20, "lr_schedule": "cosine:warmup=4,final=0.1"}
+
+
+def schedule_of(s: dict) -> str:
+    """The study's ``--lr-schedule`` (``"constant"`` for the one-epoch records, which have none)."""
+    return s.get("lr_schedule", "constant")
+
+
+def title_of(s: dict) -> str:
+    """The page section of the runs with settings ``s``: the first study's keeps :data:`TITLE`."""
+    if schedule_of(s) == "constant" and s["epochs"] == 1:
+        return TITLE
+    return f"{TITLE}, {s['epochs']} epochs, {schedule_of(s)}"
+
+
+def plot_of(s: dict) -> Path:
+    """The plot of the runs with settings ``s`` (the first study's keeps its name)."""
+    return DOCS / ("bench_lm_loss.png" if title_of(s) == TITLE else f"bench_lm_loss_{s['epochs']}ep.png")
 
 
 def methods(steps: int, s: dict) -> dict:
@@ -99,7 +127,8 @@ def run_one(task: tuple) -> dict:
     label, algo, options, lr = methods(steps, s)[key]
     name = f"{key}-s{seed}"
     cfg = RunConfig(algo=algo, options=options, label=key, dataset=s["dataset"], model=s["model"], epochs=s["epochs"],
-                    batch_size=s["batch_size"], lr=lr, seed=seed, eval_every=s["eval_every"], progress=False,
+                    batch_size=s["batch_size"], lr=lr, lr_schedule=schedule_of(s), seed=seed,
+                    eval_every=s["eval_every"], progress=False,
                     checkpoint_dir=str(Path(results) / "ck" / name), checkpoint_every=s["checkpoint_every"],
                     resume=True)
     began = time.perf_counter()
@@ -206,9 +235,9 @@ def tables(records: list[dict]) -> str:
         + ", ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in records)) + f". {s['model']} ({first['parameters']:,} parameters) on {s['dataset']} (the embedded "
         f"corpus: {info['files']} files of the Python {info.get('python', '?')} standard library, "
         f"{info['bytes'] / 1e6:.2f} MB, sha256 {info['sha256'][:12]}…; 5% of the sequences held out), "
-        f"{s['workers']} workers on threads, batch {s['batch_size']} sequences per worker, {s['epochs']} epoch = "
-        f"{first['steps']} steps; AdamW lr {s['lr']} (inner lr of DiLoCo and SparseLoCo too; 1-bit LAMB "
-        f"{s['lamb_lr']}), default betas, no weight decay; warm-ups (T_w, 0/1 Adam's T_v) "
+        f"{s['workers']} workers on threads, batch {s['batch_size']} sequences per worker, {s['epochs']} "
+        f"epoch{'s' if s['epochs'] > 1 else ''} = {first['steps']} steps; AdamW lr {s['lr']} (inner lr of DiLoCo and "
+        f"SparseLoCo too; 1-bit LAMB {s['lamb_lr']}), {_schedule_text(s)}, default betas, no weight decay; warm-ups (T_w, 0/1 Adam's T_v) "
         f"{s['freeze_fraction']:.0%} of the steps, with bias correction and the momentum bound; seeds "
         f"{', '.join(map(str, seeds))}. Validation loss of the workers' average model every {s['eval_every']} steps "
         f"and at the end; MB = bytes one worker put on the wire.",
@@ -241,8 +270,27 @@ def tables(records: list[dict]) -> str:
         points = [statistics.mean(r["history"][i]["test_loss"] for r in runs) for i in range(len(steps))]
         lines.append(f"| {runs[0]['label']} | " + " | ".join(f"{p:.3f}" for p in points)
                      + f" | {_mb(statistics.mean(r['summary']['bytes_sent_per_worker'] for r in runs))} |")
-    lines += ["", f"![validation loss against steps and against MB sent](../{PLOT.name})", ""]
+    if base:
+        lines += ["", _flattened(_curve(base))]
+    lines += ["", f"![validation loss against steps and against MB sent](../{plot_of(s).name})", ""]
     return "\n".join(lines)
+
+
+def _schedule_text(s: dict) -> str:
+    """The rate schedule in words."""
+    spec = schedule_of(s)
+    if spec == "constant":
+        return "a constant rate (no warm-up, no decay)"
+    return (f"`--lr-schedule {spec}` (linear warm-up, then cosine decay to the final factor at the last step, "
+            "on every method's rate; DiLoCo's and SparseLoCo's inner rate, their outer rate constant)")
+
+
+def _flattened(curve: list[tuple[int, float]]) -> str:
+    """AdamW's last evaluations and how much its loss still fell over the run's last quarter."""
+    step, value = next((t, v) for t, v in curve if t >= 0.75 * curve[-1][0])
+    return ("AdamW's validation loss at its last evaluations (mean over seeds): "
+            + ", ".join(f"{v:.4f} at step {t}" for t, v in curve[-4:])
+            + f"; over the run's last quarter (from step {step}) it fell {(1 - curve[-1][1] / value) * 100:.2f}%.")
 
 
 def plot(records: list[dict]) -> None:
@@ -268,18 +316,30 @@ def plot(records: list[dict]) -> None:
         ax.grid(alpha=0.3)
     by_step.legend(fontsize=7)
     s = records[0]["settings"]
-    fig.suptitle(f"{s['model']} on {s['dataset']}, {s['workers']} workers")
+    fig.suptitle(f"{s['model']} on {s['dataset']}, {s['workers']} workers, {s['epochs']} epoch(s), "
+                 f"lr schedule {schedule_of(s)}")
     fig.tight_layout()
-    fig.savefig(PLOT, dpi=100)
+    fig.savefig(plot_of(s), dpi=100)
     plt.close(fig)
 
 
 def write(records: list[dict]) -> None:
-    """The page's section, the plot and the compact records."""
-    replace_section(TITLE, tables(records), PAGE)
+    """The section of these runs' settings (:func:`title_of`), its plot, and the compact
+    records: these runs replace those of the same settings; other studies' records stay."""
+    s = records[0]["settings"]
+    replace_section(title_of(s), tables(records), PAGE)
     plot(records)
-    RECORDS.write_text(json.dumps({"runs": records}, indent=1))
-    print(f"wrote {PAGE}, {PLOT}, {RECORDS}")
+    kept = [r for r in json.loads(RECORDS.read_text())["runs"] if r["settings"] != s] if RECORDS.exists() else []
+    RECORDS.write_text(json.dumps({"runs": kept + records}, indent=1))
+    print(f"wrote {PAGE}, {plot_of(s)}, {RECORDS}")
+
+
+def studies(records: list[dict]) -> list[list[dict]]:
+    """``records`` grouped by their settings, in the order first seen."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(json.dumps(r["settings"], sort_keys=True), []).append(r)
+    return list(groups.values())
 
 
 def main(argv=None) -> int:
@@ -288,6 +348,8 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default=None, help=f"comma-separated keys (default: all: {', '.join(methods(1000, SETTINGS))})")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--preset", choices=["long", "one-epoch"], default="long",
+                   help="the settings: the longer study with the rate schedule (default), or the first one-epoch one")
     for key, value in SETTINGS.items():
         p.add_argument("--" + key.replace("_", "-"), type=type(value), default=None)
     p.add_argument("--write", action="store_true", help="write docs/benchmarks/lm.md from the finished runs")
@@ -296,11 +358,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.source:
         saved = json.loads(Path(args.source).read_text())
-        print(tables(saved["runs"]))
-        if args.write:
-            write(saved["runs"])
+        for records in studies(saved["runs"]):
+            print(tables(records))
+            if args.write:
+                write(records)
         return 0
-    s = dict(DRY if args.dry_run else SETTINGS)
+    s = dict(DRY if args.dry_run else ONE_EPOCH if args.preset == "one-epoch" else SETTINGS)
     s.update({k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None})
     args.seeds = [int(x) for x in args.seeds.split(",")] if not args.dry_run else [0]
     known = methods(1000, s)

@@ -1,6 +1,7 @@
 """Worker functions shared by tests: importable, so spawned gloo processes can run them."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from checkpoint_diff import differences
@@ -375,6 +376,19 @@ def interrupt_after(steps: int):
         if done == steps:
             raise Interrupted(done)
     return hook
+
+
+def whole_and_resumed(comm, root: str, interrupt_at: int, **config) -> tuple[dict, dict]:
+    """``RunConfig(**config)`` run whole with checkpoints in ``root/whole``, and run in
+    ``root/cut`` interrupted after ``interrupt_at`` steps then resumed: both results."""
+    from gradzip.train.config import RunConfig
+    from gradzip.train.loop import run_worker
+
+    whole = run_worker(comm, RunConfig(**config, checkpoint_dir=f"{root}/whole"))
+    cut = RunConfig(**config, checkpoint_dir=f"{root}/cut", resume=True)
+    with pytest.raises(Interrupted):
+        run_worker(comm, cut, after_step=interrupt_after(interrupt_at))
+    return whole, run_worker(comm, cut)
 
 
 def resume_runs(comm, root: str, methods=tuple(RESUME_RUNS), epochs: int = 2):

@@ -80,6 +80,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="default: %(default)s (BIT-SGD with momentum 0.9 at lr 0.1 is unstable: docs/benchmarks/accuracy.md)")
     g.add_argument("--nesterov", action="store_true")
     g.add_argument("--weight-decay", type=non_negative, default=0.0)
+    g.add_argument("--lr-schedule", default="constant", metavar="SPEC",
+                   help="the rate over the run, the same for every method (DiLoCo: the inner rate): constant, "
+                        "constant:warmup=W (linear warm-up over W steps), or cosine:warmup=W,final=m (then cosine "
+                        "decay to m x the rate at the last step; m default 0.1) (default: %(default)s)")
     g.add_argument("--seed", type=seed_int, default=0)
     g.add_argument("--device", choices=list(device.DEVICES), default="cpu",
                    help="cpu, cuda (rank r on cuda:LOCAL_RANK %% device_count) or auto (cuda where available) "

@@ -30,6 +30,7 @@ def _configs(args) -> list:
                   nonfinite=args.nonfinite, device=args.device, amp=args.amp, trace=bool(args.trace),
                   progress=not args.quiet,
                   lr_scaling=args.lr_scaling, base_batch=args.base_batch or 0, warmup_epochs=args.warmup_epochs,
+                  lr_schedule=args.lr_schedule,
                   sam_rho=args.sam_rho, transport=args.transport, round_bytes=args.round_bytes, link=args.link,
                   recalibrate_every=args.recalibrate_every,
                   workers_per_node=args.workers_per_node,

@@ -22,7 +22,7 @@ from .lars import LARS
 from .lamb import LAMB
 from .compressed import AdamWMethod, Compressed, LAMBMethod, LARSMethod
 from .sam import SAM
-from .core.schedule import LinearScalingWarmup, lr_at, scaled_lr
+from .core.schedule import LinearScalingWarmup, Schedule, lr_at, parse_schedule, scaled_lr, schedule_factor
 
 #: CLI name -> method class (``gradzip train --algo NAME``).
 METHODS = {"ssgd": SSGD, "efsgd": EFSGD, "bitsgd": BitSGD,
@@ -37,5 +37,5 @@ __all__ = ["DistributedOptimizer", "method_options", "COMMON_OPTIONS", "SSGD", "
            "LocalSGD", "QSparseLocalSGD", "CSEA", "CSER", "CSERPL", "DGC", "PowerSGD",
            "ODSGD", "CDSGD", "CPSGD", "METHODS",
            "Compressed", "LARS", "LAMB", "SAM", "LARSMethod", "LAMBMethod", "AdamWMethod",
-           "LinearScalingWarmup", "lr_at", "scaled_lr", "DiLoCo", "DiLoCoMethod", "SparseLoCo", "SparseLoCoMethod", "DeMo", "ASGD",
+           "LinearScalingWarmup", "lr_at", "scaled_lr", "Schedule", "parse_schedule", "schedule_factor", "DiLoCo", "DiLoCoMethod", "SparseLoCo", "SparseLoCoMethod", "DeMo", "ASGD",
            "OneBitAdam", "ZeroOneAdam", "OneBitLAMB"]

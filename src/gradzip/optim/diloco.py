@@ -192,6 +192,10 @@ class DiLoCo(DistributedOptimizer):
         if self._inflight is not None:
             self._received()
 
+    def lr_groups(self) -> list[dict]:
+        """The inner optimizer's groups: a schedule scales the inner rate, the outer one stays."""
+        return self.inner.param_groups
+
     # -- description, records, state -------------------------------------------------------
     def describe(self) -> dict:
         fields = super().describe()

@@ -81,6 +81,7 @@ class RunConfig:
     lr_scaling: str = "none"      # large batch: "linear" / "sqrt" scaling of lr with the global batch
     base_batch: int = 0           # the global batch lr is tuned for (0: batch_size, one worker's)
     warmup_epochs: float = 0.0    # gradual warm-up from lr to the scaled lr (Goyal et al.)
+    lr_schedule: str = "constant"  # "cosine:warmup=W,final=m": warm-up, then cosine decay over the run (schedule.py)
     sam_rho: float = 0.0          # > 0: SAM around the method, radius rho
     sharpness_rho: float = 0.0    # > 0: the summary reports the final model's sharpness at this rho
     device: str = "cpu"           # "cpu", "cuda" (rank r on cuda:LOCAL_RANK % device_count) or "auto" (train.device)
@@ -128,7 +129,15 @@ def make_optimizer(cfg: RunConfig, params, comm: Group) -> optim.DistributedOpti
 
 
 def check_large_batch(cfg: RunConfig) -> None:
-    """The large-batch options (``--lr-scaling``, ``--base-batch``, ``--warmup-epochs``, ``--sam-rho``)."""
+    """The learning-rate and large-batch options (``--lr-schedule``, ``--lr-scaling``,
+    ``--base-batch``, ``--warmup-epochs``, ``--sam-rho``)."""
+    warmup = schedule.parse_schedule(cfg.lr_schedule).warmup
+    if warmup and cfg.warmup_epochs > 0:
+        raise GradzipError("--lr-schedule's warm-up and --warmup-epochs are two learning-rate warm-ups that would "
+                           "multiply: drop one (with warmup=0 the schedule decays from the scaled rate)")
+    if warmup and (cfg.options or {}).get("lr_warmup_steps"):
+        raise GradzipError("--lr-schedule's warm-up and DGC's --lr-warmup-steps are two learning-rate warm-ups that "
+                           "would multiply: drop one")
     if cfg.lr_scaling not in schedule.SCALINGS:
         raise GradzipError(f"--lr-scaling must be one of {', '.join(schedule.SCALINGS)}, got {cfg.lr_scaling!r}")
     if not is_int(cfg.base_batch) or cfg.base_batch < 0:
@@ -157,6 +166,18 @@ def lr_rule(cfg: RunConfig, world_size: int, steps_per_epoch: int) -> tuple[floa
         return None
     target = optim.scaled_lr(cfg.lr, cfg.batch_size * world_size, cfg.base_batch or cfg.batch_size, cfg.lr_scaling)
     return cfg.lr, target, round(cfg.warmup_epochs * steps_per_epoch)
+
+
+def lr_schedule(cfg: RunConfig, total_steps: int) -> optim.Schedule | None:
+    """``--lr-schedule`` parsed for a run of ``total_steps`` steps, or None when every factor
+    is 1; its warm-up must end before the run does."""
+    parsed = optim.parse_schedule(cfg.lr_schedule)
+    if parsed.is_identity:
+        return None
+    if parsed.warmup >= total_steps:
+        raise GradzipError(f"--lr-schedule: the warm-up ({parsed.warmup} steps) must be shorter than the run "
+                           f"({total_steps} steps); lower warmup= or train for more epochs")
+    return parsed
 
 
 #: RunConfig fields that do not change a run's numbers: they may differ between workers and

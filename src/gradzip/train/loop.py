@@ -43,7 +43,7 @@ from ..validation import is_int
 from . import checkpoint, datasets, models, sharded
 from . import resume as resume_lib
 from .device import Precision, resolve_device
-from .config import SEED_LIMIT, RunConfig, collective_fields, lr_rule, make_optimizer, trajectory_fields
+from .config import SEED_LIMIT, RunConfig, collective_fields, lr_rule, lr_schedule, make_optimizer, trajectory_fields
 from .evaluation import evaluate_shared, evaluation_model
 
 
@@ -115,6 +115,8 @@ class _Job:
     precision: Precision | None = None   # autocast and, for fp16, the agreed GradScaler step
     after_step: Callable[[int], None] | None = None
     lr_rule: tuple[float, float, int] | None = None   # (η_base, η*, T_w): the large-batch schedule
+    schedule: optim.Schedule | None = None   # --lr-schedule (None: a factor of 1 at every step)
+    base_lrs: tuple[float, ...] = ()   # the rates of opt.lr_groups() before any step: what the schedule scales
     sam: optim.SAM | None = None   # SAM around ``opt`` (--sam-rho)
     tracer: Tracer | None = None
     bar: Any = None
@@ -210,7 +212,19 @@ def _prepare(comm: Group, cfg: RunConfig, after_step) -> _Job:
     return _Job(comm, cfg, ds, model, opt, steps_per_epoch, LoopState(), settings, device,
                 Precision(cfg.amp, device, comm), after_step,
                 lr_rule=lr_rule(cfg, comm.world_size, steps_per_epoch),
+                schedule=lr_schedule(cfg, steps_per_epoch * cfg.epochs),
+                base_lrs=tuple(g["lr"] for g in opt.lr_groups()),
                 sam=optim.SAM(opt, rho=cfg.sam_rho) if cfg.sam_rho > 0 else None, straggler=straggler)
+
+
+def _set_lr(job: _Job) -> None:
+    """The rate of the step about to run (``opt.steps + 1``): the large-batch rule's (or the
+    group's own), times ``--lr-schedule``'s factor; a function of the step, so a resumed run
+    needs no scheduler state."""
+    step = job.opt.steps + 1
+    for group, base in zip(job.opt.lr_groups(), job.base_lrs):
+        rate = optim.lr_at(step, *job.lr_rule) if job.lr_rule is not None else base
+        group["lr"] = rate if job.schedule is None else rate * optim.schedule_factor(step, job.total, job.schedule)
 
 
 def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
@@ -220,9 +234,8 @@ def _train_epoch(job: _Job, epoch: int, first_batch: int) -> None:
     order = datasets.shard(len(job.ds.train_x), comm.rank, comm.world_size, epoch, cfg.seed)
     for b in range(first_batch, job.steps_per_epoch):
         idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
-        if job.lr_rule is not None:   # a function of the step: a resumed run needs no scheduler state
-            for group in opt.param_groups:
-                group["lr"] = optim.lr_at(opt.steps + 1, *job.lr_rule)
+        if job.lr_rule is not None or job.schedule is not None:
+            _set_lr(job)
         t0 = time.perf_counter()
         blocked = _exchange_blocked_s(opt)
         # seeded by (seed, rank, step), slept before the forward pass so that it also delays an
@@ -326,7 +339,7 @@ def _record(job: _Job, epoch: float) -> dict[str, Any]:
         record = {"algo": job.cfg.name, "epoch": epoch, "step": opt.steps, "train_loss": train_loss,
                   "bytes_sent_per_worker": opt.bytes_sent, "wall_time_s": wall,
                   **{f"time_{k}_s": v for k, v in zip(PHASES, epoch_stats[1:])},
-                  "skipped_steps": opt.skipped_steps, "lr": opt.param_groups[0]["lr"], **opt.metrics()}
+                  "skipped_steps": opt.skipped_steps, "lr": opt.lr_groups()[0]["lr"], **opt.metrics()}
         x, y = job.ds.test_x.to(job.device), job.ds.test_y.to(job.device)
         if evaluated is None:   # its forward passes gather parameters: every worker, the whole set
             record["test_accuracy"], record["test_loss"] = opt.evaluate(x, y)
@@ -365,6 +378,7 @@ def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[st
         "momentum": cfg.momentum,
         "global_batch": cfg.batch_size * comm.world_size,
         "lr_peak": job.lr_rule[1] if job.lr_rule is not None else cfg.lr,
+        "lr_schedule": job.schedule.spec() if job.schedule is not None else "constant",
         "sam_rho": cfg.sam_rho,
         "sharpness": _sharpness(job),
         "seed": cfg.seed,

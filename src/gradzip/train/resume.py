@@ -130,6 +130,12 @@ def _check_resumable(job, saved: dict[str, Any], step: int) -> None:
                 f"{consistency.more_fields(names)}; resume with the same settings (only the number of epochs may "
                 "change), or start in a new directory"
             )
+    if job.schedule is not None and job.schedule.name == "cosine" and saved["config"].get("epochs") != cfg.epochs:
+        raise GradzipError(
+            f"cannot resume from {cfg.checkpoint_dir}: --lr-schedule {cfg.lr_schedule} decays over the whole run, "
+            f"which was {saved['config'].get('epochs')} epochs when it was written and is {cfg.epochs} now; resume "
+            f"with --epochs {saved['config'].get('epochs')}, or start in a new directory"
+        )
     if step > job.total:
         epochs = -(-step // job.steps_per_epoch)
         raise GradzipError(

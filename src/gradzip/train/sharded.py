@@ -109,6 +109,10 @@ class ShardedOptimizer:
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
 
+    def lr_groups(self) -> list[dict]:
+        """As :meth:`gradzip.optim.DistributedOptimizer.lr_groups`: the SGD's groups."""
+        return self.inner.param_groups
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 

@@ -207,6 +207,12 @@ class DistributedOptimizer(Agreement, ExchangeOwner, NonFiniteGuard, Participati
     def _all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
+    def lr_groups(self) -> list[dict]:
+        """The param groups whose ``"lr"`` is the method's learning rate, the one a
+        schedule scales (``--lr-schedule``, ``--lr-scaling``): these groups, or a
+        wrapper's inner optimizer's (DiLoCo: the inner rate, not the outer one)."""
+        return self.param_groups
+
     def keys(self, params: Sequence[torch.Tensor]) -> list[int]:
         """Stable per-parameter keys (its position in the optimizer) for shared seeds."""
         return [self._keys[p] for p in params]

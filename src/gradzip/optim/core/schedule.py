@@ -9,16 +9,86 @@ Steps count from 1. :func:`lr_at` is the rule as a function of the step (the tra
 loop sets it before every step, so a resumed run needs no scheduler state);
 :class:`LinearScalingWarmup` is the same rule as a torch LR scheduler for user code.
 Momentum buffers are not reset.
+
+The run's schedule (``--lr-schedule``, docs/algorithms.md §Large-batch training, "Warm-up
+and cosine decay"): a factor on the rate above, a function of the step ``t`` (from 1) and
+the run's length ``T`` (:func:`schedule_factor`)::
+
+    f_t = t / W                                               for t ≤ W   (the warm-up)
+    f_t = 1                                                   after it    ("constant")
+    f_t = m + (1 − m) · (1 + cos(π · (t − W) / (T − W))) / 2    after it    ("cosine", down to m at T)
+
+It multiplies the method's own learning rate (:meth:`DistributedOptimizer.lr_groups`: the
+inner optimizer's for DiLoCo, never the outer rate), the same for every method.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
+from ...specs import split
 from ...validation import is_int, is_real, require
 
 SCALINGS = ("none", "linear", "sqrt")
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A parsed ``--lr-schedule``: ``name`` of :data:`SCHEDULES`, ``warmup`` steps ``W``, and
+    ``final`` = ``m``, the cosine's last factor."""
+
+    name: str = "constant"
+    warmup: int = 0
+    final: float = 0.1
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether every factor is 1 (the loop then leaves the rate alone)."""
+        return self.name == "constant" and self.warmup == 0
+
+    def spec(self) -> str:
+        """The canonical spec string (what a summary records)."""
+        if self.name == "constant":
+            return f"constant:warmup={self.warmup}" if self.warmup else "constant"
+        return f"cosine:warmup={self.warmup},final={self.final:g}"
+
+
+def parse_schedule(spec: str) -> Schedule:
+    """``"constant"``, ``"constant:warmup=W"`` or ``"cosine[:warmup=W][,final=m]"`` (W an
+    integer >= 0, m in [0, 1], default 0.1); a :class:`GradzipError` naming the fault."""
+    where = "--lr-schedule"
+    require(isinstance(spec, str), where, f"must be a spec string such as 'cosine:warmup=100,final=0.1', got {spec!r}")
+    name, _, options = split(spec)
+    require(name in SCHEDULES, where, f"must be one of {', '.join(SCHEDULES)} (e.g. 'cosine:warmup=100,final=0.1'), "
+                                      f"got {name!r}")
+    valid = ("warmup", "final") if name == "cosine" else ("warmup",)
+    values = {}
+    for o in options:
+        require(o.key in valid, where, f"{name} takes {' and '.join(valid)}, got {o.item!r}")
+        require(o.has_value, where, f"{o.key} needs a value ({o.key}=...), got {o.item!r}")
+        values[o.key] = o.value
+    warmup = values.get("warmup", "0")
+    require(warmup.isdigit(), where, f"warmup must be an integer number of steps >= 0, got {warmup!r}")
+    try:
+        final = float(values.get("final", "0.1"))
+    except ValueError:
+        final = math.nan
+    require(0 <= final <= 1, where, f"final (the last step's factor on the rate) must be a number in [0, 1], "
+                                    f"got {values.get('final')!r}")
+    return Schedule(name, int(warmup), final)
+
+
+def schedule_factor(step: int, total: int, schedule: Schedule) -> float:
+    """``f_t`` at step ``step`` (from 1) of a run of ``total`` steps."""
+    if step <= schedule.warmup:
+        return step / schedule.warmup
+    if schedule.name == "constant":
+        return 1.0
+    progress = min(1.0, (step - schedule.warmup) / max(1, total - schedule.warmup))
+    return schedule.final + (1.0 - schedule.final) * (1.0 + math.cos(math.pi * progress)) / 2
 
 
 def scaled_lr(base_lr: float, global_batch: int, base_batch: int, scaling: str = "linear") -> float:
