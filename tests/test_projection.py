@@ -186,6 +186,11 @@ def test_auto_and_its_fixed_codec_are_projected_from_the_same_measured_codec_spe
     assert slow["auto"] == ["1bit", "1bit"] and fast["auto"] == ["none", "none"]
     assert slow["compress_s"] == pytest.approx(0.05) and fixed_slow["compress_s"] == pytest.approx(0.05)
     assert 0 < fast["compress_s"] < 0.05
+    # a run whose trial sent nothing compressed (its executed choices, whatever the rule on its
+    # link said): its 50 ms are none's coding, so where auto compresses it is projected above them
+    auto["summary"]["auto_choices"] = ["none", "none"]
+    (slow_none, fast_none), = _projected([auto], [1e6, 1e12])
+    assert fast_none["compress_s"] == pytest.approx(0.05) and slow_none["compress_s"] > 0.05
 
 
 def test_a_method_the_profile_cannot_run_is_left_out_with_a_note():

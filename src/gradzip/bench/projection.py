@@ -29,6 +29,7 @@ note where the times rest on fewer than :data:`STEADY_MIN_STEPS` steps after the
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 from .profiling import Unprofilable, profile_method
@@ -83,9 +84,16 @@ def is_auto(options: dict[str, Any]) -> bool:
 
 
 def _ran_profile(summary: dict[str, Any], algo: str, options: dict[str, Any], shapes, run_n: int, cache: dict):
-    """The profile of the decision an auto:<codec> run executed: on its own link (its
-    summary's ``auto_link``; None where the summary has none, as one written by an older gradzip)."""
+    """The profile of the decision an auto:<codec> run executed (its summary's
+    ``auto_choices``): nothing compressed (a link that is free), every unit compressed (a link
+    no byte crosses), or the rule on the run's own link (``auto_link``; None where the summary
+    has neither, as one written by an older gradzip)."""
+    choices = summary.get("auto_choices") or []
     link = next(iter((summary.get("auto_link") or {}).values()), None)
+    if choices and all(c == "none" for c in choices):
+        link = (math.inf, 0.0)
+    elif choices and all(c != "none" for c in choices):
+        link = (1e-9, 0.0)
     if link is None:
         return None
     return _profile(algo, {**options, "link": Link(*link)}, shapes, run_n, run_n, cache)
@@ -107,7 +115,8 @@ def _period(summary: dict[str, Any], times: dict[str, float], n: int, bandwidth_
     communicate = there.comm_time(bandwidth_Bps, alpha_s) * scale
     if auto:   # the codec work of that link's decision, at the run's measured codec speed
         ran = _ran_profile(summary, algo, options, shapes, run_n, cache)
-        compress_s = (compress_s * there.compress_s / ran.compress_s if ran is not None and ran.compress_s > 0
+        base = here if ran is not None and ran.auto_choices == here.auto_choices else ran   # the same decision
+        compress_s = (compress_s * there.compress_s / base.compress_s if base is not None and base.compress_s > 0
                       else there.compress_s)
     elif here.compress_s > 0:
         compress_s *= there.compress_s / here.compress_s

@@ -398,7 +398,8 @@ def _summary(job: _Job, resumed_from: int | None, setup_began: float) -> dict[st
         "bytes_sent_per_worker": opt.bytes_sent,
         "compression_ratio": opt.compression_ratio,
         "transports": opt.transports() if hasattr(opt, "transports") else None,
-        **({"auto": opt.auto_decisions(), "auto_link": opt.auto_links()}   # auto:<codec>'s decisions and links
+        **({"auto": opt.auto_decisions(), "auto_link": opt.auto_links(),   # auto:<codec>'s decisions, links and
+            "auto_choices": opt.auto_choices()}                             # the codec each unit ran with
            if getattr(opt, "auto_decisions", dict)() else {}),
         "parameters": sum(p.numel() for p in job.model.parameters()),
         "parameter_shapes": [list(p.shape) for p in job.model.parameters()],   # for the projection
