@@ -19,8 +19,9 @@ An auto:<codec> run (docs/algorithms.md §Auto codec choice) is profiled with ``
 projected rate, so the profile executes what auto would decide on that link (its coding costs
 probed on this machine), and its bytes are that decision's (the profile's); its codec seconds
 are the run's measured ones scaled, as a fixed codec's are, by the profile's ratio of that
-decision's coding to the coding of the decision the run executed (profiled on the run's own
-link, ``auto_link`` of its summary), so that the projections of auto and of a fixed codec rest
+decision's coding to the coding of the decision the run executed (its summary's
+``auto_choices``: nothing compressed, every unit, or the rule on the run's own link,
+``auto_link``; unscaled where the two decisions are the same), so that the projections of auto and of a fixed codec rest
 on the same measured codec speed; the row says how many of the exchange's units auto
 compresses there (``auto``).
 

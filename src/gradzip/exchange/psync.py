@@ -294,7 +294,8 @@ class PSync:
     def _calibrate(self, key: tuple, tensors: Sequence, step: int) -> None:
         """auto:<codec>: rank 0's decision for the tensors of ``key`` (docs/algorithms.md §Auto
         codec choice), where none is or ``recalibrate_every`` steps have passed since the
-        last; the units that switch are logged. Counted as communication."""
+        last, or the next step of its trial (:meth:`_advance_trial`); the units that switch are
+        logged. Counted as communication."""
         began = time.perf_counter()
         if step not in self._step_began:   # the trial's clock: the last exchanges only
             self._step_began[step] = began

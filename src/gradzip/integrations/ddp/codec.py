@@ -170,7 +170,7 @@ class CodecState(HookState):
         folded = [key for key in keys if feedback and key in self.residuals]
         if folded:
             for view, key in zip(views(bucket), keys):
-                if key in folded:
+                if key in self.residuals:   # feedback is on: each is one of folded
                     view.add_(self.residuals[key])
         buffer = bucket.buffer()
         work = self.comm.allreduce(buffer, async_op=True)
