@@ -317,3 +317,28 @@ def test_ssgd_guard_reads_no_gradient_before_its_exchange(overlap, monkeypatch):
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     assert calls
+
+
+@pytest.mark.parametrize("method, options", [("ssgd", {})])
+def test_a_nan_written_after_backward_raises_where_the_exchange_checks_the_gradients(method, options):
+    """S-SGD and EF-SGD with ``none`` leave the gradients unread before the exchange
+    (``gradients_checked_by_exchange``); a gradient made non-finite after its hook (here by
+    ``clip_grad_norm_`` of an infinite norm, which turns every gradient into NaN) is found
+    at ``step()`` and, under ``"raise"``, raises on that worker: it is not skipped."""
+
+    def train(comm):
+        model = cases.tiny_model()
+        opt = gradzip.optim.METHODS[method](model.parameters(), comm=comm, lr=0.05, **options)
+        assert opt.gradients_checked_by_exchange()
+        for t in (1, 2):
+            x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if t == 2:
+                next(model.parameters()).grad.view(-1)[1] = float("inf")   # after its hook
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+
+    with pytest.raises(NonFiniteGradient,
+                       match=r"step 2: non-finite gradient .* on rank 0, parameter #0 .*exchanges begun in backward"):
+        gradzip.simulate(1, train)

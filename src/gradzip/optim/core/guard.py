@@ -133,6 +133,10 @@ class NonFiniteGuard:
             return -1
         first_bad = first_nonfinite([p.grad for p in params])
         if self.nonfinite == "raise" and first_bad >= 0:
-            raise NonFiniteGradient(self._bad_gradient_message(
-                self.comm.rank, first_bad, params[first_bad], "stopped before anything was compressed, sent or updated"))
+            self.raise_bad_gradient(params, first_bad, "stopped before anything was compressed, sent or updated")
         return first_bad
+
+    def raise_bad_gradient(self, params: list[torch.Tensor], index: int, where: str) -> None:
+        """Raise :class:`NonFiniteGradient` for this worker's ``params[index]`` (``where``:
+        how far the step got); the peers stop at their next collective."""
+        raise NonFiniteGradient(self._bad_gradient_message(self.comm.rank, index, params[index], where))

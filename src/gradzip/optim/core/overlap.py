@@ -339,8 +339,9 @@ class GradientExchange(DistributedOptimizer):
         else:
             first_bad = min((i for i, p in enumerate(params) if self._keys[p] in run.bad), default=-1)
         if self.nonfinite == "raise" and first_bad >= 0:  # what was sent stays counted
-            self.restore_replaced()
-            self.first_bad_gradient(params)      # raises NonFiniteGradient, naming rank and parameter
+            self.restore_replaced()              # (not first_bad_gradient: it reads nothing where the
+            self.raise_bad_gradient(params, first_bad,   # exchange checks, and would let this pass)
+                                    "stopped before anything was updated (the exchanges begun in backward were sent)")
         self._feed_rest(run)                     # every bucket launched before the agreement
         moved = _plan_key(pairs, self.launch_psync()) != run.plan.key   # the set changed since the plan
         began = time.perf_counter()              # the one control collective of the step (and the set's
