@@ -471,10 +471,11 @@ def bad_gradient_pairs(comm, methods=tuple(SHORT_RUNS)):
                 train_with_bad_gradient(comm, m, SHORT_RUNS[m], drop=True)) for m in methods}
 
 
-def raise_on_bad_gradient(comm, method: str = "efsgd"):
+def raise_on_bad_gradient(comm, method: str = "efsgd", **options):
     """A NaN on rank 1 under nonfinite='raise': rank 1 raises; its state before the step
-    is returned by the others' error path (they see a PeerFailure)."""
-    return train_with_bad_gradient(comm, method, SHORT_RUNS[method])
+    is returned by the others' error path (they see a PeerFailure). ``options`` replace
+    the method's short-run options (e.g. its compressor)."""
+    return train_with_bad_gradient(comm, method, {**SHORT_RUNS[method], **options})
 
 
 def different_settings(comm, field: str):

@@ -140,8 +140,8 @@ class Alternating:
 
 def ef_steps(comm, codec: str = "auto:1bit", steps: int = 4, lr: float = 0.1):
     """EF-SGD (no momentum) with auto recalibrated every step under :class:`Alternating`:
-    per step, every tensor's (error before, η·gradient, error after, aggregate) and the
-    step's choices."""
+    per step, every tensor's (error before, η·gradient, error after, aggregate; an error
+    not kept is zeros), the step's choices and which tensors keep no error."""
     import gradzip
 
     net = model()
@@ -157,10 +157,10 @@ def ef_steps(comm, codec: str = "auto:1bit", steps: int = 4, lr: float = 0.1):
         lrg = [p.grad.detach().clone() * lr for p in params]
         x0 = [p.detach().clone() for p in params]
         opt.step()
-        after = [opt.state[p]["error"].clone() for p in params]
+        after = [opt.state[p].get("error", torch.zeros_like(p)).clone() for p in params]
         sent = [a - p.detach() for a, p in zip(x0, params)]
         (decision,) = opt._exchanges[0].decisions.values()
-        out.append((before, lrg, after, sent, decision.choices))
+        out.append((before, lrg, after, sent, decision.choices, ["error" not in opt.state[p] for p in params]))
     return out
 
 

@@ -328,7 +328,7 @@ def test_a_switch_under_efsgd_loses_no_error(monkeypatch, caplog):
     """recalibrate_every=1 with a codec cost that alternates: the large weight's unit goes
     1bit, none, 1bit, none. Every step, every tensor: Σ_i e_i' + n·A = Σ_i (e_i + η g_i)
     (what was owed is either still owed or sent); after an uncompressed step the errors are
-    0 (folded in and sent); each switch is logged."""
+    0 (folded in and sent) and not kept (``PSync.omit_zero_residuals``); each switch is logged."""
     monkeypatch.setattr(calibration, "measure_codec", cases_auto.Alternating())
     n = 3
     with caplog.at_level(logging.WARNING, logger="gradzip.exchange.calibration"):
@@ -344,6 +344,7 @@ def test_a_switch_under_efsgd_loses_no_error(monkeypatch, caplog):
             assert torch.allclose(owed, kept, atol=1e-6), (t, k)
         if choices[t][-1] == "none":
             assert all(bool((r[t][2][0] == 0).all()) for r in results)   # the 64x32 weight's error: sent
+            assert all(r[t][5][0] for r in results)                       # and no memory kept for it
         else:
             assert any(bool((r[t][2][0] != 0).any()) for r in results)
     switched = [rec.getMessage() for rec in caplog.records if "bucket 3: " in rec.getMessage()]

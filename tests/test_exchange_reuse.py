@@ -232,3 +232,61 @@ def test_efsgd_writes_its_error_into_the_last_exchange_input(overlap):
 
     cases.assert_bitwise_equal(gradzip.simulate(2, lambda c: train(c, True)),
                                gradzip.simulate(2, lambda c: train(c, False)))
+
+
+@pytest.mark.parametrize("spec", ["none", "topk:ratio=0.1"])
+def test_omit_zero_residuals_returns_none_only_for_a_lossless_codec(spec):
+    """``PSync.omit_zero_residuals``: a lossless codec's residual (``v − v``, zeros) comes back
+    as None, a lossy codec's as it would without the option; the aggregates are the same bits."""
+
+    def worker(comm, omit):
+        psync = PSync(comm, spec, seed=3, bucket_bytes=4096, check_finite=True)
+        psync.omit_zero_residuals = omit
+        result = psync(grads(comm.rank, 0), 0)
+        return result.aggregate, result.residual
+
+    with_option = gradzip.simulate(2, lambda comm: worker(comm, True))
+    without = gradzip.simulate(2, lambda comm: worker(comm, False))
+    for (agg, res), (agg0, res0) in zip(with_option, without):
+        assert all(torch.equal(a, b) for a, b in zip(agg, agg0))
+        if spec == "none":
+            assert res == [None] * len(SHAPES) and all(bool((r == 0).all()) for r in res0)
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(res, res0))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_efsgd_uncompressed_keeps_no_error_and_reuses_its_input(overlap):
+    """EF-SGD with ``none`` (no momentum, no weight decay): no error is kept (a lossless unit
+    owes nothing), each step's input ``η g`` is written into the previous step's input, and
+    the bits equal those of the same run that keeps its zero errors (the option off: ``p =
+    0 + η g``, a new input every step); S-SGD's to rounding (it sends g, EF-SGD η g)."""
+    import cases
+
+    def train(comm, method):
+        model = cases.tiny_model()
+        if method == "ssgd":
+            opt = gradzip.optim.SSGD(model.parameters(), lr=0.1, comm=comm, overlap_backward=overlap)
+        else:
+            opt = gradzip.optim.EFSGD(model.parameters(), lr=0.1, comm=comm, compressor="none",
+                                      overlap_backward=overlap)
+            opt.psync.omit_zero_residuals = method == "efsgd"
+        addresses = []
+        for t in range(1, 5):
+            x, y = cases.regression_batch(t, comm.rank, comm.world_size)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if method == "efsgd":
+                assert all("error" not in opt.state[p] for p in model.parameters())
+                addresses.append({p.data_ptr() for p in opt.psync.residual_spares.values()})
+            elif method == "efsgd-zeros":
+                assert all(bool((opt.state[p]["error"] == 0).all()) for p in model.parameters())
+        if method == "efsgd":   # from the second step on, the same memory every step
+            assert addresses[1] == addresses[2] == addresses[3] and addresses[1]
+        return [p.detach().clone() for p in model.parameters()]
+
+    new, zeros, ssgd = (gradzip.simulate(2, lambda c, m=m: train(c, m)) for m in ("efsgd", "efsgd-zeros", "ssgd"))
+    cases.assert_bitwise_equal(new, zeros)
+    for a, b in zip(new[0], ssgd[0]):
+        torch.testing.assert_close(a, b)

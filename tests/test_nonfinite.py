@@ -50,13 +50,17 @@ def test_skip_is_the_step_left_out_for_every_method_on_gloo():
             _same_except_skip_count(skipped, dropped, method)
 
 
-def test_raise_names_the_rank_and_parameter_and_changes_nothing():
+@pytest.mark.parametrize("codec", ["topk:ratio=0.3", "none"])
+def test_raise_names_the_rank_and_parameter_and_changes_nothing(codec):
+    """With ``none`` the gradients are not read before the exchange (EF-SGD's input keeps
+    their NaN/Inf, the aggregate check finds it) and the error names them all the same."""
     with pytest.raises(NonFiniteGradient, match=r"EFSGD step 3: non-finite gradient .* on rank 1, "
                                                 r"parameter #0 \(shape \(6, 4\)\).*--nonfinite skip"):
-        gradzip.simulate(2, cases.raise_on_bad_gradient)
+        gradzip.simulate(2, lambda comm: cases.raise_on_bad_gradient(comm, compressor=codec))
     # state untouched by the failed step: a world of one, checked before and after
     model = cases.tiny_model()
-    opt = gradzip.optim.EFSGD(model.parameters(), lr=0.05, compressor="topk:ratio=0.3")
+    opt = gradzip.optim.EFSGD(model.parameters(), lr=0.05, compressor=codec)
+    assert opt.gradients_checked_by_exchange() == (codec == "none")
     for t in (1, 2):
         x, y = cases.regression_batch(t, 0, 1)
         opt.zero_grad()
@@ -319,7 +323,7 @@ def test_ssgd_guard_reads_no_gradient_before_its_exchange(overlap, monkeypatch):
     assert calls
 
 
-@pytest.mark.parametrize("method, options", [("ssgd", {})])
+@pytest.mark.parametrize("method, options", [("ssgd", {}), ("efsgd", {"compressor": "none"})])
 def test_a_nan_written_after_backward_raises_where_the_exchange_checks_the_gradients(method, options):
     """S-SGD and EF-SGD with ``none`` leave the gradients unread before the exchange
     (``gradients_checked_by_exchange``); a gradient made non-finite after its hook (here by

@@ -179,6 +179,9 @@ class Compressor(Operations):
     #: A NaN/Inf anywhere in any worker's tensor makes the aggregate non-finite (``none``,
     #: ``fp16``, ``bf16``): PSync's aggregate check then also guards the inputs.
     propagates_nonfinite: ClassVar[bool] = False
+    #: ``decompress(compress(v)) == v`` for every finite ``v`` (``none``): the residual
+    #: ``v − C(v)`` is zero, which PSync may return as None (``PSync.omit_zero_residuals``).
+    lossless: ClassVar[bool] = False
     #: The codec's implementations by backend (:data:`gradzip.kernels.BACKENDS`): each a class
     #: built with the codec; ``torch`` (the reference) serves a backend the codec lacks.
     implementations: ClassVar[Mapping[str, Callable[["Compressor"], Any]]] = {}

@@ -35,6 +35,7 @@ class NoCompression(Summing, Compressor):
 
     name = "none"
     propagates_nonfinite = True   # a NaN/Inf summand makes the sum, hence the mean, non-finite
+    lossless = True               # the residual v − C(v) of a finite v is zero
 
     def compress(self, tensor: torch.Tensor, seed: int = 0, reuse: Packet | None = None) -> Packet:
         return Packet({"x": tensor.detach()}, tensor.shape, tensor.dtype)

@@ -12,7 +12,8 @@ itself, ``none``'s is a view of it), unless the caller opted in with
 :attr:`PSync.reuse_aggregates` (it reads each aggregate before its next ``start()`` and
 keeps none, as S-SGD); a residual is a new tensor (methods keep them) unless the caller
 left a tensor it no longer needs in :attr:`PSync.residual_spares` (EF-SGD: its last
-exchange input; never one it returned to the user). An
+exchange input; never one it returned to the user), and no tensor at all where the codec
+is lossless and the caller reads None as zeros (:attr:`PSync.omit_zero_residuals`). An
 exchange still in flight (CD-SGD overlaps one with the next step) holds its own buffers:
 only what ``wait()`` released is reused, so two exchanges in flight simply allocate. A
 caller may read ``Pending.packets`` after ``wait()`` until its next ``start()`` (DGC does).

@@ -219,6 +219,10 @@ class PSync:
         #: opt-in: key -> a tensor of the caller's that it no longer needs (e.g. EF-SGD's last
         #: exchange input); the next ``start()`` writes that key's residual into it (taken once)
         self.residual_spares = self.memory.residuals
+        #: opt-in: the caller reads a residual of None as zeros, so a tensor whose codec is
+        #: lossless (``none``: ``Compressor.lossless``) gets None instead of a residual
+        #: computed as ``v − v`` (no pass over its memory, no memory kept)
+        self.omit_zero_residuals = False
 
     def counters(self) -> dict:
         """Bytes and seconds so far (for a checkpoint): ``load_counters`` restores them."""
@@ -440,7 +444,8 @@ class PSync:
         for i, codec, old in zip(members, codecs, spares):
             t, key = tensors[i], keys[i]
             pending.codecs[i] = codec
-            if pending.residual is not None:  # one fused pass where the codec has one (Compressor.compress_residual)
+            if pending.residual is not None and not (codec.lossless and self.omit_zero_residuals):
+                # one fused pass where the codec has one (Compressor.compress_residual)
                 pending.residual[i] = self.memory.residual(key, t)
                 packet = codec.compress_residual(t.detach(), self._seed(step, key, codec), pending.residual[i],
                                                  reuse=old)

@@ -15,7 +15,10 @@ class EFSGD(GradientExchange):
         p_i = e_i + η d_i;   p'_i = C(p_i);   e_i = p_i − p'_i;   x ← x − mean_j p'_j
 
     The error ``e_i`` (``state[p]["error"]``, gradzip's sign convention: what is still owed
-    to the model) holds everything compression dropped and is added back next step. The
+    to the model) holds everything compression dropped and is added back next step; a
+    tensor sent uncompressed (``none``, or a unit ``auto:<codec>`` sends so) owes nothing and
+    keeps none (absent means zero: ``PSync.omit_zero_residuals``), and then, without momentum
+    or weight decay, ``p = η g`` is one pass into the memory of its last input. The
     model is identical on all workers. With the identity codec it is S-SGD; with one
     worker and a lossy codec it is not SGD (the error delays updates). 1-bit SGD is
     ``EFSGD(compressor="1bit")``, EF-signSGD ``EFSGD(compressor="scaled_sign")``.
@@ -30,17 +33,38 @@ class EFSGD(GradientExchange):
         codec, self.rc = single_codec(type(self).__name__, compressor, rc, DEFAULT_CODEC)
         super().__init__(params, lr, **kwargs)
         self.psync = self.make_psync(codec)
+        self.psync.omit_zero_residuals = True   # a unit sent uncompressed owes nothing: no error kept
         self._inputs: dict = {}   # param -> this step's exchange input (its own temporary)
 
+    def gradients_checked_by_exchange(self):
+        # p = e + η d keeps a NaN/Inf of g (η·Inf is Inf or NaN): the aggregate check finds it
+        return self.nonfinite == "raise" and self.psync.guards_inputs
+
     def exchange_input(self, group, p):
+        error = self.state[p].get("error")   # absent: zero (the first step, or nothing owed)
+        if error is None and not group["momentum"] and not group["weight_decay"]:
+            d = self._spare_input(p)         # d = g: p = η g in one pass, into last step's input
+            self._inputs[p] = torch.mul(p.grad, group["lr"], out=d)
+            return self._inputs[p]
         d = self.local_direction(p, group)   # a new tensor: p = e + η d is written into it
-        error = self.state[p].get("error")
         self._inputs[p] = d.mul_(group["lr"]) if error is None else torch.add(error, d, alpha=group["lr"], out=d)
         return self._inputs[p]
 
+    def _spare_input(self, p):
+        """Memory for ``p``'s exchange input: its last input where PSync did not take it for
+        a residual (the unit went uncompressed), else a new tensor."""
+        spare = self.psync.residual_spares.pop(self._keys[p], None)
+        if spare is not None and spare.shape == p.grad.shape and spare.dtype == p.grad.dtype \
+                and spare.device == p.grad.device and spare.data_ptr() != p.grad.data_ptr():
+            return spare
+        return torch.empty_like(p.grad, memory_format=torch.contiguous_format)
+
     def apply_exchange(self, pairs, aggregates, residuals):
         for (_, p), agg, err in zip(pairs, aggregates, residuals):
-            self.state[p]["error"] = err
+            if err is None:                      # sent uncompressed (PSync.omit_zero_residuals): e = 0
+                self.state[p].pop("error", None)
+            else:
+                self.state[p]["error"] = err
             p.sub_(agg)
             spent = self._inputs.pop(p, None)   # read by the exchange, kept by no one: next error's memory
             if spent is not None:
