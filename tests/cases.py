@@ -507,3 +507,28 @@ def repeat_runs(comm, root: str, tag: str, methods=("efsgd", "cdsgd", "powersgd"
 
     return {m: run_worker(comm, RunConfig(algo=m, options=RESUME_RUNS[m], epochs=1, progress=False, momentum=0.5,
                                           checkpoint_dir=f"{root}/{tag}-{m}"))["history"] for m in methods}
+
+
+def chained_allreduce(comm, early: bool):
+    """``Work.then`` on an allreduce: ``fn`` runs once the sum is there. ``early``: a backend
+    with futures (torch.distributed), where it runs before ``wait()`` is called (waited for
+    here up to 10 s; on the backend's thread, or at once where the sum is already there);
+    else inside ``wait()``, on the caller's thread."""
+    import threading
+    import time
+
+    ran = []
+    tensor = torch.full((4,), float(comm.rank + 1))
+
+    def mean(total):
+        ran.append(threading.get_ident())
+        return total.div_(comm.world_size).sum().item()
+
+    work = comm.allreduce(tensor, async_op=True).then(mean)
+    deadline = time.monotonic() + 10
+    while early and not ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    before_wait = bool(ran)
+    value = work.wait()
+    return {"value": value, "tensor": tensor, "ran_before_wait": before_wait,
+            "on_caller": ran == [threading.get_ident()], "calls": len(ran)}

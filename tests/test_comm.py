@@ -105,6 +105,25 @@ def test_gloo_collectives_match_direct_computation():
         cases.check_collectives(out, rank, n)
 
 
+def _check_chained(outs, n, early):
+    mean = (n + 1) / 2
+    for out in outs:
+        assert out["value"] == 4 * mean and torch.equal(out["tensor"], torch.full((4,), mean))
+        assert out["calls"] == 1 and out["ran_before_wait"] == early
+        # gloo: the backend's thread, or the caller's where the sum was there before then()
+        assert early or out["on_caller"]
+
+
+def test_work_then_runs_inside_wait_on_threads():
+    _check_chained(gradzip.simulate(3, lambda comm: cases.chained_allreduce(comm, False)), 3, early=False)
+
+
+def test_work_then_runs_on_the_backends_thread_before_wait_on_gloo():
+    """What the DDP hook's uncompressed buckets rely on: the mean is taken as the sum
+    arrives (``Work.then``), not when the last bucket's hook waits."""
+    _check_chained(run_processes(2, cases.chained_allreduce, True), 2, early=True)
+
+
 @pytest.mark.slow
 def test_gloo_worker_error_is_reraised_with_rank():
     with pytest.raises(WorkerError, match="worker rank 1 failed"):

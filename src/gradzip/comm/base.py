@@ -73,15 +73,31 @@ def check_timeout(timeout_s: Any) -> float:
 
 
 class Work:
-    """A pending collective: ``wait()`` blocks until it is done and returns its result."""
+    """A pending collective: ``wait()`` blocks until it is done and returns its result.
 
-    __slots__ = ("_wait", "_result", "_done", "nbytes")
+    ``chain``: how a backend runs a function as soon as the collective completes (given
+    ``fn``, a torch future of ``fn(result)``; :meth:`then`), None where it cannot."""
 
-    def __init__(self, wait: Callable[[], Any], nbytes: int):
+    __slots__ = ("_wait", "_result", "_done", "nbytes", "_chain")
+
+    def __init__(self, wait: Callable[[], Any], nbytes: int,
+                 chain: "Callable[[Callable[[Any], Any]], torch.futures.Future] | None" = None):
         self._wait = wait
         self._result = None
         self._done = False
         self.nbytes = nbytes  # bytes this worker put on the wire for this collective
+        self._chain = chain
+
+    def then(self, fn: Callable[[Any], Any]) -> "Work":
+        """A :class:`Work` whose ``wait()`` returns ``fn(result)``. Where the backend says
+        when the collective completes (``torch.distributed``'s futures), ``fn`` runs then, on
+        the backend's thread, while the caller goes on (as a DDP hook's ``then`` callback);
+        elsewhere inside ``wait()``. Errors of the collective are raised by ``wait()`` as
+        without it, before ``fn``'s own."""
+        if self._chain is None:
+            return Work(lambda: fn(self.wait()), self.nbytes)
+        done = self._chain(fn)
+        return Work(lambda: (self.wait(), done.wait())[1], self.nbytes)
 
     @classmethod
     def completed(cls, result: Any, nbytes: int = 0) -> "Work":

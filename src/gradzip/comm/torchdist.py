@@ -157,7 +157,10 @@ class TorchGroup(Group):
                 raise
             return result()
 
-        return Work(wait, nbytes)
+        def chain(fn):   # fn(result) once the collective is done, on the backend's thread
+            return handle.get_future().then(lambda done: (done.value(), fn(result()))[1])
+
+        return Work(wait, nbytes, chain if hasattr(handle, "get_future") else None)
 
     def _raise_translated(self, kind: str, seq: int, exc: RuntimeError) -> None:
         """Raise :meth:`_translate`'s :class:`PeerFailure` from ``exc``; return when there is

@@ -172,8 +172,8 @@ class CodecState(HookState):
             for view, key in zip(views(bucket), keys):
                 if key in self.residuals:   # feedback is on: each is one of folded
                     view.add_(self.residuals[key])
-        buffer = bucket.buffer()
-        work = self.comm.allreduce(buffer, async_op=True)
+        buffer, n, check = bucket.buffer(), self.comm.world_size, self.nonfinite != "off"
+        work = self.comm.allreduce(buffer, async_op=True).then(lambda total: _mean_is_finite(total, n, check))
         fut = torch.futures.Future()
         self._pending.append(_Bucket(fut, work, None, folded, buffer, False, native=True))
         return fut
@@ -202,9 +202,7 @@ class CodecState(HookState):
         it non-finite), so it needs no agreement; the other buckets' checks are agreed."""
         pending, self._pending = self._pending, []
         results = [b.work.wait() for b in pending]
-        n = self.comm.world_size
-        sums = [b.buffer.div_(n) for b in pending if b.native]   # the none codec's from_sum
-        sums_bad = self.nonfinite != "off" and not all_finite(sums)
+        sums_bad = not all(finite for b, finite in zip(pending, results) if b.native)   # _mean_is_finite's
         coded = [(b, r) for b, r in zip(pending, results) if not b.native]
         output_bad = self.nonfinite != "off" and not all(   # the codec overflowed (qsgd's norm, a residual)
             all_finite(list(r.aggregate)) and (r.residual is None or all_finite(list(r.residual)))
@@ -232,6 +230,15 @@ class CodecState(HookState):
                     view.copy_(agg.reshape(view.shape))
             b.fut.set_result(b.buffer)
         return not skipped
+
+
+def _mean_is_finite(total: torch.Tensor, n: int, check: bool) -> bool:
+    """A native bucket's allreduced sum made the mean in place (the ``none`` codec's
+    ``from_sum``), and whether it is finite (one ``sum()``; True when unchecked). Chained to
+    the allreduce (``Work.then``): on gloo/NCCL it runs on the backend's thread as the sum
+    arrives, while backward goes on, as the division of PyTorch's ``allreduce_hook``."""
+    total.div_(n)
+    return not check or all_finite([total])
 
 
 def hook(codec: "str | Compressor" = "none", error_feedback: bool | None = None, **options: Any) -> CodecState:
