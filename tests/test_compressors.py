@@ -626,6 +626,27 @@ def test_sum_path_equals_aggregate(spec, n):
         torch.testing.assert_close(agg, mean, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("spec", SUMMING)
+def test_from_sums_of_a_bucket_equals_each_members_from_sum(spec):
+    """``from_sums`` (PSync decodes a one-codec bucket in one call; ``none``: one division
+    of the whole buffer) gives every member the bits its own ``from_sum`` gives."""
+    c, n = build(spec), 3
+    shapes = [(9, 7), (5,), (2, 3, 4)]
+    per_tensor = [worker_packets(c, n, shape) for shape in shapes]
+    totals = []
+    for packets in per_tensor:
+        total = c.summand(packets[0], n).clone()
+        for p in packets[1:]:
+            total += c.summand(p, n)
+        totals.append(total)
+    mine = [packets[0] for packets in per_tensor]
+    together = c.from_sums(torch.cat(totals), mine, [t.numel() for t in totals], n)
+    alone = [c.from_sum(t.clone(), p, n) for t, p in zip(totals, mine)]
+    assert len(together) == len(alone)
+    for a, b in zip(together, alone):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
 def test_summand_is_a_new_tensor_except_nones_wire():
     """A collective may sum into a summand in place; ``none``'s is its wire itself (no copy:
     PSync copies it into its bucket buffer, tests/test_exchange_reuse.py)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradzip.optim.core.fingerprint import ROW, fingerprint
+from gradzip.optim.core.fingerprint import ROW, SMALL, changed, fingerprint, snapshot
 
 EDITS = {
     "scale": lambda x: x.mul_(0.5),
@@ -43,3 +43,32 @@ def test_symmetric_values_flipped_are_seen_and_empty_tensors_have_one():
     for g in (torch.tensor([1.0, -1.0]), torch.tensor([1.0, 1.0, -1.0, -1.0])):
         assert not torch.equal(fingerprint(g), fingerprint(-g))
     assert fingerprint(torch.empty(0)).numel() == 0
+
+
+@pytest.mark.parametrize("n", [1, 7, SMALL, SMALL + 1, 3 * ROW + SMALL])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64])
+def test_snapshots_see_every_edit_of_any_tensor_of_a_set(n, dtype):
+    """``changed``: False for the tensors as they were (small ones compared by their bytes,
+    large ones by fingerprint), True after any edit of any one of them; a NaN kept is no change."""
+    gen = torch.Generator().manual_seed(n)
+    tensors = [(torch.randn(k, generator=gen) + 0.25).to(dtype) for k in (n, 3, SMALL + 7)]
+    tensors[1][0] = float("nan")
+    taken = [snapshot(t) for t in tensors]
+    assert [t.numel() <= SMALL for t in tensors] == [s.numel() == t.numel() * t.element_size()
+                                                    for t, s in zip(tensors, taken)]
+    assert not changed(zip(tensors, taken))
+    for i in range(len(tensors)):
+        for name, edit in EDITS.items():
+            edited = [t.clone() for t in tensors]
+            edit(edited[i])
+            if torch.equal(_bits(edited[i]), _bits(tensors[i])):
+                continue
+            assert changed(zip(edited, taken)), f"{name} of tensor {i} not seen ({dtype}, {n} entries)"
+
+
+def test_a_snapshot_is_a_copy_and_a_strided_tensor_is_read_as_its_values():
+    g = torch.randn(6, 5)
+    taken = snapshot(g.t())      # not contiguous: its values in row-major order of the view
+    g.mul_(2)                    # the snapshot is not a view of g
+    assert changed([(g.t(), taken)])
+    assert not changed([(g.t(), snapshot(g.t()))])

@@ -346,3 +346,26 @@ def test_a_nan_written_after_backward_raises_where_the_exchange_checks_the_gradi
     with pytest.raises(NonFiniteGradient,
                        match=r"step 2: non-finite gradient .* on rank 0, parameter #0 .*exchanges begun in backward"):
         gradzip.simulate(1, train)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_first_nonfinite_finds_the_first_bad_tensor_among_small_large_and_mixed_dtypes(bad):
+    """Small tensors are checked in batches (per dtype and device), large ones summed alone,
+    complex ones by both parts, integer ones never bad; the position is the first bad one,
+    whichever kind it is; an overflowing norm or sum alone is no NaN."""
+    from gradzip.guards.nonfinite import SMALL, first_nonfinite
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(k, generator=gen).to(dtype) for k, dtype in
+               [(3, torch.float32), (SMALL + 1, torch.float32), (5, torch.bfloat16), (7, torch.float64),
+                (2, torch.float32), (SMALL * 2, torch.bfloat16)]]
+    tensors.append(torch.randn(4, generator=gen, dtype=torch.complex64))
+    tensors.append(torch.arange(6))
+    tensors.append(torch.full((9,), 3e38))   # its L1 norm overflows: finite all the same
+    assert first_nonfinite(tensors) == -1
+    for i in range(len(tensors) - 2):
+        for j in range(i, len(tensors) - 2):
+            edited = [t.clone() for t in tensors]
+            for k in {i, j}:   # the first bad one is i (j, a later one, too)
+                (torch.view_as_real(edited[k]) if edited[k].is_complex() else edited[k]).view(-1)[-1] = bad
+            assert first_nonfinite(edited) == i, (i, j)

@@ -106,3 +106,14 @@ class Summing:
         """The aggregate (the same as the codec's ``aggregate``) from the allreduced ``summand`` sum;
         ``total`` is the caller's to consume: the aggregate may be computed in its memory."""
         raise NotImplementedError
+
+    def from_sums(self, total: torch.Tensor, packets: list[Packet], sizes: list[int],
+                  world_size: int) -> list[torch.Tensor]:
+        """:meth:`from_sum` of each of several packets whose summands were sent back to back
+        in ``total`` (``sizes``: their flat lengths), the same values; a codec may do it in
+        fewer calls (``none``: one division of the whole bucket)."""
+        out, offset = [], 0
+        for packet, size in zip(packets, sizes):
+            out.append(self.from_sum(total[offset:offset + size], packet, world_size))
+            offset += size
+        return out

@@ -54,6 +54,14 @@ class NoCompression(Summing, Compressor):
     def from_sum(self, total: torch.Tensor, packet: Packet, world_size: int) -> torch.Tensor:
         return total.div_(world_size).view(packet.shape)  # total: PSync's own buffer, of the packet's dtype
 
+    def from_sums(self, total, packets, sizes, world_size):
+        total.div_(world_size)   # every member's from_sum at once: the same division, elementwise
+        out, offset = [], 0
+        for packet, size in zip(packets, sizes):
+            out.append(total[offset:offset + size].view(packet.shape))
+            offset += size
+        return out
+
 
 class CastReference(Implementation):
     """A cast's summand and mean of n packets in torch: the reference."""

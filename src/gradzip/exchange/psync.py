@@ -523,15 +523,7 @@ class PSync:
             if self.tracer is not None:
                 self.tracer.add("communicate", began, decoding, kind=bucket.kind, bytes=bucket.work.nbytes)
             sent += bucket.work.nbytes
-            offset = 0
-            for i, size in zip(bucket.members, bucket.sizes):
-                packet, codec = pending.packets[i], pending.codecs[i]
-                if bucket.kind == "allreduce":
-                    out[i] = codec.from_sum(gathered[offset:offset + size], packet, n)
-                else:
-                    chunk = gathered.reshape(n, -1)[:, offset:offset + size]
-                    out[i] = codec.aggregate([packet.from_raw(row) for row in chunk])
-                offset += size
+            self._decode_bucket(bucket, gathered, pending, out)
             decoded = time.perf_counter()
             self._add_compress(decoded - decoding)
             if self.tracer is not None:
@@ -547,6 +539,26 @@ class PSync:
         self.server_errors.errors.update(errors)   # only once the aggregate passed the check
         self.memory.release(pending, out)
         return Result(out, pending.residual, sent, pending.packet_bytes)
+
+    def _decode_bucket(self, bucket: _Bucket, gathered: torch.Tensor, pending: Pending, out: list) -> None:
+        """Each member's aggregate from what its bucket's collective returned: from the sum
+        (one ``from_sums`` call where one codec sent them all), or from every worker's packet."""
+        n = self.comm.world_size
+        codecs = [pending.codecs[i] for i in bucket.members]
+        packets = [pending.packets[i] for i in bucket.members]
+        if bucket.kind == "allreduce" and all(c == codecs[0] for c in codecs):
+            aggregates = codecs[0].from_sums(gathered, packets, bucket.sizes, n)
+        else:
+            aggregates, offset = [], 0
+            for codec, packet, size in zip(codecs, packets, bucket.sizes):
+                if bucket.kind == "allreduce":
+                    aggregates.append(codec.from_sum(gathered[offset:offset + size], packet, n))
+                else:
+                    chunk = gathered.reshape(n, -1)[:, offset:offset + size]
+                    aggregates.append(codec.aggregate([packet.from_raw(row) for row in chunk]))
+                offset += size
+        for i, aggregate in zip(bucket.members, aggregates):
+            out[i] = aggregate
 
     def _finish_twophase(self, tb: _TwoPhaseBucket, keys, out: list, errors: dict) -> int:
         """Phase 2 of a two-phase bucket; its members' aggregates into ``out``, its new

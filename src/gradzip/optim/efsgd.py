@@ -60,12 +60,12 @@ class EFSGD(GradientExchange):
         return torch.empty_like(p.grad, memory_format=torch.contiguous_format)
 
     def apply_exchange(self, pairs, aggregates, residuals):
-        for (_, p), agg, err in zip(pairs, aggregates, residuals):
+        torch._foreach_sub_([p for _, p in pairs], list(aggregates))   # x ← x − mean_j p'_j, one call
+        for (_, p), err in zip(pairs, residuals):
             if err is None:                      # sent uncompressed (PSync.omit_zero_residuals): e = 0
                 self.state[p].pop("error", None)
             else:
                 self.state[p]["error"] = err
-            p.sub_(agg)
             spent = self._inputs.pop(p, None)   # read by the exchange, kept by no one: next error's memory
             if spent is not None:
                 self.psync.residual_spares[self._keys[p]] = spent

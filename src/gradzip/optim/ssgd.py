@@ -1,6 +1,8 @@
 """S-SGD: synchronous data parallel, optionally with a codec and no error memory."""
 from __future__ import annotations
 
+import torch
+
 from .core.overlap import GradientExchange
 
 
@@ -35,5 +37,10 @@ class SSGD(GradientExchange):
         return self.local_direction(p, group)
 
     def apply_exchange(self, pairs, aggregates, residuals):
+        by_lr: dict = {}   # x ← x − η mean_j g_j: one call per learning rate
         for (group, p), agg in zip(pairs, aggregates):
-            p.add_(agg, alpha=-group["lr"])
+            params, aggs = by_lr.setdefault(group["lr"], ([], []))
+            params.append(p)
+            aggs.append(agg)
+        for lr, (params, aggs) in by_lr.items():
+            torch._foreach_add_(params, aggs, alpha=-lr)

@@ -32,12 +32,13 @@ composition (≈ 1 ulp, as any change of ``bucket_bytes``).
   (hooks idle, like DDP's ``no_sync``), the last backward outside it; inside ``no_sync()`` of
   a DDP wrapper with DDP's no-op hook (Accelerate's ``accumulate()``) the hooks idle too;
 * a gradient changed between backward and ``step()`` (clipping, editing by hand, also through
-  ``p.grad.data`` or outside torch; seen by its tensor, its version counter or a fingerprint
+  ``p.grad.data`` or outside torch; seen by its tensor, its version counter or a snapshot
   of its values, :mod:`gradzip.optim.core.fingerprint`): the exchange already started from the old one.
   The control allgather tells every worker; all discard it and exchange again from the
   current gradients (exact; twice the traffic, counted: ``overlap_backward=False`` if you
-  clip every step). The fingerprint costs two passes over each gradient in its hook and two
-  at ``step()``, about four ``sum()`` calls;
+  clip every step). The snapshot of a gradient of up to 4096 entries is a copy of it,
+  compared at ``step()`` with all others in one ``torch.equal``; a larger one's fingerprint
+  costs two passes over it in its hook and two at ``step()``, about four ``sum()`` calls;
 * hyper-parameters (lr, momentum, weight decay) are read when the gradient is ready: an LR
   scheduler stepped after ``step()`` (the usual place) acts on the next step, as without hooks.
 
@@ -62,7 +63,7 @@ import torch
 
 from ...errors import GradzipError
 from ...exchange import Pending
-from .fingerprint import fingerprint
+from .fingerprint import changed, snapshot
 from ...guards.nonfinite import NonFiniteAggregate, first_nonfinite
 from ...validation import require
 from .base import DistributedOptimizer
@@ -98,7 +99,7 @@ class _Run:
         self.counters = counters                           # every exchange's byte counters before it
         self.pairs: list[tuple[dict, torch.Tensor]] = []   # the step's (group, param), set by step()
         self.inputs: dict[torch.Tensor, torch.Tensor] = {}
-        self.seen: dict[torch.Tensor, tuple] = {}  # hooked: (grad, its version, its fingerprint)
+        self.seen: dict[torch.Tensor, tuple] = {}  # hooked: (grad, its version, its snapshot)
         self.missing = [len(b) for b in plan.buckets]      # members not fed yet, per bucket
         self.launched: list[list[tuple[list, Pending]]] = []   # per bucket: (members, pending) per exchange
         self.poisoned = False                              # "raise": a non-finite gradient; launch no more
@@ -246,7 +247,7 @@ class GradientExchange(DistributedOptimizer):
                 self._discard(run, uncount=True)
                 self.check_dense(p)
             self._feed(run, p)
-            run.seen[p] = (p.grad, p.grad._version, fingerprint(p.grad))
+            run.seen[p] = (p.grad, p.grad._version, snapshot(p.grad))
             self._launch_ready(run)
 
     def _current_run(self) -> _Run:
@@ -276,11 +277,7 @@ class GradientExchange(DistributedOptimizer):
     def _feed(self, run: _Run, p: torch.Tensor) -> None:
         if not p.requires_grad:                  # frozen since the plan: never applied (the step exchanges again)
             run.inputs[p] = torch.zeros_like(p)
-        elif self.nonfinite != "off" and not self.gradients_checked_by_exchange() and first_nonfinite([p.grad]) >= 0:
-            run.poisoned = run.poisoned or self.nonfinite == "raise"
-            run.bad.add(self._keys[p])
-            run.inputs[p] = torch.zeros_like(p)  # never applied: the step raises or is skipped
-        else:
+        else:                                    # its gradient is checked with its bucket's (_check_bucket)
             run.inputs[p] = self.exchange_input(run.plan.group[p], p)
         run.missing[run.plan.where[p]] -= 1
 
@@ -289,8 +286,27 @@ class GradientExchange(DistributedOptimizer):
         while not run.poisoned and len(run.launched) < len(buckets) and run.missing[len(run.launched)] == 0:
             b = len(run.launched)
             members = buckets[b]
+            self._check_bucket(run, members)
+            if run.poisoned:
+                break
             run.launched.append(self.start_bucket(members, [run.inputs[p] for p in members], run.step,
                                                   run.plan.exchange.select([b])))
+
+    def _check_bucket(self, run: _Run, members: list) -> None:
+        """A bucket's gradients, once all are fed and before it launches, in one batched
+        check (:func:`~gradzip.guards.nonfinite.first_nonfinite`; none where the exchange
+        checks them itself): each non-finite one sends zeros in place of its input (never
+        applied: the step raises or is skipped; what its input changed is put back then)."""
+        if self.nonfinite == "off" or self.gradients_checked_by_exchange():
+            return
+        fed = [p for p in members if p.requires_grad]
+        if first_nonfinite([p.grad for p in fed]) < 0:
+            return
+        for p in fed:
+            if first_nonfinite([p.grad]) >= 0:
+                run.bad.add(self._keys[p])
+                run.inputs[p] = torch.zeros_like(p)
+        run.poisoned = self.nonfinite == "raise"
 
     def _feed_rest(self, run: _Run) -> None:
         for members in run.plan.buckets:
@@ -380,16 +396,11 @@ class GradientExchange(DistributedOptimizer):
 
 def _changed_since_hooks(run: _Run) -> bool:
     """Whether a gradient the hooks fed changed since: another tensor, its version counter,
-    or its values (:func:`gradzip.optim.core.fingerprint.fingerprint`: edits through ``.data``, or
+    or its values (:func:`gradzip.optim.core.fingerprint.changed`: edits through ``.data``, or
     outside torch, that no version counter sees); one comparison per device."""
     if any(p.grad is not grad or p.grad._version != version for p, (grad, version, _) in run.seen.items()):
         return True
-    then: dict = {}
-    now: dict = {}
-    for p, (_, _, taken) in run.seen.items():
-        then.setdefault(taken.device, []).append(taken)
-        now.setdefault(taken.device, []).append(fingerprint(p.grad))
-    return any(not torch.equal(torch.cat(then[d]), torch.cat(now[d])) for d in then)
+    return changed((p.grad, taken) for p, (_, _, taken) in run.seen.items())
 
 
 def _remove_hooks(handles: list) -> None:
