@@ -17,7 +17,8 @@ cross-entropy, backward, ``step()``. Variants:
   EFSGD(compressor ``topk:ratio=0.01``), BitSGD, CDSGD (default 2-bit codec, k 5), each
   on the bare model (no DDP); ``METHOD@CODEC`` (e.g. ``efsgd@auto:1bit``): any method of
   ``gradzip.optim.METHODS`` with that compressor, ``ddp@CODEC`` DDP + SGD with gradzip's codec
-  hook of that codec (benchmarks/auto_codec.py's variants). CD-SGD's ``step()`` returns before its exchange ends; its
+  hook of that codec (benchmarks/auto_codec.py's variants), ``ddp-unguarded@CODEC`` the same
+  hook with ``nonfinite="off"`` (what its NaN/Inf check costs). CD-SGD's ``step()`` returns before its exchange ends; its
   next step waits for it, and ``synchronize()`` closes every round (timed as part of the
   round's last step). Its full-precision step every k = 5 and that closing wait are hidden
   by a median: the table's "mean" column (the round's mean step) counts them; use a
@@ -85,12 +86,13 @@ def check_variants(variants: Sequence[str]) -> None:
     """Each a variant of :data:`VARIANTS`, or ``METHOD@CODEC`` of a registered method."""
     def known(v: str) -> bool:
         algo, at, codec = v.partition("@")
-        return v in VARIANTS or bool(at and codec and (algo == "ddp" or algo in METHODS))
+        return v in VARIANTS or bool(at and codec and (algo in ("ddp", "ddp-unguarded") or algo in METHODS))
 
     unknown = [v for v in variants if not known(v)]
     if unknown or not variants:
         raise GradzipError(f"unknown variant(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(VARIANTS)}, "
-                           f"or METHOD@CODEC with METHOD ddp (gradzip's DDP codec hook) or one of {', '.join(METHODS)}")
+                           f"or METHOD@CODEC with METHOD ddp (gradzip's DDP codec hook), ddp-unguarded (the same with "
+                           f"nonfinite='off') or one of {', '.join(METHODS)}")
 
 
 class HookedSGD(torch.optim.SGD):
@@ -130,8 +132,9 @@ def build(variant: str, comm, model_name: str, shape: tuple = SHAPE):
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif variant == "ddp-allreduce-hook":   # PyTorch's own uncompressed hook: what any comm hook pays
             model.register_comm_hook(None, default_hooks.allreduce_hook)
-        elif variant.startswith("ddp@"):
-            state = ddp_hooks.hook(variant.partition("@")[2], model=model)
+        elif variant.startswith(("ddp@", "ddp-unguarded@")):   # unguarded: what the NaN/Inf check costs
+            kind, _, codec = variant.partition("@")
+            state = ddp_hooks.hook(codec, model=model, **({"nonfinite": "off"} if kind == "ddp-unguarded" else {}))
             model.register_comm_hook(state, ddp_hooks.codec_hook)
             return model, HookedSGD(model.parameters(), state), lambda: None
         return model, torch.optim.SGD(model.parameters(), lr=LR), lambda: None

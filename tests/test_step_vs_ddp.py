@@ -56,7 +56,7 @@ def test_summary_takes_the_slowest_worker_per_round_then_the_median():
 def test_a_tiny_loopback_run_returns_a_row_per_variant():
     """Every named variant, and METHOD@CODEC ones: gradzip's DDP hook (``ddp@``) and auto:<codec>,
     whose rows say what auto chose per unit."""
-    variants = list(step_vs_ddp.VARIANTS) + ["ddp@1bit", "ddp@auto:1bit", "efsgd@auto:1bit"]
+    variants = list(step_vs_ddp.VARIANTS) + ["ddp@1bit", "ddp@auto:1bit", "efsgd@auto:1bit", "ddp-unguarded@none"]
     spec = {"model": "mlp10m:params=20000", "batch": 4, "threads": 1, "warmup": 1, "rounds": 1,
             "steps": 2, "variants": variants, "timeout_s": 120.0}
     ranks = run_processes(2, step_vs_ddp.measure, spec, timeout_s=120.0)
@@ -65,7 +65,7 @@ def test_a_tiny_loopback_run_returns_a_row_per_variant():
     assert all(r["median_s"] > 0 and r["mean_s"] > 0 for r in result["rows"])
     assert result["rows"][0]["ratio"] == 1.0 and result["link_s"] is None
     sent = {r["variant"]: r["bytes_per_step"] for r in result["rows"]}
-    assert sent["ssgd"] == sent["ddp"] == allreduce_wire_bytes(4 * result["parameters"], 2)
+    assert sent["ssgd"] == sent["ddp"] == sent["ddp-unguarded@none"] == allreduce_wire_bytes(4 * result["parameters"], 2)
     assert 0 < sent["efsgd-topk1%"] < sent["ssgd"] / 10
     assert 0 < sent["bitsgd"] < sent["ssgd"]
     assert 0 < sent["ddp@1bit"] < sent["ssgd"] / 10
