@@ -440,3 +440,28 @@ def test_cli_train_with_auto_and_a_declared_link(tmp_path, capsys):
             main(["train", "--compressor", "auto:1bit", f"--link={link}"])
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_trials_first_period_does_not_count_the_probes(monkeypatch):
+    """The decision's probes run at the first exchange of the trial; its period (the rule's
+    first of two) is timed from after them, so a slow probe (here 0.4 s) does not leave the
+    rule one usable period against nothing compressed's two."""
+    monkeypatch.setattr(calibration, "measure_codec", cases_auto.fixed_costs)
+    slow_link = cases_auto.measured_link
+
+    def measure_link(*args, **kwargs):
+        time.sleep(0.4)
+        return slow_link(*args, **kwargs)
+
+    monkeypatch.setattr(calibration, "measure_link", measure_link)
+    seen = []
+
+    def spy(comm, decision, step, seconds):
+        seen.append(dict(decision.timed))
+        return advance(comm, decision, step, seconds)
+
+    advance = calibration.advance
+    monkeypatch.setattr(calibration, "advance", spy)
+    simulate(2, lambda comm: cases_auto.train(comm, "efsgd", {"lr": 0.1, "compressor": "auto:1bit"}, steps=6))
+    first = [timed[1] for timed in seen if 1 in timed]
+    assert first and all(t < 0.3 for t in first), first

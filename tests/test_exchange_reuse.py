@@ -165,17 +165,18 @@ def test_reuse_aggregates_changes_no_result_and_reuses_the_buckets(spec):
     assert_same(gradzip.simulate(2, worker), gradzip.simulate(2, fresh))
 
 
+@pytest.mark.parametrize("method", ["ssgd", "efsgd"])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_ssgd_reuses_its_bucket_buffers_and_leaves_the_gradients_alone(overlap):
-    """S-SGD opts in (it applies every aggregate at once): from step 2 on, its ``none``
-    exchange sends from the buffers of step 1 (no allocation), with the same parameters as
-    a PSync that reuses nothing, and ``p.grad`` keeps this worker's own gradient."""
+def test_ssgd_reuses_its_bucket_buffers_and_leaves_the_gradients_alone(overlap, method):
+    """S-SGD and EF-SGD opt in (they apply every aggregate at once): from step 2 on, their
+    ``none`` exchange sends from the buffers of step 1 (no allocation), with the same
+    parameters as a PSync that reuses nothing, and ``p.grad`` keeps this worker's own gradient."""
     import cases
 
     def worker(comm, reuse):
         model = cases.tiny_model()
-        opt = gradzip.optim.SSGD(model.parameters(), lr=0.1, comm=comm, overlap_backward=overlap,
-                                 bucket_bytes=64)
+        opt = gradzip.optim.METHODS[method](model.parameters(), lr=0.1, comm=comm, overlap_backward=overlap,
+                                            bucket_bytes=64, compressor="none")
         if reuse is not None:
             opt.psync.reuse_aggregates = reuse
         buffers = []

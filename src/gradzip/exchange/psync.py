@@ -327,6 +327,8 @@ class PSync:
         if reuse is not None and self.declared_link is None:
             decision = dataclasses.replace(decision, measured=True)
         decision = calibration.on_trial(decision)
+        if decision.on_trial:   # the trial's first period starts after the probes (they are not the rule's cost)
+            self._step_began[step] = time.perf_counter()
         if old is not None:
             for change in calibration.switches(old, decision):
                 calibration.log.warning("%s exchange (seed %d), step %d: %s", self.compressor.spec, self.seed, step,

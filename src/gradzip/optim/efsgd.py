@@ -34,6 +34,7 @@ class EFSGD(GradientExchange):
         super().__init__(params, lr, **kwargs)
         self.psync = self.make_psync(codec)
         self.psync.omit_zero_residuals = True   # a unit sent uncompressed owes nothing: no error kept
+        self.psync.reuse_aggregates = True      # each aggregate is applied at once, never kept (as S-SGD)
         self._inputs: dict = {}   # param -> this step's exchange input (its own temporary)
 
     def gradients_checked_by_exchange(self):
