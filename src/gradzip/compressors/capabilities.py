@@ -112,8 +112,4 @@ class Summing:
         """:meth:`from_sum` of each of several packets whose summands were sent back to back
         in ``total`` (``sizes``: their flat lengths), the same values; a codec may do it in
         fewer calls (``none``: one division of the whole bucket)."""
-        out, offset = [], 0
-        for packet, size in zip(packets, sizes):
-            out.append(self.from_sum(total[offset:offset + size], packet, world_size))
-            offset += size
-        return out
+        return [self.from_sum(part, packet, world_size) for part, packet in zip(total.split(sizes), packets)]

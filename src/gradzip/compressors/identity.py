@@ -56,11 +56,7 @@ class NoCompression(Summing, Compressor):
 
     def from_sums(self, total, packets, sizes, world_size):
         total.div_(world_size)   # every member's from_sum at once: the same division, elementwise
-        out, offset = [], 0
-        for packet, size in zip(packets, sizes):
-            out.append(total[offset:offset + size].view(packet.shape))
-            offset += size
-        return out
+        return [part.view(packet.shape) for part, packet in zip(total.split(sizes), packets)]
 
 
 class CastReference(Implementation):

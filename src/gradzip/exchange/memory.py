@@ -59,7 +59,8 @@ class Spares:
     def residual(self, key: int, t: torch.Tensor) -> torch.Tensor:
         """Where the residual of ``t`` goes: the caller's spare for ``key``
         (:attr:`residuals`) where it fits (shape, dtype, device, contiguous, not
-        ``t``'s memory), else a new tensor."""
+        ``t``'s memory), else a new tensor. (EF-SGD also writes an input computed from ``t``
+        there, when no residual took its spare.)"""
         with self._lock:
             spare = self.residuals.pop(key, None)
         if (spare is not None and spare.shape == t.shape and spare.dtype == t.dtype and spare.device == t.device

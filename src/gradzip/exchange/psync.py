@@ -57,6 +57,7 @@ Memory across steps (what a PSync reuses, and why it is safe) is :mod:`.memory`'
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -544,23 +545,22 @@ class PSync:
 
     def _decode_bucket(self, bucket: _Bucket, gathered: torch.Tensor, pending: Pending, out: list) -> None:
         """Each member's aggregate from what its bucket's collective returned: from the sum
-        (one ``from_sums`` call where one codec sent them all), or from every worker's packet."""
+        (one ``from_sums`` call per run of members with one codec), or from every worker's packet."""
         n = self.comm.world_size
-        codecs = [pending.codecs[i] for i in bucket.members]
-        packets = [pending.packets[i] for i in bucket.members]
-        if bucket.kind == "allreduce" and all(c == codecs[0] for c in codecs):
-            aggregates = codecs[0].from_sums(gathered, packets, bucket.sizes, n)
-        else:
-            aggregates, offset = [], 0
-            for codec, packet, size in zip(codecs, packets, bucket.sizes):
-                if bucket.kind == "allreduce":
-                    aggregates.append(codec.from_sum(gathered[offset:offset + size], packet, n))
-                else:
-                    chunk = gathered.reshape(n, -1)[:, offset:offset + size]
-                    aggregates.append(codec.aggregate([packet.from_raw(row) for row in chunk]))
-                offset += size
-        for i, aggregate in zip(bucket.members, aggregates):
-            out[i] = aggregate
+        offset = 0
+        for codec, run in itertools.groupby(zip(bucket.members, bucket.sizes), key=lambda m: pending.codecs[m[0]]):
+            members, sizes = zip(*run)
+            packets = [pending.packets[i] for i in members]
+            end = offset + sum(sizes)
+            if bucket.kind == "allreduce":
+                aggregates = codec.from_sums(gathered[offset:end], packets, list(sizes), n)
+            else:   # every worker's packets: row j of the gathered bytes is worker j's
+                parts = gathered.reshape(n, -1)[:, offset:end].split(list(sizes), dim=1)
+                aggregates = [codec.aggregate([packet.from_raw(row) for row in part])
+                              for packet, part in zip(packets, parts)]
+            for i, aggregate in zip(members, aggregates):
+                out[i] = aggregate
+            offset = end
 
     def _finish_twophase(self, tb: _TwoPhaseBucket, keys, out: list, errors: dict) -> int:
         """Phase 2 of a two-phase bucket; its members' aggregates into ``out``, its new

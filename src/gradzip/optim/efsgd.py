@@ -29,6 +29,8 @@ class EFSGD(GradientExchange):
     exchange starts during backward (``overlap_backward``, :mod:`gradzip.optim.core.overlap`).
     """
 
+    inputs_keep_gradient_nonfinite = True   # p = e + η d keeps a NaN/Inf of g (η·Inf is Inf or NaN)
+
     def __init__(self, params, lr, *, compressor: str = "auto", rc: float | None = None, **kwargs):
         codec, self.rc = single_codec(type(self).__name__, compressor, rc, DEFAULT_CODEC)
         super().__init__(params, lr, **kwargs)
@@ -37,28 +39,15 @@ class EFSGD(GradientExchange):
         self.psync.reuse_aggregates = True      # each aggregate is applied at once, never kept (as S-SGD)
         self._inputs: dict = {}   # param -> this step's exchange input (its own temporary)
 
-    def gradients_checked_by_exchange(self):
-        # p = e + η d keeps a NaN/Inf of g (η·Inf is Inf or NaN): the aggregate check finds it
-        return self.nonfinite == "raise" and self.psync.guards_inputs
-
     def exchange_input(self, group, p):
         error = self.state[p].get("error")   # absent: zero (the first step, or nothing owed)
         if error is None and not group["momentum"] and not group["weight_decay"]:
-            d = self._spare_input(p)         # d = g: p = η g in one pass, into last step's input
-            self._inputs[p] = torch.mul(p.grad, group["lr"], out=d)
+            d = self.psync.memory.residual(self._keys[p], p.grad)   # d = g: p = η g in one pass,
+            self._inputs[p] = torch.mul(p.grad, group["lr"], out=d)    # into last step's input if spare
             return self._inputs[p]
         d = self.local_direction(p, group)   # a new tensor: p = e + η d is written into it
         self._inputs[p] = d.mul_(group["lr"]) if error is None else torch.add(error, d, alpha=group["lr"], out=d)
         return self._inputs[p]
-
-    def _spare_input(self, p):
-        """Memory for ``p``'s exchange input: its last input where PSync did not take it for
-        a residual (the unit went uncompressed), else a new tensor."""
-        spare = self.psync.residual_spares.pop(self._keys[p], None)
-        if spare is not None and spare.shape == p.grad.shape and spare.dtype == p.grad.dtype \
-                and spare.device == p.grad.device and spare.data_ptr() != p.grad.data_ptr():
-            return spare
-        return torch.empty_like(p.grad, memory_format=torch.contiguous_format)
 
     def apply_exchange(self, pairs, aggregates, residuals):
         torch._foreach_sub_([p for _, p in pairs], list(aggregates))   # x ← x − mean_j p'_j, one call

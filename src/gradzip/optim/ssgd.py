@@ -19,6 +19,7 @@ class SSGD(GradientExchange):
     """
 
     exchange_residual = False
+    inputs_keep_gradient_nonfinite = True   # d = g (+ λx, + momentum) keeps a NaN/Inf of g
 
     def __init__(self, params, lr, *, compressor="none", **kwargs):
         super().__init__(params, lr, **kwargs)
@@ -26,10 +27,6 @@ class SSGD(GradientExchange):
         # each aggregate is applied at once and never kept: its memory (the `none` bucket
         # buffer) serves the next step (gradzip.exchange, "Memory across steps")
         self.psync.reuse_aggregates = True
-
-    def gradients_checked_by_exchange(self):
-        # d = g (+ λx, + momentum) keeps a NaN/Inf of g: the aggregate check finds it
-        return self.nonfinite == "raise" and self.psync.guards_inputs
 
     def exchange_input(self, group, p):
         if not group["weight_decay"] and not group["momentum"]:

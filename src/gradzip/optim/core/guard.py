@@ -97,7 +97,8 @@ class NonFiniteGuard:
         gradient by itself: its input keeps the gradient's non-finite values and its PSync's
         aggregate check catches them (:attr:`gradzip.exchange.PSync.guards_inputs`). Then
         the gradients are not read before the exchange (:meth:`first_bad_gradient`, the
-        hooks) and :meth:`codec_overflow` names the gradient. False here; S-SGD's say."""
+        hooks) and :meth:`codec_overflow` names the gradient. False here; S-SGD's and EF-SGD's
+        say (``GradientExchange.inputs_keep_gradient_nonfinite``)."""
         return False
 
     def _raise_on_a_bad_gradient(self, undone: bool, overflow: NonFiniteAggregate) -> None:

@@ -121,6 +121,10 @@ class GradientExchange(DistributedOptimizer):
     overlaps_backward: bool = True
     #: PSync returns the local residual (error-feedback methods); False for S-SGD.
     exchange_residual: bool = True
+    #: The exchange input keeps every NaN/Inf of the gradient (S-SGD's ``d``, EF-SGD's
+    #: ``e + η d``): where ``self.psync``'s aggregate check guards its inputs, the exchange
+    #: checks the gradients (:meth:`gradients_checked_by_exchange`).
+    inputs_keep_gradient_nonfinite: bool = False
 
     def __init__(self, params, lr, *, overlap_backward: bool = True, **kwargs):
         require(isinstance(overlap_backward, bool), type(self).__name__,
@@ -135,6 +139,10 @@ class GradientExchange(DistributedOptimizer):
         weakref.finalize(self, _remove_hooks, self._handles)
         if overlap_backward:
             self._register_hooks(self._all_params())
+
+    def gradients_checked_by_exchange(self) -> bool:
+        return (self.inputs_keep_gradient_nonfinite and self.nonfinite == "raise"
+                and self.psync.guards_inputs)
 
     def disable_overlap(self) -> None:
         """This instance's exchange cannot start in backward (e.g. DGC with clipping, CSER
