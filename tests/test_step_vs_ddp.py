@@ -21,6 +21,7 @@ def test_help_names_the_settings(capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--variants", "ddp,adam"], "unknown variant(s) adam"),
+    (["--variants", "ddp,ddp-unguarded@"], "unknown variant(s) ddp-unguarded@"),   # no codec given
     (["--workers", "1"], "--workers must be >= 2"),
     (["--rounds", "0"], "--rounds must be >= 1"),
     (["--network", "unshaped", "--variants", "ddp"], "'unshaped' is 'loopback' here"),
