@@ -113,3 +113,9 @@ class Summing:
         in ``total`` (``sizes``: their flat lengths), the same values; a codec may do it in
         fewer calls (``none``: one division of the whole bucket)."""
         return [self.from_sum(part, packet, world_size) for part, packet in zip(total.split(sizes), packets)]
+
+    def from_sums_checked(self, total: torch.Tensor, packets: list[Packet], sizes: list[int],
+                          world_size: int) -> tuple[list[torch.Tensor], bool | None]:
+        """:meth:`from_sums`, and whether every aggregate is finite where the codec learns it
+        on the way (``none``: in the division's own pass); None: not known, the caller checks."""
+        return self.from_sums(total, packets, sizes, world_size), None

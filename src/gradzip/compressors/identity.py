@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import torch
 
+from ..kernels.sums import mean_in_place
 from .base import Compressor, Implementation, Packet, deliver
 from .capabilities import Summing
 from .registry import register
@@ -55,8 +56,13 @@ class NoCompression(Summing, Compressor):
         return total.div_(world_size).view(packet.shape)  # total: PSync's own buffer, of the packet's dtype
 
     def from_sums(self, total, packets, sizes, world_size):
-        total.div_(world_size)   # every member's from_sum at once: the same division, elementwise
-        return [part.view(packet.shape) for part, packet in zip(total.split(sizes), packets)]
+        return self.from_sums_checked(total, packets, sizes, world_size)[0]
+
+    def from_sums_checked(self, total, packets, sizes, world_size):
+        """Every member's ``from_sum`` at once (the same division, elementwise), and their
+        finiteness from the same pass (:func:`gradzip.kernels.sums.mean_in_place`)."""
+        finite = mean_in_place(total, world_size)
+        return [part.view(packet.shape) for part, packet in zip(total.split(sizes), packets)], finite
 
 
 class CastReference(Implementation):

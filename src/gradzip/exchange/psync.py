@@ -513,6 +513,7 @@ class PSync:
     def _finish(self, pending: Pending) -> Result:
         n = self.comm.world_size
         out: list[torch.Tensor | None] = [None] * len(pending.packets)
+        finite: set[int] = set()   # the members whose decode found their aggregate finite
         sent, errors = 0, {}
         for tb in pending.twophase:
             sent += self._finish_twophase(tb, pending.keys, out, errors)
@@ -526,14 +527,16 @@ class PSync:
             if self.tracer is not None:
                 self.tracer.add("communicate", began, decoding, kind=bucket.kind, bytes=bucket.work.nbytes)
             sent += bucket.work.nbytes
-            self._decode_bucket(bucket, gathered, pending, out)
+            self._decode_bucket(bucket, gathered, pending, out, finite)
             decoded = time.perf_counter()
             self._add_compress(decoded - decoding)
             if self.tracer is not None:
                 self.tracer.add("decode", decoding, decoded)
         if self.check_finite:
-            bad = first_nonfinite(out)
+            unchecked = [i for i in range(len(out)) if i not in finite]
+            bad = first_nonfinite([out[i] for i in unchecked])
             if bad >= 0:
+                bad = unchecked[bad]
                 spec = (pending.codecs[bad] or self.compressor).spec
                 raise NonFiniteAggregate(
                     f"the {spec} exchange of tensor #{bad} (shape {tuple(out[bad].shape)}) decoded a "
@@ -543,9 +546,12 @@ class PSync:
         self.memory.release(pending, out)
         return Result(out, pending.residual, sent, pending.packet_bytes)
 
-    def _decode_bucket(self, bucket: _Bucket, gathered: torch.Tensor, pending: Pending, out: list) -> None:
+    def _decode_bucket(self, bucket: _Bucket, gathered: torch.Tensor, pending: Pending, out: list,
+                       finite: set) -> None:
         """Each member's aggregate from what its bucket's collective returned: from the sum
-        (one ``from_sums`` call per run of members with one codec), or from every worker's packet."""
+        (one ``from_sums`` call per run of members with one codec), or from every worker's
+        packet; into ``finite`` the members whose decode found them finite on the way
+        (``from_sums_checked``: ``none``'s division), which the aggregate check skips."""
         n = self.comm.world_size
         offset = 0
         for codec, run in itertools.groupby(zip(bucket.members, bucket.sizes), key=lambda m: pending.codecs[m[0]]):
@@ -553,7 +559,9 @@ class PSync:
             packets = [pending.packets[i] for i in members]
             end = offset + sum(sizes)
             if bucket.kind == "allreduce":
-                aggregates = codec.from_sums(gathered[offset:end], packets, list(sizes), n)
+                aggregates, checked = codec.from_sums_checked(gathered[offset:end], packets, list(sizes), n)
+                if checked:
+                    finite.update(members)
             else:   # every worker's packets: row j of the gathered bytes is worker j's
                 parts = gathered.reshape(n, -1)[:, offset:end].split(list(sizes), dim=1)
                 aggregates = [codec.aggregate([packet.from_raw(row) for row in part])

@@ -133,21 +133,25 @@ def enabled(*tensors: torch.Tensor) -> bool:
     return all(backend(t.device) == "numba" for t in tensors)
 
 
-def njit(fn: Callable) -> Callable:
-    """``numba.njit(cache=True, nogil=True)`` applied on the first call, not at import.
+def njit(fn: Callable | None = None, *, fastmath: frozenset = frozenset()) -> Callable:
+    """``numba.njit(cache=True, nogil=True)`` applied on the first call, not at import;
+    ``@njit(fastmath={"reassoc"})`` passes LLVM's fast-math flags (a kernel that states why).
 
     nogil: the kernels release the GIL, so workers on threads (``gradzip.simulate``) and a
     background exchange thread run them in parallel."""
+    if fn is None:
+        return functools.partial(njit, fastmath=frozenset(fastmath))
     compiled: list[Callable] = []
+    flags = {"fastmath": set(fastmath)} if fastmath else {}
 
     @functools.wraps(fn)
     def run(*args):
         if not compiled:
             import numba
             try:
-                compiled.append(numba.njit(cache=True, nogil=True)(fn))
+                compiled.append(numba.njit(cache=True, nogil=True, **flags)(fn))
             except RuntimeError:  # no file to cache beside (a function typed at a prompt)
-                compiled.append(numba.njit(nogil=True)(fn))
+                compiled.append(numba.njit(nogil=True, **flags)(fn))
         return compiled[0](*args)
 
     run.py_func = fn

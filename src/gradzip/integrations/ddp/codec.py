@@ -18,6 +18,7 @@ from ...exchange import DEFAULT_BUCKET_BYTES, PSync, calibration
 from ...exchange.calibration import check_recalibrate_every
 from ...exchange.planner import Link, as_link
 from ...guards.nonfinite import all_finite
+from ...kernels.sums import mean_in_place
 from ...validation import refuses_unknown_options
 from .state import HookState, views
 
@@ -234,11 +235,11 @@ class CodecState(HookState):
 
 def _mean_is_finite(total: torch.Tensor, n: int, check: bool) -> bool:
     """A native bucket's allreduced sum made the mean in place (the ``none`` codec's
-    ``from_sum``), and whether it is finite (one ``sum()``; True when unchecked). Chained to
-    the allreduce (``Work.then``): on gloo/NCCL it runs on the backend's thread as the sum
-    arrives, while backward goes on, as the division of PyTorch's ``allreduce_hook``."""
-    total.div_(n)
-    return not check or all_finite([total])
+    ``from_sum``), and whether it is finite (True when unchecked), in the division's own pass
+    (:func:`gradzip.kernels.sums.mean_in_place`). Chained to the allreduce (``Work.then``):
+    on gloo/NCCL it runs on the backend's thread as the sum arrives, while backward goes on,
+    as the division of PyTorch's ``allreduce_hook``."""
+    return mean_in_place(total, n) or not check
 
 
 def hook(codec: "str | Compressor" = "none", error_feedback: bool | None = None, **options: Any) -> CodecState:
