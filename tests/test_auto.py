@@ -465,3 +465,32 @@ def test_the_trials_first_period_does_not_count_the_probes(monkeypatch):
     simulate(2, lambda comm: cases_auto.train(comm, "efsgd", {"lr": 0.1, "compressor": "auto:1bit"}, steps=6))
     first = [timed[1] for timed in seen if 1 in timed]
     assert first and all(t < 0.3 for t in first), first
+
+
+def test_a_trial_period_leaves_out_every_decisions_probes_of_its_step(monkeypatch):
+    """Two sets of tensors decided in one step (as the DDP hook decides per bucket), 0.3 s of
+    work between their exchanges, each probe 0.5 s: the step's period is its
+    work (about 0.3 s), not the time after the last decision (which left the work out and
+    made the rule look faster than it is) nor with the probes in."""
+    def slow(measure):
+        def measured(*args, **kwargs):
+            time.sleep(0.5)
+            return measure(*args, **kwargs)
+        return measured
+
+    monkeypatch.setattr(calibration, "measure_codec", slow(cases_auto.fixed_costs))
+    monkeypatch.setattr(calibration, "measure_link", slow(cases_auto.measured_link))
+
+    def worker(comm):
+        psync = PSync(comm, "auto:1bit", bucket_bytes=cases_auto.BUCKET_BYTES)
+        g = torch.Generator().manual_seed(comm.rank)
+        first, second = [torch.randn(64, 32, generator=g)], [torch.randn(8, 64, generator=g)]
+        for step in range(3):
+            psync.start(first, step, keys=[0]).wait()
+            time.sleep(0.3)
+            psync.start(second, step, keys=[1]).wait()
+        assert {d.step for d in psync.decisions.values()} == {0} and len(psync.decisions) == 2
+        return psync._step_seconds(0), psync._step_seconds(1)
+
+    for decided, plain in simulate(2, worker):
+        assert 0.3 <= decided < 0.75 and 0.3 <= plain < 0.75, (decided, plain)   # a probe: 0.5 s

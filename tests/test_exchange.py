@@ -167,3 +167,38 @@ def test_count_wait_counts_blocked_time_as_communication_on_the_owner_thread_onl
     worker.start()
     worker.join()
     assert (psync.timings.communicate_s, psync.timings.wait_s) == (0.75, 0.25)
+
+
+@pytest.mark.parametrize("bad", [None, 1, 2])
+def test_the_aggregate_check_reads_only_what_the_decode_did_not_check(bad, monkeypatch):
+    """``none``'s aggregates are found finite in their division's own pass
+    (``from_sums_checked``, gradzip.kernels.sums); PSync's check reads only the others
+    (here fp16's), and still names the first non-finite aggregate by its position."""
+    import gradzip.exchange.psync as psync_module
+    from gradzip.guards.nonfinite import NonFiniteAggregate
+    read = []
+
+    def counting(tensors):
+        read.append(len(tensors))
+        return gradzip.guards.nonfinite.first_nonfinite(tensors)
+
+    monkeypatch.setattr(psync_module, "first_nonfinite", counting)
+    shapes = [(10,), (200,), (20,), (300,)]   # none, fp16, none, fp16 (min_numel)
+
+    def worker(comm):
+        psync = PSync(comm, gradzip.PerTensor("fp16", min_numel=100), check_finite=True)
+        tensors = [torch.full(s, 1.0 + comm.rank) for s in shapes]
+        if bad is not None and comm.rank == 1:
+            tensors[bad][3] = float("nan")
+        try:
+            result = psync.start(tensors, 0).wait()
+        except NonFiniteAggregate as error:
+            return error.index
+        return [float(a.mean()) for a in result.aggregate]
+
+    results = gradzip.simulate(2, worker)
+    if bad is None:
+        assert results == [[1.5] * 4] * 2
+        assert read == [2, 2]                    # the two fp16 aggregates, on each worker
+    else:
+        assert results == [bad, bad]

@@ -204,8 +204,10 @@ class PSync:
         self.decisions: dict[tuple, calibration.Decision] = {}
         #: bumped whenever a decision is made or loaded (the backward hooks' plans key on it)
         self.plan_version = 0
-        #: auto:<codec>'s trial: when this process's first exchange of each of the last steps began (perf_counter)
+        #: auto:<codec>'s trial: when this process's first exchange of each of the last steps began (perf_counter),
+        #: and the seconds its decisions' probes took in each step (not a cost of the choices timed)
         self._step_began: dict[int, float] = {}
+        self._probing: dict[int, float] = {}
         self.seed = int(seed)
         self.bucket_bytes = int(bucket_bytes)
         self.timings = Timings()
@@ -305,7 +307,9 @@ class PSync:
         if step not in self._step_began:   # the trial's clock: the last exchanges only
             self._step_began[step] = began
             if len(self._step_began) > 2 * calibration.TRIAL_STEPS + 2:
-                del self._step_began[min(self._step_began)]
+                oldest = min(self._step_began)
+                del self._step_began[oldest]
+                self._probing.pop(oldest, None)
         old = self.decisions.get(key)
         if old is not None and old.on_trial:
             self._advance_trial(key, old, step)
@@ -328,8 +332,8 @@ class PSync:
         if reuse is not None and self.declared_link is None:
             decision = dataclasses.replace(decision, measured=True)
         decision = calibration.on_trial(decision)
-        if decision.on_trial:   # the trial's first period starts after the probes (they are not the rule's cost)
-            self._step_began[step] = time.perf_counter()
+        # the trial's first period leaves the probes out: every decision of the step (DDP decides per bucket)
+        self._probing[step] = self._probing.get(step, 0.0) + time.perf_counter() - began
         if old is not None:
             for change in calibration.switches(old, decision):
                 calibration.log.warning("%s exchange (seed %d), step %d: %s", self.compressor.spec, self.seed, step,
@@ -354,11 +358,12 @@ class PSync:
 
     def _step_seconds(self, step: int) -> float | None:
         """Seconds from the first exchange of ``step`` to the first of the next step this
-        exchange ran at (None: not both seen by this process)."""
+        exchange ran at, less what the step's decisions took (their probes: not the cost of
+        the choices the trial times); None: not both seen by this process."""
         later = [s for s in self._step_began if s > step]
         if step not in self._step_began or not later:
             return None
-        return self._step_began[min(later)] - self._step_began[step]
+        return self._step_began[min(later)] - self._step_began[step] - self._probing.get(step, 0.0)
 
     def describe_decisions(self) -> str | None:
         """auto:<codec>: every decision in one line (``describe()``'s ``exchange i auto``), or
