@@ -148,19 +148,21 @@ class CodecState(HookState):
         self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
         self.decisions = calibration.load(state.get("auto", []))   # auto:<codec>: executed as saved
 
-    def sends_uncompressed(self, bucket: dist.GradBucket, keys: list, step: int, compressing: bool) -> bool:
+    def sends_uncompressed(self, bucket: dist.GradBucket, params: list, keys: list, step: int,
+                           compressing: bool) -> bool:
         """Whether this bucket goes as DDP sends it: the allreduce of its own buffer, then
         the mean in place (no copy, no codec; the numbers of the ``none`` exchange bit for
         bit). So it goes where every tensor of it is sent uncompressed (a dense warm-up
         step, ``"none"``, or every unit of auto's decision ``none``: deciding it is
-        collective) in a dtype the exchange sums in as it is (float32, float64)."""
+        collective) in a dtype the exchange sums in as it is (float32, float64). ``params``:
+        the bucket's parameters (their shapes and dtypes are the gradients')."""
         if bucket.buffer().dtype not in (torch.float32, torch.float64):
             return False
         if not compressing:
             return True
         if not isinstance(self.codec, (Auto, PerTensor)):
             return self.codec.name == "none"
-        _, plan = self.psync.exchange_plan(bucket.gradients(), keys, step)   # the views' shapes and dtypes
+        _, plan = self.psync.exchange_plan(params, keys, step)
         return all(codec.name == "none" for codec in plan.codecs)
 
     def _start_native(self, bucket: dist.GradBucket, keys: list, feedback: bool) -> torch.futures.Future:
@@ -255,12 +257,13 @@ def codec_hook(state: CodecState, bucket: dist.GradBucket) -> torch.futures.Futu
     """DDP communication hook: compress each gradient of the bucket with ``state.codec``
     (error feedback if enabled) and write the aggregate into the bucket; the last bucket
     of a step finishes them all (see :class:`CodecState`)."""
-    keys = [state._key(p) for p in bucket.parameters()]
+    params = bucket.parameters()
+    keys = [state._key(p) for p in params]
     step = state.iter + 1
     compressing = step > state.start_iter          # else a dense warm-up step: no error feedback
     feedback = state.error_feedback and compressing
     fut = (state._start_native(bucket, keys, feedback)
-           if state.sends_uncompressed(bucket, keys, step, compressing)
+           if state.sends_uncompressed(bucket, params, keys, step, compressing)
            else state._start_coded(bucket, views(bucket), keys, step, compressing, feedback))
     if bucket.is_last() and state._finish_all():
         state.iter += 1
