@@ -62,14 +62,17 @@ LOOPBACK_TARGET, SHAPED_TARGET = 1.05, 1.10
 PROJECTED = "100mbit,10gbit"
 
 
-def variants() -> list[str]:
-    return ["ddp"] + [v for path in PATHS for c in CODECS for v in (f"{path}@{c}", f"{path}@auto:{c}")]
+def variants(bandwidth: float | None = None) -> list[str]:
+    """Every variant of one run; on loopback also PyTorch's own ``allreduce_hook``: what any
+    communication hook costs against DDP's built-in allreduce (the floor of the ``ddp@`` path)."""
+    hook = ["ddp-allreduce-hook"] if bandwidth is None else []
+    return ["ddp", *hook] + [v for path in PATHS for c in CODECS for v in (f"{path}@{c}", f"{path}@auto:{c}")]
 
 
 def run_setting(model: str, n: int, bandwidth: float | None, args) -> dict[str, Any]:
     spec_model, shape = MODELS[model]
     spec = {"model": spec_model, "shape": list(shape), "batch": args.batch, "threads": 1, "warmup": args.warmup,
-            "rounds": args.rounds, "steps": args.steps, "variants": variants(), "timeout_s": args.timeout}
+            "rounds": args.rounds, "steps": args.steps, "variants": variants(bandwidth), "timeout_s": args.timeout}
     if bandwidth is None:
         ranks = run_processes(n, step_vs_ddp.measure, spec, timeout_s=args.timeout)
     else:
@@ -86,7 +89,8 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for path in PATHS:
         for c in CODECS:
-            out.append(_verdict(path, c, rows["ddp"], rows[f"{path}@{c}"], rows[f"{path}@auto:{c}"]))
+            out.append(_verdict(path, c, rows["ddp"], rows[f"{path}@{c}"], rows[f"{path}@auto:{c}"],
+                                rows.get("ddp-allreduce-hook")))
     return out
 
 
@@ -101,11 +105,12 @@ def trial_text(decisions: dict[str, str] | None) -> str:
     return ", ".join(dict.fromkeys(out)) or "-"
 
 
-def _verdict(path: str, c: str, ddp: dict, fixed: dict, auto: dict) -> dict[str, Any]:
+def _verdict(path: str, c: str, ddp: dict, fixed: dict, auto: dict, hook: dict | None = None) -> dict[str, Any]:
     best = min(ddp["median_s"], fixed["median_s"])
     chosen = auto.get("auto") or []
     return {"trial": trial_text(auto.get("auto_decisions")), "path": path, "codec": c, "ddp_s": ddp["median_s"], "fixed_s": fixed["median_s"], "auto_s": auto["median_s"],
             "auto_over_ddp": auto["median_s"] / ddp["median_s"], "auto_over_best": auto["median_s"] / best,
+            "hook_over_ddp": None if hook is None else hook["median_s"] / ddp["median_s"],
             "compressed": sum(x != "none" for x in chosen), "units": len(chosen),
             "below_both": auto["median_s"] < min(ddp["median_s"], fixed["median_s"])}
 
@@ -122,13 +127,14 @@ def target_text(result: dict[str, Any], v: dict[str, Any]) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| model | workers | network | path P | codec C | ddp ms | P@C ms | P@auto:C ms | auto / ddp | "
-             "auto / best fixed | buckets auto compresses | trial: rule vs none | target |",
-             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             "PyTorch's hook / ddp | auto / best fixed | buckets auto compresses | trial: rule vs none | target |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in results:
         for v in verdicts(r):
             lines.append(f"| {r['model']} | {r['workers']} | {r['network']} | {v['path']} | {v['codec']} | "
                          f"{v['ddp_s'] * 1e3:.1f} | "
                          f"{v['fixed_s'] * 1e3:.1f} | {v['auto_s'] * 1e3:.1f} | **{v['auto_over_ddp']:.2f}** | "
+                         f"{'-' if v.get('hook_over_ddp') is None else format(v['hook_over_ddp'], '.2f')} | "
                          f"**{v['auto_over_best']:.2f}** | {v['compressed']}/{v['units']} | {v.get('trial', '-')} | "
                          f"{target_text(r, v)} |")
     return "\n".join(lines)
@@ -171,7 +177,9 @@ def step_text(args, command: str, host: dict[str, Any], results: list[dict[str, 
             "measured there (no `link=`): the rule from the probes at its first step (under DDP the second: DDP "
             "rebuilds its buckets after the first), then, where the rule compresses a unit, the trial of its "
             "choices against nothing compressed in the next 4 steps (column *trial*: which it kept, and the two "
-            "step times it compared). Best fixed: the faster of `ddp` (nothing compressed) and "
+            "step times it compared). *PyTorch's hook*: DDP with PyTorch's own `allreduce_hook` (loopback "
+            "only), what any communication hook pays against DDP's built-in allreduce, in the same run. "
+            "Best fixed: the faster of `ddp` (nothing compressed) and "
             "`P@C` (C on every bucket). Targets: loopback auto / ddp ≤ 1.05; shaped links auto / best fixed "
             "≤ 1.10, and on `mixed` below both. Host: "
             f"{host['cpus']} CPUs, load average {', '.join(f'{x:.1f}' for x in host['loadavg'])} at the end. "
