@@ -177,7 +177,7 @@ def step_text(args, command: str, host: dict[str, Any], results: list[dict[str, 
             "worker's median step of a round, median over rounds). auto decides in the warm-up from what it "
             "measured there (no `link=`): the rule from the probes at its first step (under DDP the second: DDP "
             "rebuilds its buckets after the first), then, where the rule compresses a unit, the trial of its "
-            "choices against nothing compressed in the next 4 steps (column *trial*: which it kept, and the two "
+            "choices against nothing compressed in the next 5 steps (the rule's first untimed; column *trial*: which it kept, and the two "
             "step times it compared). *PyTorch's hook*: DDP with PyTorch's own `allreduce_hook` (loopback "
             "only), what any communication hook pays against DDP's built-in allreduce, in the same run. "
             "Best fixed: the faster of `ddp` (nothing compressed) and "

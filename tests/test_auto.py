@@ -196,7 +196,7 @@ def _trial_steps(comm, times_by_rank, start=3, every=1):
     exchange, and the decision after the verdict."""
     decision = calibration.on_trial(calibration.Decision(("1bit", "none"), Link(1e7, 0.0), {}, start, True))
     executed = []
-    for step in range(start, start + every * 2 * calibration.TRIAL_STEPS + 1, every):
+    for step in range(start, start + every * calibration.TRIAL_EXCHANGES + 1, every):
         for _ in range(2):
             decision = calibration.advance(comm, decision, step, lambda s: times_by_rank[comm.rank].get(s))
         executed.append(decision.choices)
@@ -207,31 +207,33 @@ def _trial_steps(comm, times_by_rank, start=3, every=1):
                                                   ((0.10, 0.09), (0.07, 0.12), False),
                                                   ((0.5, 0.75), (0.25, 0.5), False)])
 def test_the_trial_by_hand(rule_s, none_s, kept):
-    """Steps 3-4 execute the rule's choices, 5-6 nothing compressed, the verdict at step 7:
-    per step the slowest worker's seconds (rank 1 adds 10 ms to step 4 and to step 5), per
-    candidate the best step; the rule's choices kept iff strictly shorter (ties: none). Every
-    worker reaches the same verdict; the per-worker times are not kept after it."""
-    times = [dict(zip(range(3, 7), (*rule_s, *none_s))),
-             dict(zip(range(3, 7), (rule_s[0], rule_s[1] + 0.01, none_s[0] + 0.01, none_s[1])))]
+    """Steps 3-5 execute the rule's choices (step 3 untimed: a plan's first execution pays
+    one-time costs; its 1 ms would win every case if it counted), 6-7 nothing compressed, the
+    verdict at step 8: per step the slowest worker's seconds (rank 1 adds 10 ms to step 5 and
+    to step 6), per candidate the best step; the rule's choices kept iff strictly shorter
+    (ties: none). Every worker reaches the same verdict; the per-worker times are not kept
+    after it."""
+    times = [{3: 0.001, **dict(zip(range(4, 8), (*rule_s, *none_s)))},
+             {3: 0.001, **dict(zip(range(4, 8), (rule_s[0], rule_s[1] + 0.01, none_s[0] + 0.01, none_s[1])))}]
     results = simulate(2, lambda comm: _trial_steps(comm, times))
-    slowest = [max(a, b) for a, b in zip(times[0].values(), times[1].values())]
+    slowest = [max(times[0][s], times[1][s]) for s in range(4, 8)]
     for executed, decision in results:
-        assert executed[:4] == [("1bit", "none")] * 2 + [("none", "none")] * 2
+        assert executed[:5] == [("1bit", "none")] * 3 + [("none", "none")] * 2
         assert decision.verdict == (min(slowest[:2]), min(slowest[2:])) and not decision.on_trial
         assert decision.choices == (("1bit", "none") if kept else ("none", "none")) and decision.timed == ()
         assert decision.describe() == results[0][1].describe()
-        assert ("kept from step 7" if kept else "none taken from step 7") in decision.describe()
+        assert ("kept from step 8" if kept else "none taken from step 8") in decision.describe()
     assert calibration.Decision.from_state(results[0][1].state()) == results[0][1]
 
 
 def test_the_trial_of_a_method_that_exchanges_every_h_steps_counts_exchanges():
-    """Exchanges at steps 3, 8, 13, 18 (H = 5): the rule at the first two, none at the next two,
-    the verdict at step 23 from the four periods."""
-    times = [{3: 0.5, 8: 0.5, 13: 0.25, 18: 0.25}] * 2
+    """Exchanges at steps 3, 8, 13, 18, 23 (H = 5): the rule at the first three (the first
+    untimed), none at the next two, the verdict at step 28 from the four timed periods."""
+    times = [{3: 0.01, 8: 0.5, 13: 0.5, 18: 0.25, 23: 0.25}] * 2
     executed, decision = simulate(2, lambda comm: _trial_steps(comm, times, every=5))[0]
-    assert executed[:4] == [("1bit", "none")] * 2 + [("none", "none")] * 2
+    assert executed[:5] == [("1bit", "none")] * 3 + [("none", "none")] * 2
     assert decision.verdict == (0.5, 0.25) and decision.choices == ("none", "none")
-    assert decision.trial_steps == (3, 8, 13, 18, 23) and "none taken from step 23" in decision.describe()
+    assert decision.trial_steps == (3, 8, 13, 18, 23, 28) and "none taken from step 28" in decision.describe()
 
 
 def test_a_periodic_method_reaches_its_verdict_on_real_periods(monkeypatch):
@@ -254,26 +256,28 @@ def test_no_trial_where_the_link_is_declared_or_nothing_is_compressed():
     assert calibration.on_trial(calibration.Decision(("1bit",), Link(1e7, 0.0), {}, 1, True)).on_trial
 
 
-@pytest.mark.parametrize("split", [2, 5])
+@pytest.mark.parametrize("split", [2, 6])
 @pytest.mark.parametrize("rule_wins", [True, False])
 def test_the_trial_in_a_run_and_its_resume(monkeypatch, rule_wins, split):
-    """EF-SGD auto:1bit with a measured link (stand-in probes: a mixed rule): steps 1-2 with
-    the rule's choices, 3-4 nothing compressed, then the verdict from the steps' times, the
-    same on both workers and in describe(). A run resumed from the state saved after step 2
-    (inside the trial: the times measured so far travel with it) or after step 5 (after the
-    verdict) repeats the uninterrupted run bit for bit."""
+    """EF-SGD auto:1bit with a measured link (stand-in probes: a mixed rule): steps 1-3 with
+    the rule's choices (step 1 untimed, so its time decides nothing), 4-5 nothing compressed,
+    then the verdict at step 6 from the steps' times, the same on both workers and in
+    describe(). A run resumed from the state saved after step 2 (inside the trial: the times
+    measured so far travel with it) or after step 6 (after the verdict) repeats the
+    uninterrupted run bit for bit."""
     monkeypatch.setattr(calibration, "measure_codec", cases_auto.fixed_costs)
     monkeypatch.setattr(calibration, "measure_link", cases_auto.measured_link)
     fast, slow = 0.1, 0.2
-    times = {1: fast, 2: fast, 3: slow, 4: slow} if rule_wins else {1: slow, 2: slow, 3: fast, 4: fast}
+    times = {1: slow, 2: fast, 3: fast, 4: slow, 5: slow} if rule_wins else {1: 0.01, 2: slow, 3: slow, 4: fast, 5: fast}
     monkeypatch.setattr(PSync, "_step_seconds", cases_auto.step_seconds(times))
     options = {"lr": 0.1, "compressor": "auto:1bit"}
     results = simulate(2, lambda comm: cases_auto.resume_without_probing(comm, "efsgd", options, split=split,
-                                                                          steps=7 - split))
+                                                                          steps=8 - split))
     (straight0, resumed0), (straight1, resumed1) = results
     decided = straight0[2]["exchange 0 auto"]
     assert decided == straight1[2]["exchange 0 auto"] == resumed0[2]["exchange 0 auto"]
-    assert "trial of (none,none,none,1bit) against none: 100.0 ms against 200.0 ms a period, kept from step 5" in decided or not rule_wins
+    assert "trial of (none,none,none,1bit) against none: 100.0 ms against 200.0 ms a period, kept from step 6" in decided or not rule_wins
+    assert "none taken from step 6" in decided or rule_wins
     assert ("(none,none,none,1bit)" if rule_wins else "(none,none,none,none)") in decided.split(";")[0]
     for straight, resumed in ((straight0, resumed0), (straight1, resumed1)):
         assert all(torch.equal(a, b) for a, b in zip(straight[0], resumed[0]))

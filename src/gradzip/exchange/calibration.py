@@ -18,8 +18,9 @@ with those costs and sends its :class:`Decision` (a second ``allgather_control``
 row), which every worker returns. So the plans agree whatever each worker measured.
 
 Where the link was measured and the rule compresses something, the rule's choices go on
-**trial** (:func:`on_trial`, :func:`advance`): :data:`TRIAL_STEPS` exchanges with them, as
-many with nothing compressed, each worker timing the periods from one exchange to the next
+**trial** (:func:`on_trial`, :func:`advance`): :data:`TRIAL_WARMUP` untimed exchanges with them
+(a plan's first executions pay one-time costs), :data:`TRIAL_STEPS` timed ones, as many with
+nothing compressed, each worker timing the periods from one exchange to the next
 (a step, or H steps for a method that exchanges every H); every worker gathers every
 worker's times and keeps the rule's choices only where their period (the slowest worker's,
 the best of the trial's) is shorter than the uncompressed one. The probes price coding and link apart;
@@ -59,8 +60,14 @@ SMALL_NUMEL = 1 << 16
 #: The smallest tensor the codec probe times (the per-call cost ``a``).
 SMALL_PROBE = 64
 #: Exchanges per candidate of the trial (the rule's choices, then nothing compressed); the
-#: best of their periods counts (the first of a plan may carry one-time costs).
+#: best of their periods counts.
 TRIAL_STEPS = 2
+#: Exchanges of the rule's choices before the trial times them: a plan's first executions pay
+#: one-time costs (buffers, kernels, a transport's first messages; the two-phase exchange's
+#: first steps took 2x its steady step on 4 workers), which are not what it costs a step.
+TRIAL_WARMUP = 1
+#: Every exchange of a trial: the rule's warm-up and timed ones, then nothing compressed's.
+TRIAL_EXCHANGES = TRIAL_WARMUP + 2 * TRIAL_STEPS
 
 
 def check_recalibrate_every(value, where: str = "PSync") -> int | None:
@@ -111,7 +118,7 @@ class Decision:
                 trial += (f": {self.verdict[0] * 1e3:.1f} ms against {self.verdict[1] * 1e3:.1f} ms a period, "
                           f"{'kept' if kept else 'none taken'} from step {self.trial_steps[-1]}")
             else:
-                trial += f", under way ({len(self.trial_steps)} of {2 * TRIAL_STEPS} exchanges)"
+                trial += f", under way ({len(self.trial_steps)} of {TRIAL_EXCHANGES} exchanges)"
         return (f"step {self.step}: " + ", ".join(f"{c} x{k}" for c, k in counts.items())
                 + f" ({','.join(self.choices)}); link {self.link} ({'measured' if self.measured else 'declared'})"
                 + (f"; {costs}" if costs else "") + trial)
@@ -161,10 +168,11 @@ def advance(comm: Group, decision: Decision, step: int, seconds: Callable[[int],
     """``decision`` (on trial) at its exchange of ``step``: the trial's exchanges counted (the
     decision's step is the first), the periods this worker knows by now recorded
     (``seconds(s)``: from its exchange of step s to its next one, None where not known);
-    exchanges 1…T of the trial execute the rule's choices, T+1…2T nothing compressed; at
-    exchange 2T+1 the verdict (collective on ``comm``: every worker gathers every worker's
-    periods and takes, per period, the slowest worker's, per candidate the best period; the
-    rule's choices are kept iff theirs is shorter; ties and missing times: uncompressed)."""
+    exchanges 1…W+T of the trial execute the rule's choices (the first W, :data:`TRIAL_WARMUP`,
+    not timed), W+T+1…W+2T nothing compressed; at exchange W+2T+1 the verdict (collective on
+    ``comm``: every worker gathers every worker's periods and takes, per period, the slowest
+    worker's, per candidate the best period; the rule's choices are kept iff theirs is
+    shorter; ties and missing times: uncompressed)."""
     steps = decision.trial_steps or (decision.step,)
     if step not in steps:
         steps += (step,)
@@ -172,10 +180,11 @@ def advance(comm: Group, decision: Decision, step: int, seconds: Callable[[int],
     known = dict(decision.timed)
     known.update({s: t for s in steps[:at] if s not in known and (t := seconds(s)) is not None})
     timed = tuple(sorted(known.items()))
-    if at < 2 * TRIAL_STEPS:
-        choices = decision.proposed if at < TRIAL_STEPS else ("none",) * len(decision.proposed)
+    if at < TRIAL_EXCHANGES:
+        rule = at < TRIAL_WARMUP + TRIAL_STEPS
+        choices = decision.proposed if rule else ("none",) * len(decision.proposed)
         return replace(decision, choices=choices, timed=timed, trial_steps=steps)
-    mine = torch.tensor([known.get(s, math.nan) for s in steps[:2 * TRIAL_STEPS]], dtype=torch.float64)
+    mine = torch.tensor([known.get(s, math.nan) for s in steps[TRIAL_WARMUP:TRIAL_EXCHANGES]], dtype=torch.float64)
     every = comm.allgather_control(mine).reshape(comm.world_size, -1)
     slowest = torch.where(torch.isnan(every), math.inf, every).max(dim=0).values.tolist()
     rule, none = min(slowest[:TRIAL_STEPS]), min(slowest[TRIAL_STEPS:])
