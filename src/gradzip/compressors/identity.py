@@ -56,13 +56,19 @@ class NoCompression(Summing, Compressor):
         return total.div_(world_size).view(packet.shape)  # total: PSync's own buffer, of the packet's dtype
 
     def from_sums(self, total, packets, sizes, world_size):
-        return self.from_sums_checked(total, packets, sizes, world_size)[0]
+        total.div_(world_size)   # every member's from_sum at once: the same division, elementwise
+        return _members(total, packets, sizes)
 
     def from_sums_checked(self, total, packets, sizes, world_size):
-        """Every member's ``from_sum`` at once (the same division, elementwise), and their
-        finiteness from the same pass (:func:`gradzip.kernels.sums.mean_in_place`)."""
+        """:meth:`from_sums`, and the members' finiteness from the division's own pass
+        (:func:`gradzip.kernels.sums.mean_in_place`)."""
         finite = mean_in_place(total, world_size)
-        return [part.view(packet.shape) for part, packet in zip(total.split(sizes), packets)], finite
+        return _members(total, packets, sizes), finite
+
+
+def _members(total: torch.Tensor, packets, sizes) -> list[torch.Tensor]:
+    """The members' aggregates: views of their parts of the bucket's ``total``, in their shapes."""
+    return [part.view(packet.shape) for part, packet in zip(total.split(sizes), packets)]
 
 
 class CastReference(Implementation):

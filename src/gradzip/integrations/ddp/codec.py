@@ -241,7 +241,10 @@ def _mean_is_finite(total: torch.Tensor, n: int, check: bool) -> bool:
     (:func:`gradzip.kernels.sums.mean_in_place`). Chained to the allreduce (``Work.then``):
     on gloo/NCCL it runs on the backend's thread as the sum arrives, while backward goes on,
     as the division of PyTorch's ``allreduce_hook``."""
-    return mean_in_place(total, n) or not check
+    if not check:   # nonfinite="off": the division alone (no sum, no device sync)
+        total.div_(n)
+        return True
+    return mean_in_place(total, n)
 
 
 def hook(codec: "str | Compressor" = "none", error_feedback: bool | None = None, **options: Any) -> CodecState:
