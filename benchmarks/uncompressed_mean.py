@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
     ap.add_argument("--repeat", type=int, default=31)
     args = ap.parse_args(argv)
+    if args.repeat < 1 or min(args.sizes) < 1:
+        ap.error(f"--repeat and every --sizes must be >= 1, got --repeat {args.repeat} --sizes "
+                 f"{' '.join(map(str, args.sizes))}")
     torch.set_num_threads(1)
     results = {size: measure(size, args.repeat) for size in args.sizes}
     names = list(next(iter(results.values())))
