@@ -238,3 +238,31 @@ def step_seconds(times: dict[int, float]):
         seen = self._step_began
         return times.get(step) if step in seen and any(s > step for s in seen) else None
     return seconds
+
+
+def nan_at(comm, link, bad_step: int = 3, bad_rank: int = 1, overlap: bool = True):
+    """EF-SGD auto:1bit on ``link`` (declared: decided at the first step, no trial), the
+    loss of rank ``bad_rank`` at ``bad_step`` times NaN; the first gradient check that reads
+    a gradient counted. Returns (the exception's type and message, checks in the hooks)."""
+    from gradzip.optim.core import overlap as hooks
+
+    reads = []
+    real = hooks.first_nonfinite
+    hooks.first_nonfinite = lambda tensors: reads.append(len(tensors)) or real(tensors)
+    try:
+        net = model()
+        opt = make(net, comm, "efsgd", {"lr": 0.1, "compressor": "auto:1bit", "link": link,
+                                        "overlap_backward": overlap})
+        for t in range(1, bad_step + 1):
+            x, y = batch(t, comm.rank)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            if t == bad_step and comm.rank == bad_rank:
+                loss = loss * float("nan")
+            loss.backward()
+            opt.step()
+    except Exception as error:   # NonFiniteGradient, or the peers' PeerFailure
+        return type(error).__name__, str(error), len(reads)
+    finally:
+        hooks.first_nonfinite = real
+    return None, "", len(reads)

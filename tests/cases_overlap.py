@@ -179,3 +179,50 @@ def different_lr(comm):
                              bucket_bytes=BUCKET_BYTES)
     loss_of(model, 1, comm).backward()
     opt.step()
+
+
+#: Methods whose exchange reads large gradients as they are (S-SGD, EF-SGD sending a unit
+#: uncompressed: the bucket's copy digests them) and one that sends a copy (top-k).
+LARGE = {"ssgd": ("ssgd", {"lr": 0.1}), "efsgd-none": ("efsgd", {"lr": 0.1, "compressor": "none"}),
+         "efsgd-topk": ("efsgd", {"lr": 0.1, "compressor": "topk:ratio=0.3"})}
+
+
+class _Large(torch.nn.Module):
+    def __init__(self, unused: bool):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(12, 400), torch.nn.Linear(400, 20)
+        self.spare = torch.nn.Linear(20, 300) if unused else None   # never called: no gradient
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+def large_model(unused: bool) -> torch.nn.Module:
+    """Two layers whose weights are larger than a snapshot copies (kernels.digest.SMALL), the
+    same on every worker; ``unused``: a last layer without a gradient, so the first bucket
+    (the last parameters) waits for ``step()`` and every other bucket with it."""
+    return _Large(unused)
+
+
+def train_large(comm, name: str, edit: str | None, overlap: bool, unused: bool = False, steps: int = 3):
+    """``steps`` steps of :data:`LARGE` ``name`` on :func:`large_model`, with the ``EDITS``
+    edit (or none) between backward and ``step()``. Returns (parameters, state_dict)."""
+    method, options = LARGE[name]
+    import gradzip
+
+    model = large_model(unused)
+    opt = gradzip.optim.METHODS[method](model.parameters(), comm=comm, overlap_backward=overlap,
+                                        bucket_bytes=8000, **options)
+    gen = torch.Generator().manual_seed(comm.rank)
+    for _ in range(steps):
+        x, y = torch.randn(16, 12, generator=gen), torch.randn(16, 20, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if edit is not None:
+            EDITS[edit]([p for p in model.parameters() if p.grad is not None])
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt.state_dict()

@@ -327,6 +327,21 @@ def test_extreme_links_on_gloo_and_the_hierarchy():
             assert all(torch.equal(a, b) for a, b in zip(auto, fixed))
 
 
+def test_a_nan_gradient_under_auto_is_found_by_the_exchange_where_every_unit_is_uncompressed():
+    """auto:1bit decided all-uncompressed (an infinitely fast link): the hooks read no
+    gradient (the aggregate check of ``none`` finds a NaN input, as for EF-SGD with ``none``)
+    and every worker raises NonFiniteGradient naming rank 1; decided all-1bit (which does not
+    carry a NaN into its aggregate), the hooks check every bucket's gradients first: rank 1
+    raises in backward's step, its peer fails at the next collective."""
+    fast = simulate(2, lambda comm: cases_auto.nan_at(comm, cases_auto.FAST))
+    for kind, message, reads in fast:
+        assert kind == "NonFiniteGradient" and "on rank 1" in message and "found in the aggregate" in message
+        assert reads == 0
+    (peer, _, peer_reads), (kind, message, reads) = simulate(2, lambda comm: cases_auto.nan_at(comm, cases_auto.SLOW))
+    assert kind == "NonFiniteGradient" and "on rank 1" in message and "found in the aggregate" not in message
+    assert peer == "PeerFailure" and reads > 0 and peer_reads > 0
+
+
 # -- residual folding ------------------------------------------------------------------------
 def test_a_switch_under_efsgd_loses_no_error(monkeypatch, caplog):
     """recalibrate_every=1 with a codec cost that alternates: the large weight's unit goes

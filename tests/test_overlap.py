@@ -258,3 +258,45 @@ def test_three_gloo_workers_hooked_equals_by_hand_bitwise():
             if gradzip.optim.METHODS[cases_overlap.OVERLAPPED[name][0]].replicas_differ:  # error reset
                 continue
             _same(outs[0][name]["hooked"][0], other[name]["hooked"][0], f"{name} replicas")
+
+
+@pytest.mark.parametrize("unused", [False, True], ids=["launched in backward", "waiting for step"])
+@pytest.mark.parametrize("edit", sorted(cases_overlap.EDITS))
+def test_edits_of_large_gradients_digested_in_the_bucket_copy_are_seen(edit, unused):
+    """Gradients larger than a snapshot copies are digested when the exchange reads them: in
+    the bucket's copy (S-SGD, EF-SGD sending uncompressed), or at the end of backward where
+    their bucket waits for ``step()``; an edit between backward and ``step()`` is seen either
+    way: the bits of ``overlap_backward=False``, the traffic twice."""
+    for name in cases_overlap.LARGE:
+        for a, b, plain in gradzip.simulate(2, lambda c: (cases_overlap.train_large(c, name, edit, True, unused),
+                                                          cases_overlap.train_large(c, name, edit, False, unused),
+                                                          cases_overlap.train_large(c, name, None, True, unused))):
+            sent = [sum(x["payload_bytes"] for x in r[1]["gradzip"]["exchanges"]) for r in (a, b, plain)]
+            assert sent[0] == 2 * sent[1] == 2 * sent[2], f"{name} {edit}: not exchanged again ({sent})"
+            _same_but_bucketing((a[0], _without_bytes(a[1])), (b[0], _without_bytes(b[1])), f"{name} {edit}")
+
+
+def test_the_bucket_copy_makes_the_digests_of_large_gradients_sent_as_they_are(monkeypatch):
+    """S-SGD's hooks read a large gradient once in backward, in the bucket's copy that digests
+    it; a copy sent (top-k's input) gets its fingerprint in the hook; ``step()`` fingerprints
+    each large gradient once."""
+    from gradzip.optim.core import fingerprint
+
+    calls = []
+    real = fingerprint.fingerprint
+    monkeypatch.setattr(fingerprint, "fingerprint", lambda t: calls.append(t.numel()) or real(t))
+    comm = gradzip.comm.make_group(1)[0]
+    for name in ("ssgd", "efsgd-none", "efsgd-topk"):
+        method, options = cases_overlap.LARGE[name]
+        model = cases_overlap.large_model(False)
+        opt = gradzip.optim.METHODS[method](model.parameters(), comm=comm, **options)
+        big = sorted(p.numel() for p in model.parameters() if p.numel() > fingerprint.SMALL)
+        x, y = torch.randn(4, 12), torch.randn(4, 20)
+        for step in range(2):   # EF-SGD with none: the first step's input is p = η g (no error yet)
+            calls.clear()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            in_backward = sorted(calls)
+            calls.clear()
+            opt.step()
+            assert sorted(calls) == big, (name, step)
+        assert in_backward == ([] if name != "efsgd-topk" else big), name

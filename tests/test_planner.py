@@ -98,6 +98,21 @@ def test_hierarchical_buckets_hold_the_plans_of_their_shards():
     assert plan([(1000,)], "none", 8, hierarchy=1).buckets[0].inner[0].shapes == ((1000,),)
 
 
+def test_lossless_says_which_tensors_travel_with_none():
+    """``Plan.lossless``: per tensor in the plan's order; auto:<codec>'s choices decide it per
+    unit; a hierarchical bucket is lossless when every local rank's inner plan is."""
+    shapes = [(4000,), (30,), (2000,)]
+    assert plan(shapes, "none", 4).lossless() == [True] * 3
+    assert plan(shapes, "1bit", 4).lossless() == [False] * 3
+    mixed = plan(shapes, "auto:1bit", 4, bucket_bytes=8000, choices=("1bit", "none", "none"))
+    want = [mixed.codecs[t].spec == "none" for t in range(3)]
+    assert mixed.lossless() == want and sorted(want) == [False, True, True]
+    assert plan(shapes, "none", 8, hierarchy=4).lossless() == [True] * 3
+    units = len(plan(shapes, "auto:1bit", 8, hierarchy=4).choices)
+    assert plan(shapes, "auto:1bit", 8, hierarchy=4, choices=("none",) * units).lossless() == [True] * 3
+    assert plan(shapes, "auto:1bit", 8, hierarchy=4, choices=("1bit",) * units).lossless() == [False] * 3
+
+
 def test_plan_errors_are_one_line():
     with pytest.raises(GradzipError, match="transport must be one of"):
         plan([(3,)], "none", 2, transport="ring")

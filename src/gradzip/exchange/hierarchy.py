@@ -79,6 +79,8 @@ class _HierPending:
     tensors: list[torch.Tensor]           # this worker's inputs (shapes, dtypes)
     buckets: list[_HierBucket]
     residual: bool
+    #: none: its copies into the node's reduce-scatter make no digests (``PSync.start(digest_inputs=)``)
+    digests: tuple = ()
 
     @property
     def packets(self):
@@ -99,6 +101,9 @@ class HierarchicalPSync(PSync):
     ``link``: the node's uplink (the node's k cross-node exchanges share it)."""
 
     guards_inputs = False   # each shard's check runs on one worker only: the inputs are checked first
+
+    def plan_guards_inputs(self, plan: Plan) -> bool:
+        return False
 
     def __init__(self, comm: Group, compressor="none", *, workers_per_node, seed: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_finite: bool = False, intra: str = "fp32",
@@ -163,9 +168,10 @@ class HierarchicalPSync(PSync):
             self.tracer.add("communicate", began, ended, kind=kind, bytes=nbytes, scope="node")
 
     def start(self, tensors: Sequence[torch.Tensor], step: int, *, keys: Sequence[int] | None = None,
-              residual: bool = True, plan: Plan | None = None) -> _HierPending:
+              residual: bool = True, plan: Plan | None = None, digest_inputs: bool = False) -> _HierPending:
         """Per bucket of the plan: reduce-scatter inside the node (waited for), then start the
-        PSync across nodes."""
+        PSync across nodes. ``digest_inputs`` is accepted and makes none
+        (:attr:`_HierPending.digests`)."""
         tensors, complex_at = real_views(tensors)
         keys = list(range(len(tensors)) if keys is None else keys)
         if plan is None:

@@ -31,6 +31,7 @@ from typing import Sequence
 import torch
 
 from ..compressors import Packet
+from ..kernels.digest import SMALL, copy_parts
 
 
 def storages(tensors) -> set[int]:
@@ -69,12 +70,16 @@ class Spares:
         return torch.empty_like(t, memory_format=torch.contiguous_format)
 
     def bucket_buffer(self, kind: str, dtype: torch.dtype, device: torch.device, parts: list[torch.Tensor],
-                       private: bool) -> tuple[torch.Tensor, bool]:
+                       private: bool, digests: list | None = None) -> tuple[torch.Tensor, bool]:
         """The flat buffer a bucket sends, and whether it is one of these spares (reusable):
         its one part as it is, or the parts copied into a spare buffer of this size (a new
         one when none is spare); a ``private`` bucket (a part is an input's memory, e.g.
-        ``none``'s summand) is always copied: a collective may write into what it sends."""
+        ``none``'s summand) is always copied: a collective may write into what it sends.
+        ``digests`` (a list): filled with each part's digest made in its copy, where
+        :func:`gradzip.kernels.digest.copy_parts` makes one (None where not, or not copied)."""
         if len(parts) == 1 and not private:
+            if digests is not None:
+                digests.append(None)
             return parts[0], False
         if not parts:
             return torch.empty(0, dtype=dtype, device=device), False
@@ -84,6 +89,9 @@ class Spares:
             buf = spare.pop() if spare else None
         if buf is None:
             buf = torch.empty(numel, dtype=dtype, device=device)
+        if digests is not None:
+            digests.extend(copy_parts(parts, buf, SMALL))
+            return buf, True
         return (buf.copy_(parts[0]) if len(parts) == 1 else torch.cat(parts, out=buf)), True
 
     def release(self, pending, out: list[torch.Tensor]) -> None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -330,6 +330,19 @@ class Plan:
         buckets = tuple(replace(b, tensors=tuple(where[t] for t in b.tensors)) for b in chosen)
         return replace(self, buckets=buckets, shapes=tuple(self.shapes[t] for t in order),
                        codecs=tuple(self.codecs[t] for t in order) if self.codecs else ())
+
+    def lossless(self) -> list[bool]:
+        """Per tensor (in the order of ``shapes``): whether the codec it travels with is
+        lossless (``none``), so that its aggregate is the exact mean of the inputs
+        (hierarchical: the codec of every inner plan, on every local rank)."""
+        out = [False] * len(self.shapes)
+        for b in self.buckets:
+            for t in b.tensors:
+                if b.route == "hierarchical":
+                    out[t] = all(all(c.lossless for c in q.codecs) and q.codecs for q in b.inner)
+                else:
+                    out[t] = bool(self.codecs) and self.codecs[t].lossless
+        return out
 
     def layout(self) -> str:
         """Every bucket's route and tensors, compactly (``"twophase[3,2] allreduce[1,0]"``):

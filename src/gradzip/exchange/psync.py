@@ -145,6 +145,10 @@ class Pending:
     twophase: list[_TwoPhaseBucket] = field(default_factory=list)
     codecs: list = field(default_factory=list)     # packet i's codec (None: two-phase)
     reuse_aggregates: bool = False                 # PSync.reuse_aggregates when it started
+    #: per tensor, asked with ``start(digest_inputs=True)``: the digest
+    #: (:func:`gradzip.kernels.digest.digest`) of an input its bucket copied as it is (``none``
+    #: on an allreduce), made in that copy; None for the others
+    digests: list = field(default_factory=list)
     _result: Result | None = field(default=None, repr=False)
 
     def wait(self) -> Result:
@@ -386,12 +390,15 @@ class PSync:
         return self.start(tensors, step, keys=keys, residual=residual).wait()
 
     def start(self, tensors: Sequence[torch.Tensor], step: int, *, keys: Sequence[int] | None = None,
-              residual: bool = True, plan: Plan | None = None) -> Pending:
+              residual: bool = True, plan: Plan | None = None, digest_inputs: bool = False) -> Pending:
         """Compress ``tensors`` and launch their collectives, bucket by bucket of the
         exchange's plan; ``keys`` identify each tensor across steps (default: its position)
         for the shared random seeds and the launch order. ``plan``: a plan of these tensors
         in the order given (``Plan.select`` of the exchange's plan: a bucket launched on its
-        own, as the backward hooks do)."""
+        own, as the backward hooks do). ``digest_inputs``: ``Pending.digests`` holds the
+        digest of each input of more than :data:`~gradzip.kernels.digest.SMALL`
+        entries that a bucket copies as it is, made in that copy (the backward overlap's edit
+        guard reads the gradient no second time in backward)."""
         tensors, complex_at = real_views(tensors)
         keys = list(range(len(tensors)) if keys is None else keys)
         began = time.perf_counter()
@@ -402,7 +409,8 @@ class PSync:
             order = list(range(len(tensors)))
         residuals = [None] * len(tensors) if residual else None
         pending = Pending(self, [None] * len(tensors), [], residuals, 0, keys, [False] * len(tensors),
-                          codecs=[None] * len(tensors), reuse_aggregates=self.reuse_aggregates)
+                          codecs=[None] * len(tensors), reuse_aggregates=self.reuse_aggregates,
+                          digests=[None] * len(tensors) if digest_inputs else [])
         for bucket in plan.buckets:
             members = [order[i] for i in bucket.tensors]
             codecs = [plan.codecs[i] for i in bucket.tensors]
@@ -426,6 +434,13 @@ class PSync:
         codec = self.compressor
         return (self.check_finite and not isinstance(codec, PerTensor) and codec.propagates_nonfinite
                 and self.transport != "twophase")
+
+    def plan_guards_inputs(self, plan: Plan) -> bool:
+        """:attr:`guards_inputs` for one plan of this exchange: every codec it sends with
+        propagates non-finite values (an auto:<codec> decision's, a PerTensor policy's, e.g.
+        auto's units all uncompressed), every bucket on an exact route."""
+        return (self.check_finite and bool(plan.codecs) and all(c.propagates_nonfinite for c in plan.codecs)
+                and all(b.route in ("allreduce", "allgather") for b in plan.buckets))
 
     def codec_for(self, key: int, tensor: torch.Tensor) -> Compressor:
         """The codec of the tensor with ``key``: the PSync's codec, or what its
@@ -470,7 +485,12 @@ class PSync:
             parts.extend(flat)
             sizes.append(sum(f.numel() for f in flat))
         device = tensors[members[0]].device
-        buffer, reusable = self.memory.bucket_buffer(bucket.route, bucket.dtype, device, parts, private)
+        digests = [] if pending.digests and bucket.route == "allreduce" else None
+        buffer, reusable = self.memory.bucket_buffer(bucket.route, bucket.dtype, device, parts, private, digests)
+        for i, part, made in zip(members, parts, digests or ()):
+            t = tensors[i]
+            if made is not None and part.data_ptr() == t.data_ptr() and part.numel() == t.numel() and t.is_contiguous():
+                pending.digests[i] = made   # the input itself was copied (none): its digest
         collective = self.comm.allreduce if bucket.route == "allreduce" else self.comm.allgather
         work = collective(buffer, async_op=True)
         self.bytes_sent += work.nbytes

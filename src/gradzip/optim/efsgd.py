@@ -17,9 +17,11 @@ class EFSGD(GradientExchange):
     The error ``e_i`` (``state[p]["error"]``, gradzip's sign convention: what is still owed
     to the model) holds everything compression dropped and is added back next step; a
     tensor sent uncompressed (``none``, or a unit ``auto:<codec>`` sends so) owes nothing and
-    keeps none (absent means zero: ``PSync.omit_zero_residuals``), and then, without momentum
-    or weight decay, ``p = η g`` is one pass into the memory of its last input. The
-    model is identical on all workers. With the identity codec it is S-SGD; with one
+    keeps none (absent means zero: ``PSync.omit_zero_residuals``). Sent uncompressed again
+    with nothing owed, without momentum or weight decay, ``p = η g`` is not formed: the
+    gradient itself is sent and ``x ← x − η mean_j g_j`` applied, S-SGD's arithmetic (bit
+    for bit; one pass over the gradient less); else ``p = η g`` is one pass into the memory of
+    its last input. The model is identical on all workers. With the identity codec it is S-SGD; with one
     worker and a lossy codec it is not SGD (the error delays updates). 1-bit SGD is
     ``EFSGD(compressor="1bit")``, EF-signSGD ``EFSGD(compressor="scaled_sign")``.
 
@@ -38,10 +40,16 @@ class EFSGD(GradientExchange):
         self.psync.omit_zero_residuals = True   # a unit sent uncompressed owes nothing: no error kept
         self.psync.reuse_aggregates = True      # each aggregate is applied at once, never kept (as S-SGD)
         self._inputs: dict = {}   # param -> this step's exchange input (its own temporary)
+        self._unscaled: set = set()   # params whose input this step is g itself (η applied after)
 
     def exchange_input(self, group, p):
         error = self.state[p].get("error")   # absent: zero (the first step, or nothing owed)
-        if error is None and not group["momentum"] and not group["weight_decay"]:
+        plain = not group["momentum"] and not group["weight_decay"]
+        if error is None and plain and self.sent_losslessly(p):   # p = η g, its mean η mean_j g_j:
+            self._unscaled.add(p)                                    # g sent, η applied (S-SGD's bits)
+            return p.grad
+        self._unscaled.discard(p)
+        if error is None and plain:
             d = self.psync.memory.residual(self._keys[p], p.grad)   # d = g: p = η g in one pass,
             self._inputs[p] = torch.mul(p.grad, group["lr"], out=d)    # into last step's input if spare
             return self._inputs[p]
@@ -50,7 +58,12 @@ class EFSGD(GradientExchange):
         return self._inputs[p]
 
     def apply_exchange(self, pairs, aggregates, residuals):
-        torch._foreach_sub_([p for _, p in pairs], list(aggregates))   # x ← x − mean_j p'_j, one call
+        unscaled = [i for i, (_, p) in enumerate(pairs) if p in self._unscaled]
+        if unscaled:                            # x ← x − η mean_j g_j (sent as g)
+            self.descend([pairs[i] for i in unscaled], [aggregates[i] for i in unscaled])
+        scaled = [i for i, (_, p) in enumerate(pairs) if p not in self._unscaled]
+        if scaled:                              # x ← x − mean_j p'_j, one call
+            torch._foreach_sub_([pairs[i][1] for i in scaled], [aggregates[i] for i in scaled])
         for (_, p), err in zip(pairs, residuals):
             if err is None:                      # sent uncompressed (PSync.omit_zero_residuals): e = 0
                 self.state[p].pop("error", None)

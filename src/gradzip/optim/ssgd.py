@@ -1,8 +1,6 @@
 """S-SGD: synchronous data parallel, optionally with a codec and no error memory."""
 from __future__ import annotations
 
-import torch
-
 from .core.overlap import GradientExchange
 
 
@@ -34,10 +32,4 @@ class SSGD(GradientExchange):
         return self.local_direction(p, group)
 
     def apply_exchange(self, pairs, aggregates, residuals):
-        by_lr: dict = {}   # x ← x − η mean_j g_j: one call per learning rate
-        for (group, p), agg in zip(pairs, aggregates):
-            params, aggs = by_lr.setdefault(group["lr"], ([], []))
-            params.append(p)
-            aggs.append(agg)
-        for lr, (params, aggs) in by_lr.items():
-            torch._foreach_add_(params, aggs, alpha=-lr)
+        self.descend(pairs, aggregates)   # x ← x − η mean_j g_j: one call per learning rate

@@ -9,8 +9,13 @@ counter of its own), through ``p.grad.data = ...`` (new memory under the same ob
 outside torch (numpy views, DLPack). :func:`fingerprint` reads the values themselves:
 taken in the hook and again at ``step()``, a difference means the gradient changed.
 
-What it is: two passes over the tensor's memory, the cost of two ``sum()`` calls,
-returned as raw bytes (compare with ``torch.equal``; equal values give equal bytes):
+What it is, where numba runs (CPU; contiguous tensors of 4- or 8-byte entries): the one-pass
+integer digest of :mod:`gradzip.kernels.digest` (three position-weighted sums of the
+tensor's 32-bit words), which the exchange can also make while it copies the gradient into
+its bucket (``PSync.start(digest_inputs=True)``: no second read in backward). Elsewhere
+(CUDA, 16-bit entries, ``GRADZIP_KERNELS=torch``): two passes over the tensor's memory, the
+cost of two ``sum()`` calls, returned as raw bytes (compare with ``torch.equal``; equal values
+give equal bytes):
 
 * the sum of the entries' bit patterns as integers, modulo 2^32 (2^64 for 8-byte
   entries): a change of one entry's bits always changes it, and so does any edit that
@@ -19,9 +24,9 @@ returned as raw bytes (compare with ``torch.equal``; equal values give equal byt
   fixed; in float32 for 16-bit values, which costs their conversion): a sign flip or a
   permutation, which keeps the integer sum, changes them.
 
-An edit is missed only if it keeps both: a change that moves entries' bits in
-compensating ways (modulo 2^32) while keeping every row's weighted sum to within its
-rounding. Complex tensors are read as their real view (``torch.view_as_real``).
+Either is missed only by an edit that moves entries' bits in compensating ways in every
+one of its sums. Complex tensors are read as their real view (``torch.view_as_real``). The
+same tensor (device, dtype, layout) always takes the same one of the two.
 
 For a small tensor the half-dozen torch calls of a fingerprint cost more than its bytes:
 :func:`snapshot` keeps a copy of the bytes of a tensor of up to :data:`SMALL` entries (exact:
@@ -34,10 +39,11 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import digest
+from ...kernels.digest import SMALL   # up to this many entries a snapshot is a copy of the bytes
+
 #: Entries per weighted row (the weights are this long, per dtype and device).
 ROW = 1024
-#: Up to this many entries :func:`snapshot` copies a tensor's bytes instead of fingerprinting it.
-SMALL = 4096
 _INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 _weights: dict = {}
 
@@ -53,6 +59,8 @@ def _row_weights(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
     """A uint8 tensor that changes when ``t``'s values do (module docstring): equal values,
     equal bytes."""
+    if digest.applies(t):
+        return digest.digest(t)
     flat = t.detach()
     if flat.is_complex():
         flat = torch.view_as_real(flat)

@@ -37,8 +37,11 @@ composition (≈ 1 ulp, as any change of ``bucket_bytes``).
   The control allgather tells every worker; all discard it and exchange again from the
   current gradients (exact; twice the traffic, counted: ``overlap_backward=False`` if you
   clip every step). The snapshot of a gradient of up to 4096 entries is a copy of it,
-  compared at ``step()`` with all others in one ``torch.equal``; a larger one's fingerprint
-  costs two passes over it in its hook and two at ``step()``, about four ``sum()`` calls;
+  compared at ``step()`` with all others in one ``torch.equal``; a larger one's is a digest
+  (one pass; :mod:`gradzip.kernels.digest`), taken when the exchange reads the gradient: in
+  the hook where the input is a copy (EF-SGD's ``p = e + η d``), in the bucket's copy where
+  the input is the gradient itself (S-SGD: no second read in backward), or at the end of
+  backward where that bucket waits for ``step()``; one more pass at ``step()``;
 * hyper-parameters (lr, momentum, weight decay) are read when the gradient is ready: an LR
   scheduler stepped after ``step()`` (the usual place) acts on the next step, as without hooks.
 
@@ -84,6 +87,9 @@ class _Plan:
         self.buckets: list[list[torch.Tensor]] = [[params[order[i]] for i in b.tensors]
                                                   for b in self.exchange.buckets]
         self.where = {p: b for b, members in enumerate(self.buckets) for p in members}
+        #: the parameters this plan sends with a lossless codec (``none``; auto:<codec>'s
+        #: uncompressed units): their aggregate is the exact mean of the inputs
+        self.lossless = {id(params[order[i]]) for i, exact in enumerate(self.exchange.lossless()) if exact}
 
 
 def _plan_key(pairs, psync) -> tuple:
@@ -103,6 +109,7 @@ class _Run:
         self.missing = [len(b) for b in plan.buckets]      # members not fed yet, per bucket
         self.launched: list[list[tuple[list, Pending]]] = []   # per bucket: (members, pending) per exchange
         self.poisoned = False                              # "raise": a non-finite gradient; launch no more
+        self.rest_queued = False                           # _snapshot_rest runs at the end of backward
         self.bad: set[int] = set()                         # keys of parameters fed a non-finite gradient
 
 
@@ -134,6 +141,7 @@ class GradientExchange(DistributedOptimizer):
         self._accumulating = 0
         self._run: _Run | None = None
         self._plan: _Plan | None = None
+        self._guard_plan: _Plan | None = None   # the plan of the hooks' step (gradients_checked_by_exchange)
         self._handles: list = []
         self._hooked: set[int] = set()
         weakref.finalize(self, _remove_hooks, self._handles)
@@ -141,13 +149,21 @@ class GradientExchange(DistributedOptimizer):
             self._register_hooks(self._all_params())
 
     def gradients_checked_by_exchange(self) -> bool:
-        return (self.inputs_keep_gradient_nonfinite and self.nonfinite == "raise"
-                and self.psync.guards_inputs)
+        """(NonFiniteGuard's contract.) With the backward overlap, decided on the plan of the
+        step the hooks run (``PSync.plan_guards_inputs``: auto:<codec>'s units all
+        uncompressed guard their inputs as ``none`` does); else on the exchange's codec."""
+        if not (self.inputs_keep_gradient_nonfinite and self.nonfinite == "raise"):
+            return False
+        if self.psync.guards_inputs:
+            return True
+        plan = self._guard_plan
+        return plan is not None and self.launch_psync() is self.psync and self.psync.plan_guards_inputs(plan.exchange)
 
     def disable_overlap(self) -> None:
         """This instance's exchange cannot start in backward (e.g. DGC with clipping, CSER
         without a gradient exchange): ``step()`` does everything; the hooks are removed."""
         self.overlap_backward = False
+        self._guard_plan = None
         _remove_hooks(self._handles)
 
     # -- the method's two halves --------------------------------------------------------
@@ -161,15 +177,33 @@ class GradientExchange(DistributedOptimizer):
         ``aggregates`` and ``residuals``)."""
         raise NotImplementedError
 
+    def sent_losslessly(self, p: torch.Tensor) -> bool:
+        """Whether this step's exchange plan sends ``p`` with a lossless codec (``none``, or a
+        unit auto:<codec> sends uncompressed): what :meth:`exchange_input` may ask."""
+        return self._plan is not None and id(p) in self._plan.lossless
+
+    @staticmethod
+    def descend(pairs: list, aggregates: list) -> None:
+        """``x ← x − η · a`` for each ``(group, x)`` of ``pairs`` and its ``a`` of
+        ``aggregates``, η its group's lr: one ``_foreach`` call per learning rate."""
+        by_lr: dict = {}
+        for (group, p), agg in zip(pairs, aggregates):
+            params, aggs = by_lr.setdefault(group["lr"], ([], []))
+            params.append(p)
+            aggs.append(agg)
+        for lr, (params, aggs) in by_lr.items():
+            torch._foreach_add_(params, aggs, alpha=-lr)
+
     def launch_psync(self):
         """The PSync whose plan cuts the step into buckets (default: ``self.psync``)."""
         return self.psync
 
     def start_bucket(self, members: list, inputs: list, step: int, plan) -> list[tuple[list, Pending]]:
         """Launch one bucket (``plan``: its part of the exchange plan): ``(members, pending)``
-        per exchange started (default: one ``self.psync.start`` over all members)."""
+        per exchange started (default: one ``self.psync.start`` over all members, which
+        digests the gradients it copies as they are for the edit guard)."""
         return [(members, self.psync.start(inputs, step, keys=self.keys(members), residual=self.exchange_residual,
-                                           plan=plan))]
+                                           plan=plan, digest_inputs=True))]
 
     def apply_bucket(self, pairs: list, pending: Pending, result) -> None:
         """Apply one exchange of a bucket (``pairs`` its members)."""
@@ -204,6 +238,7 @@ class GradientExchange(DistributedOptimizer):
             return loss
         try:
             if run is None:
+                self._replan(pairs, self.steps)   # the plan exchange_input may ask (sent_losslessly)
                 inputs = [self.exchange_input(group, p) for group, p in pairs]
                 result = self.psync(inputs, self.steps, keys=self.keys(params), residual=self.exchange_residual)
                 self.apply_exchange(pairs, result.aggregate, result.residual)
@@ -255,7 +290,13 @@ class GradientExchange(DistributedOptimizer):
                 self._discard(run, uncount=True)
                 self.check_dense(p)
             self._feed(run, p)
-            run.seen[p] = (p.grad, p.grad._version, snapshot(p.grad))
+            # the snapshot of what the exchange reads, when it reads it: an input that is the
+            # gradient itself is read when its bucket launches (_launch_ready), a copy now
+            deferred = run.inputs[p] is p.grad
+            run.seen[p] = (p.grad, p.grad._version, None if deferred else snapshot(p.grad))
+            if deferred and not run.rest_queued:
+                run.rest_queued = True
+                _at_backward_end(lambda: _snapshot_rest(run))
             self._launch_ready(run)
 
     def _current_run(self) -> _Run:
@@ -263,23 +304,26 @@ class GradientExchange(DistributedOptimizer):
             verifying = not self._verified
             self.verify_once()   # before the first collective of this optimizer
             # the set last agreed on, else the participating one (a change: step() exchanges again)
-            self._replan(self.participating() if self._plan is None or verifying else self._plan.pairs)
+            self._replan(self.participating() if self._plan is None or verifying else self._plan.pairs,
+                         self.steps + 1)
             self._run = self._new_run()
         return self._run
 
-    def _replan(self, pairs: list) -> None:
+    def _replan(self, pairs: list, step: int) -> None:
         """Buckets over ``pairs``, a set the workers agree on (the settings check, or
-        :meth:`agree`); kept where it is the plan's already. auto:<codec>: the launching
-        PSync's decision for that set is made first where it is due (collective: every worker
-        calls this at the same point, before the step's first bucket)."""
+        :meth:`agree`), for the exchange of ``step``; kept where it is the plan's already.
+        auto:<codec>: the launching PSync's decision for that set is made first where it is
+        due (collective: every worker calls this at the same point, before the step's first
+        bucket)."""
         psync, params = self.launch_psync(), [p for _, p in pairs]
         keys = self.keys(params)
-        psync.prepare(params, keys, self.steps + 1)
+        psync.prepare(params, keys, step)
         if self._plan is None or self._plan.key != _plan_key(pairs, psync):
             self._plan = _Plan(pairs, psync, keys)
 
     def _new_run(self) -> _Run:
         self.start_undo_log()
+        self._guard_plan = self._plan
         return _Run(self._plan, self.steps + 1, [(x.bytes_sent, x.payload_bytes) for x in self._exchanges])
 
     def _feed(self, run: _Run, p: torch.Tensor) -> None:
@@ -297,8 +341,14 @@ class GradientExchange(DistributedOptimizer):
             self._check_bucket(run, members)
             if run.poisoned:
                 break
-            run.launched.append(self.start_bucket(members, [run.inputs[p] for p in members], run.step,
-                                                  run.plan.exchange.select([b])))
+            launched = self.start_bucket(members, [run.inputs[p] for p in members], run.step,
+                                         run.plan.exchange.select([b]))
+            run.launched.append(launched)
+            made = {id(m): d for ms, pending in launched for m, d in zip(ms, pending.digests) if d is not None}
+            for p in members:   # the deferred snapshots: the digests made in the bucket's copy, else now
+                grad, version, taken = run.seen.get(p, (None, None, True))
+                if taken is None:
+                    run.seen[p] = (grad, version, made[id(p)] if id(p) in made else snapshot(grad))
 
     def _check_bucket(self, run: _Run, members: list) -> None:
         """A bucket's gradients, once all are fed and before it launches, in one batched
@@ -353,6 +403,7 @@ class GradientExchange(DistributedOptimizer):
         self._run = None                         # this step consumes it, whatever happens
         pairs = run.pairs = self.params_with_grad()   # a missing gradient becomes zeros
         params = [p for _, p in pairs]
+        _snapshot_rest(run)                      # (where no backward's end did: hooks fired by hand)
         stale = _changed_since_hooks(run)
         if stale:                                # a non-finite gradient a hook saw may be replaced since
             run.poisoned = False
@@ -379,7 +430,7 @@ class GradientExchange(DistributedOptimizer):
             return loss, run, True
         if max(row[1] for row in flags) > 0:     # a gradient changed after its hook, or the (agreed) set
             self._discard(run, uncount=False)    # since the plan: all exchange again; the traffic stays counted
-            self._replan(pairs)
+            self._replan(pairs, self.steps + 1)
             run = self._new_run()
             run.pairs = pairs
             self._feed_rest(run)
@@ -409,6 +460,23 @@ def _changed_since_hooks(run: _Run) -> bool:
     if any(p.grad is not grad or p.grad._version != version for p, (grad, version, _) in run.seen.items()):
         return True
     return changed((p.grad, taken) for p, (_, _, taken) in run.seen.items())
+
+
+def _snapshot_rest(run: _Run) -> None:
+    """The snapshots still deferred (their buckets wait for a gradient that is not ready,
+    or fed at ``step()``): taken at the end of backward, before any code can edit them."""
+    for p, (grad, version, taken) in list(run.seen.items()):
+        if taken is None:
+            run.seen[p] = (grad, version, snapshot(grad))
+
+
+def _at_backward_end(callback) -> None:
+    """Run ``callback`` when the backward pass running this hook ends (autograd's queued
+    callbacks, as DDP's reducer uses); at once where no backward runs."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+    except RuntimeError:
+        callback()
 
 
 def _remove_hooks(handles: list) -> None:
