@@ -4,7 +4,8 @@ sum of :func:`gradzip.guards.nonfinite.all_finite`) against
 :func:`gradzip.kernels.sums.mean_in_place` (one pass), against ``div_`` alone (what
 PyTorch's ``allreduce_hook`` does, unchecked) and a copy into a reused buffer (one read and
 one write: the streaming limit). Float32, 1 torch thread, rounds interleaved, each
-measurement on a buffer freshly refilled from the same sum; median of the rounds.
+measurement on a buffer freshly refilled from the same sum; median of the rounds
+(:mod:`benchmarks.passes`).
 
 Usage::
 
@@ -12,13 +13,9 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
-import os
-import statistics
-import time
-
 import torch
 
+from benchmarks import passes
 from gradzip.guards.nonfinite import all_finite
 from gradzip.kernels.sums import mean_in_place
 
@@ -32,35 +29,14 @@ def measure(size: int, repeat: int, n: int = 3) -> dict[str, float]:
         "div_ alone (unchecked)": lambda: buffer.div_(n),
         "copy into a reused buffer": lambda: out.copy_(buffer),
     }
-    buffer.copy_(total)
-    mean_in_place(buffer, n)   # compiled or loaded from numba's cache before the clock
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for _ in range(repeat):
-        for name, way in ways.items():
-            buffer.copy_(total)
-            began = time.perf_counter()
-            way()
-            times[name].append(time.perf_counter() - began)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return passes.medians(ways, repeat, before=lambda: buffer.copy_(total))
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
-    ap.add_argument("--repeat", type=int, default=31)
-    args = ap.parse_args(argv)
-    if args.repeat < 1 or min(args.sizes) < 1:
-        ap.error(f"--repeat and every --sizes must be >= 1, got --repeat {args.repeat} --sizes "
-                 f"{' '.join(map(str, args.sizes))}")
+    args = passes.parse(__doc__.split("\n\n")[0], argv)
     torch.set_num_threads(1)
-    results = {size: measure(size, args.repeat) for size in args.sizes}
-    names = list(next(iter(results.values())))
-    print("| float32 entries | " + " | ".join(f"{name} ms" for name in names) + " | fused / div_ alone |")
-    print("|---:|" + "---:|" * (len(names) + 1))
-    for size, t in results.items():
-        print(f"| {size:,} | " + " | ".join(f"{t[name] * 1e3:.2f}" for name in names)
-              + f" | {t['fused (kernels.sums)'] / t['div_ alone (unchecked)']:.2f} |")
-    print(f"\n{os.cpu_count()} CPUs, load average {', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end")
+    passes.print_table({size: measure(size, args.repeat) for size in args.sizes},
+                       {"fused / div_ alone": ("fused (kernels.sums)", "div_ alone (unchecked)")})
 
 
 if __name__ == "__main__":

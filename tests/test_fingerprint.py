@@ -72,3 +72,26 @@ def test_a_snapshot_is_a_copy_and_a_strided_tensor_is_read_as_its_values():
     g.mul_(2)                    # the snapshot is not a view of g
     assert changed([(g.t(), taken)])
     assert not changed([(g.t(), snapshot(g.t()))])
+
+
+@pytest.mark.parametrize("count", [1, 2, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64])
+def test_a_snapshot_of_many_small_tensors_sees_an_edit_of_any_one(count, dtype):
+    """``snapshot(list)``: the bytes of all, copied in one call (a list of one too: not a view
+    of it); ``changed`` sees any edit of any member, and a NaN kept is no change."""
+    gen = torch.Generator().manual_seed(count)
+    tensors = [(torch.randn(k % 7 + 1, 3, generator=gen) + 0.25).to(dtype) for k in range(count)]
+    tensors[0].view(-1)[0] = float("nan")
+    taken = snapshot(tensors)
+    assert not changed([(tensors, taken)])
+    for i in range(count):
+        for name, edit in EDITS.items():
+            edited = [t.clone() for t in tensors]
+            edit(edited[i])
+            if torch.equal(_bits(edited[i]), _bits(tensors[i])):
+                continue
+            assert changed([(edited, taken)]), f"{name} of tensor {i} not seen ({dtype}, {count})"
+        tensors[i].view(-1)[-1:].mul_(1)   # an edit in place that changes nothing: still no change
+    assert not changed([(tensors, taken)])
+    tensors[-1].view(-1)[-1:].add_(1)
+    assert changed([(tensors, taken)])

@@ -35,8 +35,10 @@ from ..kernels.digest import SMALL, copy_parts
 
 
 def storages(tensors) -> set[int]:
-    """The storages ``tensors`` live in (two tensors share memory iff these sets meet)."""
-    return {t.untyped_storage().data_ptr() for t in tensors}
+    """The storages ``tensors`` live in (two tensors share memory iff these sets meet): each
+    one's storage address, from its own address and offset (no storage object is made: this
+    runs for every tensor of every exchange)."""
+    return {t.data_ptr() - t.storage_offset() * t.element_size() for t in tensors}
 
 
 class Spares:

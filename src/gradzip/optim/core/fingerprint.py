@@ -38,6 +38,7 @@ fingerprints).
 from __future__ import annotations
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from ...kernels import digest
 from ...kernels.digest import SMALL   # up to this many entries a snapshot is a copy of the bytes
@@ -88,18 +89,33 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.reshape(-1).view(torch.uint8)
 
 
-def snapshot(t: torch.Tensor) -> torch.Tensor:
+def _flat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The values of ``tensors`` (one dtype and device) back to back as bytes: a new tensor,
+    made in one call (``torch._utils._flatten_dense_tensors``, as DDP's buckets)."""
+    flat = _flatten_dense_tensors([t.detach() if t.requires_grad else t for t in tensors])
+    return (torch.view_as_real(flat) if flat.is_complex() else flat).reshape(-1).view(torch.uint8)
+
+
+def snapshot(t: "torch.Tensor | list[torch.Tensor]") -> torch.Tensor:
     """What :func:`changed` compares ``t`` with later: a copy of its bytes (up to
-    :data:`SMALL` entries) or its :func:`fingerprint`."""
+    :data:`SMALL` entries) or its :func:`fingerprint`; for a list of small tensors of one
+    dtype and device, a copy of all their bytes made in one call."""
+    if isinstance(t, (list, tuple)):   # (a list of one: the flatten is a view of it, so a copy)
+        flat = _flat_bytes(list(t))
+        return flat.clone() if len(t) == 1 else flat
     return _bytes(t).clone() if t.numel() <= SMALL else fingerprint(t)
 
 
 def changed(pairs) -> bool:
-    """Whether any tensor of ``pairs`` (``(tensor, its snapshot taken earlier)``) holds other
-    values now: one comparison per device."""
+    """Whether any tensor of ``pairs`` (``(tensor or list of tensors, its snapshot taken
+    earlier)``) holds other values now: one comparison per device."""
     then: dict = {}
     now: dict = {}
     for t, taken in pairs:
         then.setdefault(taken.device, []).append(taken)
-        now.setdefault(taken.device, []).append(_bytes(t) if t.numel() <= SMALL else fingerprint(t))
+        if isinstance(t, (list, tuple)):
+            current = _flat_bytes(list(t))
+        else:
+            current = _bytes(t) if t.numel() <= SMALL else fingerprint(t)
+        now.setdefault(taken.device, []).append(current)
     return any(not torch.equal(torch.cat(then[d]), torch.cat(now[d])) for d in then)

@@ -66,7 +66,7 @@ import torch
 
 from ...errors import GradzipError
 from ...exchange import Pending
-from .fingerprint import changed, snapshot
+from .fingerprint import SMALL, changed, snapshot
 from ...guards.nonfinite import NonFiniteAggregate, first_nonfinite
 from ...validation import require
 from .base import DistributedOptimizer
@@ -105,7 +105,9 @@ class _Run:
         self.counters = counters                           # every exchange's byte counters before it
         self.pairs: list[tuple[dict, torch.Tensor]] = []   # the step's (group, param), set by step()
         self.inputs: dict[torch.Tensor, torch.Tensor] = {}
-        self.seen: dict[torch.Tensor, tuple] = {}  # hooked: (grad, its version, its snapshot)
+        self.seen: dict[torch.Tensor, tuple] = {}  # hooked: (grad, its version)
+        self.snapshots: list[tuple] = []                   # (gradient or list of small ones, snapshot)
+        self.deferred: dict[torch.Tensor, torch.Tensor] = {}   # param -> gradient, its snapshot not taken yet
         self.missing = [len(b) for b in plan.buckets]      # members not fed yet, per bucket
         self.launched: list[list[tuple[list, Pending]]] = []   # per bucket: (members, pending) per exchange
         self.poisoned = False                              # "raise": a non-finite gradient; launch no more
@@ -292,11 +294,14 @@ class GradientExchange(DistributedOptimizer):
             self._feed(run, p)
             # the snapshot of what the exchange reads, when it reads it: an input that is the
             # gradient itself is read when its bucket launches (_launch_ready), a copy now
-            deferred = run.inputs[p] is p.grad
-            run.seen[p] = (p.grad, p.grad._version, None if deferred else snapshot(p.grad))
-            if deferred and not run.rest_queued:
-                run.rest_queued = True
-                _at_backward_end(lambda: _snapshot_rest(run))
+            run.seen[p] = (p.grad, p.grad._version)
+            if run.inputs[p] is not p.grad:
+                run.snapshots.append((p.grad, snapshot(p.grad)))
+            else:
+                run.deferred[p] = p.grad
+                if not run.rest_queued:
+                    run.rest_queued = True
+                    _at_backward_end(lambda: _snapshot_rest(run))
             self._launch_ready(run)
 
     def _current_run(self) -> _Run:
@@ -344,11 +349,9 @@ class GradientExchange(DistributedOptimizer):
             launched = self.start_bucket(members, [run.inputs[p] for p in members], run.step,
                                          run.plan.exchange.select([b]))
             run.launched.append(launched)
-            made = {id(m): d for ms, pending in launched for m, d in zip(ms, pending.digests) if d is not None}
-            for p in members:   # the deferred snapshots: the digests made in the bucket's copy, else now
-                grad, version, taken = run.seen.get(p, (None, None, True))
-                if taken is None:
-                    run.seen[p] = (grad, version, made[id(p)] if id(p) in made else snapshot(grad))
+            if run.deferred:   # the deferred snapshots: the digests made in the bucket's copy, else now
+                made = {id(m): d for ms, pending in launched for m, d in zip(ms, pending.digests) if d is not None}
+                _take_snapshots(run, [p for p in members if p in run.deferred], made)
 
     def _check_bucket(self, run: _Run, members: list) -> None:
         """A bucket's gradients, once all are fed and before it launches, in one batched
@@ -457,17 +460,33 @@ def _changed_since_hooks(run: _Run) -> bool:
     """Whether a gradient the hooks fed changed since: another tensor, its version counter,
     or its values (:func:`gradzip.optim.core.fingerprint.changed`: edits through ``.data``, or
     outside torch, that no version counter sees); one comparison per device."""
-    if any(p.grad is not grad or p.grad._version != version for p, (grad, version, _) in run.seen.items()):
+    if any(p.grad is not grad or p.grad._version != version for p, (grad, version) in run.seen.items()):
         return True
-    return changed((p.grad, taken) for p, (_, _, taken) in run.seen.items())
+    return changed(run.snapshots)
+
+
+def _take_snapshots(run: _Run, params: list, made: dict | None = None) -> None:
+    """The deferred snapshots of ``params``' gradients: the digest made in their bucket's
+    copy where ``made`` (by ``id``) has one; the small ones of one dtype and device together
+    in one flat copy (one call for a bucket of hundreds of biases); each other large one its
+    own."""
+    small: dict = {}
+    for p in params:
+        grad = run.deferred.pop(p)
+        if made and id(p) in made:
+            run.snapshots.append((grad, made[id(p)]))
+        elif grad.numel() > SMALL:
+            run.snapshots.append((grad, snapshot(grad)))
+        else:
+            small.setdefault((grad.dtype, grad.device), []).append(grad)
+    run.snapshots.extend((grads, snapshot(grads)) for grads in small.values())
 
 
 def _snapshot_rest(run: _Run) -> None:
     """The snapshots still deferred (their buckets wait for a gradient that is not ready,
     or fed at ``step()``): taken at the end of backward, before any code can edit them."""
-    for p, (grad, version, taken) in list(run.seen.items()):
-        if taken is None:
-            run.seen[p] = (grad, version, snapshot(grad))
+    if run.deferred:
+        _take_snapshots(run, list(run.deferred))
 
 
 def _at_backward_end(callback) -> None:
