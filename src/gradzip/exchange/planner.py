@@ -337,11 +337,10 @@ class Plan:
         (hierarchical: the codec of every inner plan, on every local rank)."""
         out = [False] * len(self.shapes)
         for b in self.buckets:
+            if b.route == "hierarchical":   # one answer for the bucket: its inner plans'
+                inner = all(q.codecs and all(c.lossless for c in q.codecs) for q in b.inner)
             for t in b.tensors:
-                if b.route == "hierarchical":
-                    out[t] = all(all(c.lossless for c in q.codecs) and q.codecs for q in b.inner)
-                else:
-                    out[t] = bool(self.codecs) and self.codecs[t].lossless
+                out[t] = inner if b.route == "hierarchical" else bool(self.codecs) and self.codecs[t].lossless
         return out
 
     def layout(self) -> str:

@@ -58,10 +58,11 @@ class EFSGD(GradientExchange):
         return self._inputs[p]
 
     def apply_exchange(self, pairs, aggregates, residuals):
-        unscaled = [i for i, (_, p) in enumerate(pairs) if p in self._unscaled]
+        unscaled, scaled = [], []
+        for i, (_, p) in enumerate(pairs):
+            (unscaled if p in self._unscaled else scaled).append(i)
         if unscaled:                            # x ← x − η mean_j g_j (sent as g)
             self.descend([pairs[i] for i in unscaled], [aggregates[i] for i in unscaled])
-        scaled = [i for i, (_, p) in enumerate(pairs) if p not in self._unscaled]
         if scaled:                              # x ← x − mean_j p'_j, one call
             torch._foreach_sub_([pairs[i][1] for i in scaled], [aggregates[i] for i in scaled])
         for (_, p), err in zip(pairs, residuals):

@@ -92,8 +92,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def _flat_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The values of ``tensors`` (one dtype and device) back to back as bytes: a new tensor,
     made in one call (``torch._utils._flatten_dense_tensors``, as DDP's buckets)."""
-    flat = _flatten_dense_tensors([t.detach() if t.requires_grad else t for t in tensors])
-    return (torch.view_as_real(flat) if flat.is_complex() else flat).reshape(-1).view(torch.uint8)
+    return _bytes(_flatten_dense_tensors(tensors))
 
 
 def snapshot(t: "torch.Tensor | list[torch.Tensor]") -> torch.Tensor:
