@@ -211,7 +211,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="projection: every method's bucket_bytes in MB (as DDP's bucket_cap_mb; fewer, larger "
                         "exchanges pay fewer per-message latencies but overlap less of backward; default: the "
-                        "methods' 4 MB)")
+                        "methods' 25 MiB)")
     p.add_argument("--no-projection", action="store_true", help="only the validation")
     p.add_argument("--out", default="runs/bench-model.json", help="predictions as JSON (default: %(default)s)")
 

@@ -53,7 +53,8 @@ from ..validation import is_int, is_real
 
 TRANSPORTS = ("auto", "allreduce", "allgather", "twophase")
 ROUTES = ("allreduce", "allgather", "twophase", "hierarchical")
-DEFAULT_BUCKET_BYTES = 4 << 20
+#: DDP's ``bucket_cap_mb`` (docs/algorithms.md §Transports, "[choice] bucket_bytes defaults to 25 MiB").
+DEFAULT_BUCKET_BYTES = 25 << 20
 #: ``auto`` takes two-phase only where it costs at most this fraction of the exact transports.
 TWOPHASE_FACTOR = 0.5
 #: Fp32 or fp16 inside a node (hierarchical exchange).
