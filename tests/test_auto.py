@@ -57,6 +57,24 @@ def test_the_rule_by_hand():
             plan(LAUNCH, "auto:1bit", 2, bucket_bytes=1024, choices=bad)
 
 
+def test_units_decided_apart_travel_together_up_to_bucket_bytes(monkeypatch):
+    """auto decides per unit of AUTO_UNIT_BYTES (bucket_bytes where smaller), then consecutive
+    units that took the same codec are one bucket while they fit bucket_bytes: the rule's
+    choices of test_the_rule_by_hand, in two buckets instead of four."""
+    monkeypatch.setattr(planner, "AUTO_UNIT_BYTES", 1024)
+    costs = {"1bit": CodecCost(300e-6, 2e-9), "none": CodecCost(1e-6, 1e-10)}
+    p = plan(LAUNCH, "auto:1bit", 2, bucket_bytes=1 << 20, link="100mbit", codec_costs=costs)
+    assert p.choices == ("none", "none", "none", "1bit")
+    assert [[LAUNCH[i] for i in b.tensors] for b in p.buckets] == [LAUNCH[:7], [(64, 32)]]
+    assert [b.route for b in p.buckets] == ["allreduce", "allgather"]
+    given = plan(LAUNCH, "auto:1bit", 2, bucket_bytes=1 << 20, choices=["none", "1bit", "none", "none"])
+    assert [[LAUNCH[i] for i in b.tensors] for b in given.buckets] == [LAUNCH[:5], [(8, 64)], LAUNCH[6:]]
+    assert [c.spec for c in given.codecs] == ["none"] * 5 + ["1bit"] + ["none"] * 2
+    # joined only while they fit (392 + 2048 B, 2048 + 256 B, 256 + 8192 B: each > 2048)
+    apart = plan(LAUNCH, "auto:1bit", 2, bucket_bytes=2048, choices=["none"] * 4)
+    assert [[LAUNCH[i] for i in b.tensors] for b in apart.buckets] == [LAUNCH[:5], [(8, 64)], [(64,)], [(64, 32)]]
+
+
 def test_hierarchical_plans_decide_per_level():
     """hierarchy k = 2 of 4: each local rank's shard plan across the 2 nodes decides its own
     units on its half of the uplink; the decision lists them in turn."""
@@ -366,8 +384,8 @@ def test_a_switch_under_efsgd_loses_no_error(monkeypatch, caplog):
             assert all(r[t][5][0] for r in results)                       # and no memory kept for it
         else:
             assert any(bool((r[t][2][0] != 0).any()) for r in results)
-    switched = [rec.getMessage() for rec in caplog.records if "bucket 3: " in rec.getMessage()]
-    assert len(switched) == n * 3 and "bucket 3: 1bit -> none" in switched[0]
+    switched = [rec.getMessage() for rec in caplog.records if "unit 3: " in rec.getMessage()]
+    assert len(switched) == n * 3 and "unit 3: 1bit -> none" in switched[0]
 
 
 # -- errors ------------------------------------------------------------------------------------

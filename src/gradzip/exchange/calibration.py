@@ -193,8 +193,8 @@ def advance(comm: Group, decision: Decision, step: int, seconds: Callable[[int],
 
 
 def switches(old: Decision, new: Decision) -> list[str]:
-    """The units whose codec changed from ``old`` to ``new``, as ``"bucket j: C -> none"``."""
-    return [f"bucket {j}: {a} -> {b}" for j, (a, b) in enumerate(zip(old.choices, new.choices)) if a != b]
+    """The units whose codec changed from ``old`` to ``new``, as ``"unit j: C -> none"``."""
+    return [f"unit {j}: {a} -> {b}" for j, (a, b) in enumerate(zip(old.choices, new.choices)) if a != b]
 
 
 # ----------------------------------------------------------------------------- the probes

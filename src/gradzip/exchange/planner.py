@@ -55,6 +55,10 @@ TRANSPORTS = ("auto", "allreduce", "allgather", "twophase")
 ROUTES = ("allreduce", "allgather", "twophase", "hierarchical")
 #: DDP's ``bucket_cap_mb`` (docs/algorithms.md §Transports, "[choice] bucket_bytes defaults to 25 MiB").
 DEFAULT_BUCKET_BYTES = 25 << 20
+#: auto:<codec> decides per unit of at most this many bytes (``bucket_bytes`` where smaller),
+#: then sends consecutive units that took the same codec together, up to ``bucket_bytes``
+#: (docs/algorithms.md §Auto codec choice, "[choice] Decide per 4 MiB, send per bucket").
+AUTO_UNIT_BYTES = 4 << 20
 #: ``auto`` takes two-phase only where it costs at most this fraction of the exact transports.
 TWOPHASE_FACTOR = 0.5
 #: Fp32 or fp16 inside a node (hierarchical exchange).
@@ -418,9 +422,11 @@ def plan(shapes: Sequence, compressor, world_size: int, *, transport: str = "aut
                                  twophase, intra, as_link(intra_link, DEFAULT_INTRA_LINK), codec_costs, chooser)
                    for u in units]
     elif auto is not None:
-        buckets = [b for u in units
-                   for b in _auto(u, shapes, dtypes, auto, resolved, world_size, transport, link, twophase,
-                                  codec_costs, chooser)]
+        decided = [(u, _auto(u, shapes, dtypes, auto, resolved, world_size, transport, link, twophase,
+                             codec_costs, chooser))
+                   for u in _units(shapes, dtypes, min(bucket_bytes, AUTO_UNIT_BYTES))]
+        buckets = [b for group, codec in _together(decided, shapes, dtypes, bucket_bytes)
+                   for b in _auto_buckets(group, shapes, dtypes, auto, codec, world_size, transport, link, twophase)]
     else:
         buckets = [b for u in units for b in _flat(u, shapes, dtypes, codecs, world_size, transport, link, twophase)]
     buckets.sort(key=lambda b: b.tensors[0] if b.tensors else -1)
@@ -472,24 +478,48 @@ def _unit_seconds(unit, shapes, buckets: list[Bucket], codec: Compressor, costs)
     return sum(cost.seconds(math.prod(shapes[i])) for i in unit) + sum(b.seconds for b in buckets)
 
 
+def _auto_buckets(unit, shapes, dtypes, auto: "Auto", codec: Compressor, n: int, transport: str, link: Link,
+                  twophase: bool) -> list[Bucket]:
+    """auto's buckets of ``unit`` sent with ``codec``: uncompressed on the exact allreduce,
+    whatever transport the codec's takes; the codec on its transport."""
+    if codec is auto.dense:
+        return _flat(unit, shapes, dtypes, [codec] * len(shapes), n, "auto", link, False)
+    return _flat(unit, shapes, dtypes, [codec] * len(shapes), n, transport, link, twophase)
+
+
 def _auto(unit, shapes, dtypes, auto: "Auto", resolved: list, n: int, transport: str, link: Link,
-          twophase: bool, costs, chooser: _Chooser) -> list[Bucket]:
-    """auto's unit (docs/algorithms.md §Auto codec choice): its buckets with the codec or
+          twophase: bool, costs, chooser: _Chooser) -> Compressor:
+    """auto's choice for one unit (docs/algorithms.md §Auto codec choice): the codec or
     uncompressed, by the rule or the given choice; sets ``resolved`` for its tensors."""
-    def buckets(codec: Compressor) -> list[Bucket]:
-        if codec is auto.dense:   # uncompressed: the exact allreduce, whatever transport the codec's takes
-            return _flat(unit, shapes, dtypes, [codec] * len(shapes), n, "auto", link, False)
-        return _flat(unit, shapes, dtypes, [codec] * len(shapes), n, transport, link, twophase)
+    def seconds(codec: Compressor) -> float:
+        return _unit_seconds(unit, shapes, _auto_buckets(unit, shapes, dtypes, auto, codec, n, transport, link,
+                                                         twophase), codec, costs)
 
     def decide() -> str:
-        t_codec = _unit_seconds(unit, shapes, buckets(auto.codec), auto.codec, costs)
-        t_dense = _unit_seconds(unit, shapes, buckets(auto.dense), auto.dense, costs)
-        return auto.codec.spec if t_codec < t_dense else "none"
+        return auto.codec.spec if seconds(auto.codec) < seconds(auto.dense) else "none"
 
     codec = auto.codec if chooser.next(decide) == auto.codec.spec else auto.dense
     for i in unit:
         resolved[i] = codec
-    return buckets(codec)
+    return codec
+
+
+def _together(decided, shapes, dtypes, bucket_bytes: int) -> list[tuple[list[int], Compressor]]:
+    """auto's decided units (``(unit, codec)`` in order) joined where consecutive ones took
+    the same codec and dtype, while their bytes fit ``bucket_bytes``: what travels together."""
+    groups: list[tuple[list[int], Compressor]] = []
+    filled = 0
+    for unit, codec in decided:
+        nbytes = sum(math.prod(shapes[i]) * itemsize(dtypes[i]) for i in unit)
+        last = groups[-1] if groups else None
+        if (last is not None and last[1] is codec and dtypes[last[0][0]] == dtypes[unit[0]]
+                and filled + nbytes <= bucket_bytes):
+            last[0].extend(unit)
+            filled += nbytes
+        else:
+            groups.append((list(unit), codec))
+            filled = nbytes
+    return groups
 
 
 def _codecs(compressor, shapes) -> tuple[list[Compressor], bool]:
