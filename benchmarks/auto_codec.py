@@ -127,7 +127,7 @@ def target_text(result: dict[str, Any], v: dict[str, Any]) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| model | workers | network | path P | codec C | ddp ms | P@C ms | P@auto:C ms | auto / ddp | "
-             "PyTorch's hook / ddp | auto / best fixed | buckets auto compresses | trial: rule vs none | target |",
+             "PyTorch's hook / ddp | auto / best fixed | units auto compresses | trial: rule vs none | target |",
              "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in results:
         for v in verdicts(r):

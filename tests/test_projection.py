@@ -167,7 +167,7 @@ def test_an_auto_run_says_per_link_rate_which_buckets_it_compresses():
     assert "auto" not in base["summary"]["projections"][0]
     row = next(line for line in text.splitlines() if line.startswith("efsgd@auto:1bit"))
     assert "auto 2/2" in row and "auto 0/2" in row
-    assert "auto k/m: the units (buckets) auto:<codec> compresses on that link, of m" in text
+    assert "auto k/m: the units auto:<codec> compresses on that link, of m" in text
     assert slow["speedup"] > 1 > fast["speedup"]
     assert fast["compress_s"] < 0.01 and slow["compress_s"] < 0.01
 

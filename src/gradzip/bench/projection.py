@@ -209,7 +209,7 @@ def legend(summaries: Sequence[dict[str, Any]]) -> list[str]:
                      f"predicts from this run's measured compute, codec and update times and its bytes, per link "
                      f"rate and worker count (alpha {first['alpha_s'] * 1e6:g} us); (Nx): speed-up over "
                      f"{first['speedup_over']}"
-                     + ("; auto k/m: the units (buckets) auto:<codec> compresses on that link, of m"
+                     + ("; auto k/m: the units auto:<codec> compresses on that link, of m"
                         if any("auto" in p for s in projected for p in s["projections"]) else ""))
         lines.append(_basis(projected))
         if len(projected) > 1:

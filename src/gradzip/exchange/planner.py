@@ -30,12 +30,14 @@ the alpha-beta one of ring collectives (:func:`collective_time`) on a :class:`Li
 ``"100mbit"`` that bandwidth with the default latency.
 
 **auto:<codec>** (docs/algorithms.md §Auto codec choice; :class:`~gradzip.compressors.Auto`):
-per unit, the codec's buckets or the unit uncompressed (``none``), whichever has the smaller
+per unit (cut at ``min(bucket_bytes, AUTO_UNIT_BYTES)``: small enough that large and small
+layers fall apart), the codec's buckets or the unit uncompressed (``none``), whichever has the smaller
 modelled time: each tensor's coding (:class:`CodecCost` of its codec in ``codec_costs``, by
 spec; free where none is given) plus the buckets' seconds on ``link``; ties go to
 uncompressed. Or, given ``choices`` (one codec spec per unit, in the plan's order: a decision
-made before, e.g. rank 0's, or a checkpoint's), exactly those. ``Plan.choices`` records what
-each unit took and ``Plan.codecs`` each tensor's codec, which PSync executes.
+made before, e.g. rank 0's, or a checkpoint's), exactly those. Consecutive units that took
+the same codec then travel as one unit while their bytes fit ``bucket_bytes``. ``Plan.choices``
+records what each unit took and ``Plan.codecs`` each tensor's codec, which PSync executes.
 """
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ class ExchangeOwner:
 
     def auto_choices(self) -> list[str]:
         """The codec every unit of every auto:<codec> decision took (``"none"``: uncompressed),
-        exchange by exchange: how many buckets auto compresses (the projections count them)."""
+        exchange by exchange: how many units auto compresses (the projections count them)."""
         return [c for x in self._exchanges for d in x.decisions.values() for c in d.choices]
 
     def transports(self) -> dict[str, str]:
