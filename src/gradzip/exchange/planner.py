@@ -417,16 +417,17 @@ def plan(shapes: Sequence, compressor, world_size: int, *, transport: str = "aut
     auto = codecs[0] if single and codecs and isinstance(codecs[0], Auto) else None
     chooser = choices if isinstance(choices, _Chooser) else _Chooser(auto, choices)
     first = len(chooser.made)
-    units = _units(shapes, dtypes, bucket_bytes)
+    flat_auto = auto is not None and hierarchy is None   # decides per smaller units, then joins them
+    units = _units(shapes, dtypes, min(bucket_bytes, AUTO_UNIT_BYTES) if flat_auto else bucket_bytes)
     resolved = list(codecs)
     if hierarchy is not None:
         buckets = [_hierarchical(u, shapes, dtypes, codecs, world_size, k, transport, bucket_bytes, link,
                                  twophase, intra, as_link(intra_link, DEFAULT_INTRA_LINK), codec_costs, chooser)
                    for u in units]
-    elif auto is not None:
+    elif flat_auto:
         decided = [(u, _auto(u, shapes, dtypes, auto, resolved, world_size, transport, link, twophase,
                              codec_costs, chooser))
-                   for u in _units(shapes, dtypes, min(bucket_bytes, AUTO_UNIT_BYTES))]
+                   for u in units]
         buckets = [b for group, codec in _together(decided, shapes, dtypes, bucket_bytes)
                    for b in _auto_buckets(group, shapes, dtypes, auto, codec, world_size, transport, link, twophase)]
     else:
@@ -512,7 +513,7 @@ def _together(decided, shapes, dtypes, bucket_bytes: int) -> list[tuple[list[int
     groups: list[tuple[list[int], Compressor]] = []
     filled = 0
     for unit, codec in decided:
-        nbytes = sum(math.prod(shapes[i]) * itemsize(dtypes[i]) for i in unit)
+        nbytes = _unit_bytes(unit, shapes, dtypes)
         last = groups[-1] if groups else None
         if (last is not None and last[1] is codec and dtypes[last[0][0]] == dtypes[unit[0]]
                 and filled + nbytes <= bucket_bytes):
@@ -535,6 +536,11 @@ def _codecs(compressor, shapes) -> tuple[list[Compressor], bool]:
     if isinstance(codec, PerTensor):
         return [codec.resolve(None, torch.empty(shape, device="meta")) for shape in shapes], False
     return [codec] * len(shapes), True
+
+
+def _unit_bytes(unit, shapes, dtypes) -> int:
+    """The tensors' own bytes of ``unit`` (what ``bucket_bytes`` counts)."""
+    return sum(math.prod(shapes[i]) * itemsize(dtypes[i]) for i in unit)
 
 
 def _units(shapes, dtypes, bucket_bytes: int) -> list[list[int]]:
@@ -610,5 +616,5 @@ def _hierarchical(unit, shapes, dtypes, codecs, n: int, k: int, transport: str, 
     gather = allgather_wire_bytes(width * 4, k)
     seconds = (collective_time("all_to_all", scatter, k, intra_link) + collective_time("allgather", width * 4, k, intra_link)
                + max(p.seconds for p in inner))
-    nbytes = sum(math.prod(shapes[i]) * itemsize(dtypes[i]) for i in unit)
+    nbytes = _unit_bytes(unit, shapes, dtypes)
     return Bucket(tuple(unit), "hierarchical", dtypes[unit[0]], nbytes, seconds, n, (), inner, scatter + gather)
