@@ -99,9 +99,10 @@ def trial_text(decisions: dict[str, str] | None) -> str:
     ``kept`` or ``none``, with the two step times, or ``-`` where none ran."""
     out = []
     for line in (decisions or {}).values():
-        found = re.search(r"against none: ([\d.]+) ms against ([\d.]+) ms a period, (kept|none taken)", line)
+        found = re.search(r"against none: ([\d.]+) ms against ([\d.]+) ms a period( \(best of \d+ each[^)]*\))?, (kept|none taken)", line)
         if found:
-            out.append(f"{'kept' if found[3] == 'kept' else 'none'} ({found[1]} vs {found[2]} ms)")
+            retried = ", retried" if found[3] else ""
+            out.append(f"{'kept' if found[4] == 'kept' else 'none'} ({found[1]} vs {found[2]} ms{retried})")
     return ", ".join(dict.fromkeys(out)) or "-"
 
 

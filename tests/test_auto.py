@@ -208,21 +208,26 @@ def test_resume_executes_the_saved_decision_on_threads(monkeypatch, overlap):
 
 
 # -- the trial: the rule's choices against nothing compressed, timed in real steps ----------------
-def _trial_steps(comm, times_by_rank, start=3, every=1):
-    """advance() through a whole trial on ``comm`` (an exchange every ``every`` steps, each
-    step's advance called twice, as two buckets of a step do): the choices executed at each
-    exchange, and the decision after the verdict."""
+def _trial_steps(comm, times_by_rank, start=3, every=1, exchanges=calibration.TRIAL_EXCHANGES, saved_at=None):
+    """advance() through a whole trial of ``exchanges`` on ``comm`` (an exchange every ``every``
+    steps, each step's advance called twice, as two buckets of a step do; at step
+    ``saved_at`` the decision goes through its checkpoint state, as a resume there): the
+    choices executed at each exchange, the decision after the verdict, and the describe()
+    lines on the way."""
     decision = calibration.on_trial(calibration.Decision(("1bit", "none"), Link(1e7, 0.0), {}, start, True))
-    executed = []
-    for step in range(start, start + every * calibration.TRIAL_EXCHANGES + 1, every):
+    executed, lines = [], []
+    for step in range(start, start + every * exchanges + 1, every):
+        if step == saved_at:
+            decision = calibration.Decision.from_state(decision.state())
         for _ in range(2):
             decision = calibration.advance(comm, decision, step, lambda s: times_by_rank[comm.rank].get(s))
         executed.append(decision.choices)
-    return executed, decision
+        lines.append(decision.describe())
+    return executed, decision, lines
 
 
 @pytest.mark.parametrize("rule_s, none_s, kept", [((0.10, 0.05), (0.07, 0.08), True),
-                                                  ((0.10, 0.09), (0.07, 0.12), False),
+                                                  ((0.10, 0.09), (0.06, 0.12), False),
                                                   ((0.5, 0.75), (0.25, 0.5), False)])
 def test_the_trial_by_hand(rule_s, none_s, kept):
     """Steps 3-5 execute the rule's choices (step 3 untimed: a plan's first execution pays
@@ -230,12 +235,12 @@ def test_the_trial_by_hand(rule_s, none_s, kept):
     verdict at step 8: per step the slowest worker's seconds (rank 1 adds 10 ms to step 5 and
     to step 6), per candidate the best step; the rule's choices kept iff strictly shorter
     (ties: none). Every worker reaches the same verdict; the per-worker times are not kept
-    after it."""
+    after it. (The two best are at least 25% apart here: no retry.)"""
     times = [{3: 0.001, **dict(zip(range(4, 8), (*rule_s, *none_s)))},
              {3: 0.001, **dict(zip(range(4, 8), (rule_s[0], rule_s[1] + 0.01, none_s[0] + 0.01, none_s[1])))}]
     results = simulate(2, lambda comm: _trial_steps(comm, times))
     slowest = [max(times[0][s], times[1][s]) for s in range(4, 8)]
-    for executed, decision in results:
+    for executed, decision, _ in results:
         assert executed[:5] == [("1bit", "none")] * 3 + [("none", "none")] * 2
         assert decision.verdict == (min(slowest[:2]), min(slowest[2:])) and not decision.on_trial
         assert decision.choices == (("1bit", "none") if kept else ("none", "none")) and decision.timed == ()
@@ -244,11 +249,35 @@ def test_the_trial_by_hand(rule_s, none_s, kept):
     assert calibration.Decision.from_state(results[0][1].state()) == results[0][1]
 
 
+@pytest.mark.parametrize("saved_at", [None, 9])
+@pytest.mark.parametrize("later_rule_s, kept", [(0.07, True), (0.12, False)])
+def test_a_close_trial_is_retried_once(later_rule_s, kept, saved_at):
+    """The first verdict's two best periods within 25% (rule 100 ms, none 90 ms): not final.
+    Two more blocks, the rule's at steps 8-9 and nothing compressed at 10-11 (the same order
+    as the first), and the verdict at step 12 from the best of 4 periods each: the rule's
+    choices kept where a later period of theirs is the fastest, else none. Every worker
+    agrees on the retry (decided from the gathered times); a checkpoint inside the retry
+    (step 9) resumes it; the describe() line says it was retried."""
+    times = [{3: 0.001, 4: 0.10, 5: 0.11, 6: 0.09, 7: 0.095, 8: 0.13, 9: later_rule_s, 10: 0.10, 11: 0.092}] * 2
+    results = simulate(2, lambda comm: _trial_steps(comm, times, exchanges=calibration.RETRIED_EXCHANGES,
+                                                    saved_at=saved_at))
+    for executed, decision, lines in results:
+        assert executed[:9] == ([("1bit", "none")] * 3 + [("none", "none")] * 2 + [("1bit", "none")] * 2
+                                + [("none", "none")] * 2)
+        assert "under way (6 of 9 exchanges)" in lines[5] and decision.retried
+        assert decision.verdict == (min(0.10, later_rule_s), 0.09) and not decision.on_trial
+        assert decision.choices == (("1bit", "none") if kept else ("none", "none"))
+        assert "a period (best of 4 each: within 25% on 2), " in decision.describe()
+        assert ("kept from step 12" if kept else "none taken from step 12") in decision.describe()
+        assert decision.describe() == results[0][1].describe()
+    assert calibration.Decision.from_state(results[0][1].state()) == results[0][1]
+
+
 def test_the_trial_of_a_method_that_exchanges_every_h_steps_counts_exchanges():
     """Exchanges at steps 3, 8, 13, 18, 23 (H = 5): the rule at the first three (the first
     untimed), none at the next two, the verdict at step 28 from the four timed periods."""
     times = [{3: 0.01, 8: 0.5, 13: 0.5, 18: 0.25, 23: 0.25}] * 2
-    executed, decision = simulate(2, lambda comm: _trial_steps(comm, times, every=5))[0]
+    executed, decision, _ = simulate(2, lambda comm: _trial_steps(comm, times, every=5))[0]
     assert executed[:5] == [("1bit", "none")] * 3 + [("none", "none")] * 2
     assert decision.verdict == (0.5, 0.25) and decision.choices == ("none", "none")
     assert decision.trial_steps == (3, 8, 13, 18, 23, 28) and "none taken from step 28" in decision.describe()
@@ -256,13 +285,16 @@ def test_the_trial_of_a_method_that_exchanges_every_h_steps_counts_exchanges():
 
 def test_a_periodic_method_reaches_its_verdict_on_real_periods(monkeypatch):
     """QSparse (H = 2) with a measured link on threads, real clocks: the trial's verdict comes
-    at its fifth exchange, from periods of 2 steps each, finite on both workers and the same."""
+    at its sixth exchange (its tenth where the first two were close and it was retried), from
+    periods of 2 steps each, finite on both workers and the same."""
     monkeypatch.setattr(calibration, "measure_codec", cases_auto.fixed_costs)
     monkeypatch.setattr(calibration, "measure_link", cases_auto.measured_link)
     options = {"lr": 0.1, "compressor": "auto:1bit", "H": 2}
-    results = simulate(2, lambda comm: cases_auto.train(comm, "qsparse", options, steps=12))
+    steps = 2 * (calibration.RETRIED_EXCHANGES + 1) + 1
+    results = simulate(2, lambda comm: cases_auto.train(comm, "qsparse", options, steps=steps))
     decided = [r[2]["exchange 0 auto"] for r in results]
-    assert decided[0] == decided[1] and " ms a period, " in decided[0] and "inf ms" not in decided[0], decided[0]
+    assert decided[0] == decided[1] and " ms a period" in decided[0] and "inf ms" not in decided[0], decided[0]
+    assert "under way" not in decided[0]
 
 
 def test_no_trial_where_the_link_is_declared_or_nothing_is_compressed():

@@ -23,7 +23,9 @@ Where the link was measured and the rule compresses something, the rule's choice
 nothing compressed, each worker timing the periods from one exchange to the next
 (a step, or H steps for a method that exchanges every H); every worker gathers every
 worker's times and keeps the rule's choices only where their period (the slowest worker's,
-the best of the trial's) is shorter than the uncompressed one. The probes price coding and link apart;
+the best of the trial's) is shorter than the uncompressed one. Where the two are within
+:data:`TRIAL_CLOSE` of each other, the trial is retried once: two more blocks (the rule's,
+then nothing compressed), and the verdict from the best of all four periods each. The probes price coding and link apart;
 the trial prices what they cannot see: compute the uncompressed allreduce hides behind, and
 coding that takes the cores the collectives and the backward pass need.
 """
@@ -68,6 +70,12 @@ TRIAL_STEPS = 2
 TRIAL_WARMUP = 1
 #: Every exchange of a trial: the rule's warm-up and timed ones, then nothing compressed's.
 TRIAL_EXCHANGES = TRIAL_WARMUP + 2 * TRIAL_STEPS
+#: A verdict whose two best periods are within this fraction of each other (the longer below
+#: ``1 + TRIAL_CLOSE`` times the shorter) is retried once with two more blocks of
+#: :data:`TRIAL_STEPS` (docs/algorithms.md §Auto codec choice, "[choice] A close trial is retried").
+TRIAL_CLOSE = 0.25
+#: Every exchange of a retried trial.
+RETRIED_EXCHANGES = TRIAL_EXCHANGES + 2 * TRIAL_STEPS
 
 
 def check_recalibrate_every(value, where: str = "PSync") -> int | None:
@@ -100,6 +108,13 @@ class Decision:
     #: the steps of the exchanges of the trial so far (the decision's first: a method that
     #: exchanges every H steps tries H-step periods)
     trial_steps: tuple[int, ...] = ()
+    #: the trial's exchanges: :data:`TRIAL_EXCHANGES`, or :data:`RETRIED_EXCHANGES` once its
+    #: first verdict was close (agreed: every worker decides it from the same gathered times)
+    trial_exchanges: int = TRIAL_EXCHANGES
+
+    @property
+    def retried(self) -> bool:
+        return self.trial_exchanges > TRIAL_EXCHANGES
 
     @property
     def on_trial(self) -> bool:
@@ -115,10 +130,12 @@ class Decision:
             trial = f"; trial of ({','.join(self.proposed)}) against none"
             if self.verdict is not None:
                 kept = self.choices == self.proposed
-                trial += (f": {self.verdict[0] * 1e3:.1f} ms against {self.verdict[1] * 1e3:.1f} ms a period, "
+                retried = (f" (best of {2 * TRIAL_STEPS} each: within {TRIAL_CLOSE:.0%} on {TRIAL_STEPS})"
+                           if self.retried else "")
+                trial += (f": {self.verdict[0] * 1e3:.1f} ms against {self.verdict[1] * 1e3:.1f} ms a period{retried}, "
                           f"{'kept' if kept else 'none taken'} from step {self.trial_steps[-1]}")
             else:
-                trial += f", under way ({len(self.trial_steps)} of {TRIAL_EXCHANGES} exchanges)"
+                trial += f", under way ({len(self.trial_steps)} of {self.trial_exchanges} exchanges)"
         return (f"step {self.step}: " + ", ".join(f"{c} x{k}" for c, k in counts.items())
                 + f" ({','.join(self.choices)}); link {self.link} ({'measured' if self.measured else 'declared'})"
                 + (f"; {costs}" if costs else "") + trial)
@@ -127,7 +144,8 @@ class Decision:
         """Plain values (a checkpoint's ``exchange_states``)."""
         trial = {} if self.proposed is None else {
             "proposed": list(self.proposed), "timed": [list(t) for t in self.timed],
-            "trial_steps": list(self.trial_steps), **({"verdict": list(self.verdict)} if self.verdict is not None else {})}
+            "trial_steps": list(self.trial_steps), "trial_exchanges": self.trial_exchanges,
+            **({"verdict": list(self.verdict)} if self.verdict is not None else {})}
         return {"choices": list(self.choices), "link": [self.link.bytes_per_s, self.link.latency_s],
                 "costs": {spec: [c.fixed_s, c.per_element_s] for spec, c in self.costs.items()},
                 "step": self.step, "measured": self.measured, **trial}
@@ -140,7 +158,8 @@ class Decision:
                    bool(state["measured"]), None if proposed is None else tuple(proposed),
                    tuple((int(s), float(t)) for s, t in state.get("timed", [])),
                    None if verdict is None else (float(verdict[0]), float(verdict[1])),
-                   tuple(int(s) for s in state.get("trial_steps", [])))
+                   tuple(int(s) for s in state.get("trial_steps", [])),
+                   int(state.get("trial_exchanges", TRIAL_EXCHANGES)))
 
 
 def save(decisions: dict[tuple, Decision]) -> list[dict]:
@@ -168,11 +187,13 @@ def advance(comm: Group, decision: Decision, step: int, seconds: Callable[[int],
     """``decision`` (on trial) at its exchange of ``step``: the trial's exchanges counted (the
     decision's step is the first), the periods this worker knows by now recorded
     (``seconds(s)``: from its exchange of step s to its next one, None where not known);
-    exchanges 1…W+T of the trial execute the rule's choices (the first W, :data:`TRIAL_WARMUP`,
-    not timed), W+T+1…W+2T nothing compressed; at exchange W+2T+1 the verdict (collective on
-    ``comm``: every worker gathers every worker's periods and takes, per period, the slowest
-    worker's, per candidate the best period; the rule's choices are kept iff theirs is
-    shorter; ties and missing times: uncompressed)."""
+    exchanges 1…W of the trial execute the rule's choices untimed (:data:`TRIAL_WARMUP`), then
+    blocks of T (:data:`TRIAL_STEPS`) alternate the rule's choices and nothing compressed
+    (:func:`_trial_choice`); after the trial's exchanges the verdict (collective on ``comm``:
+    every worker gathers every worker's periods and takes, per period, the slowest worker's,
+    per candidate the best period; the rule's choices are kept iff theirs is shorter; ties and
+    missing times: uncompressed), or, where the first verdict's two are within
+    :data:`TRIAL_CLOSE`, two more blocks and the verdict from all periods."""
     steps = decision.trial_steps or (decision.step,)
     if step not in steps:
         steps += (step,)
@@ -180,16 +201,30 @@ def advance(comm: Group, decision: Decision, step: int, seconds: Callable[[int],
     known = dict(decision.timed)
     known.update({s: t for s in steps[:at] if s not in known and (t := seconds(s)) is not None})
     timed = tuple(sorted(known.items()))
-    if at < TRIAL_EXCHANGES:
-        rule = at < TRIAL_WARMUP + TRIAL_STEPS
-        choices = decision.proposed if rule else ("none",) * len(decision.proposed)
-        return replace(decision, choices=choices, timed=timed, trial_steps=steps)
-    mine = torch.tensor([known.get(s, math.nan) for s in steps[TRIAL_WARMUP:TRIAL_EXCHANGES]], dtype=torch.float64)
+    if at < decision.trial_exchanges:
+        return replace(decision, choices=_trial_choice(decision, at), timed=timed, trial_steps=steps)
+    periods = steps[TRIAL_WARMUP:decision.trial_exchanges]
+    mine = torch.tensor([known.get(s, math.nan) for s in periods], dtype=torch.float64)
     every = comm.allgather_control(mine).reshape(comm.world_size, -1)
     slowest = torch.where(torch.isnan(every), math.inf, every).max(dim=0).values.tolist()
-    rule, none = min(slowest[:TRIAL_STEPS]), min(slowest[TRIAL_STEPS:])
+    rule = min(t for k, t in enumerate(slowest) if _rule_block(TRIAL_WARMUP + k))
+    none = min(t for k, t in enumerate(slowest) if not _rule_block(TRIAL_WARMUP + k))
+    if not decision.retried and max(rule, none) < (1 + TRIAL_CLOSE) * min(rule, none):
+        return replace(decision, choices=_trial_choice(decision, at), timed=timed, trial_steps=steps,
+                       trial_exchanges=RETRIED_EXCHANGES)
     choices = decision.proposed if rule < none else ("none",) * len(decision.proposed)
     return replace(decision, choices=choices, timed=(), verdict=(rule, none), trial_steps=steps)
+
+
+def _rule_block(at: int) -> bool:
+    """Whether the trial's exchange ``at`` (0-based) executes the rule's choices: the warm-up,
+    then every other block of :data:`TRIAL_STEPS`, the first included."""
+    return at < TRIAL_WARMUP or (at - TRIAL_WARMUP) // TRIAL_STEPS % 2 == 0
+
+
+def _trial_choice(decision: Decision, at: int) -> tuple[str, ...]:
+    """What the trial's exchange ``at`` executes: the rule's choices, or none on every unit."""
+    return decision.proposed if _rule_block(at) else ("none",) * len(decision.proposed)
 
 
 def switches(old: Decision, new: Decision) -> list[str]:

@@ -310,7 +310,7 @@ class PSync:
         began = time.perf_counter()
         if step not in self._step_began:   # the trial's clock: the last exchanges only
             self._step_began[step] = began
-            if len(self._step_began) > calibration.TRIAL_EXCHANGES + 2:
+            if len(self._step_began) > calibration.RETRIED_EXCHANGES + 2:
                 oldest = min(self._step_began)
                 del self._step_began[oldest]
                 self._probing.pop(oldest, None)
