@@ -109,8 +109,10 @@ def trial_text(decisions: dict[str, str] | None) -> str:
 def _verdict(path: str, c: str, ddp: dict, fixed: dict, auto: dict, hook: dict | None = None) -> dict[str, Any]:
     best = min(ddp["median_s"], fixed["median_s"])
     chosen = auto.get("auto") or []
+    by_round = [a / d for a, d in zip(auto["rounds_s"], ddp["rounds_s"])]
     return {"trial": trial_text(auto.get("auto_decisions")), "path": path, "codec": c, "ddp_s": ddp["median_s"], "fixed_s": fixed["median_s"], "auto_s": auto["median_s"],
             "auto_over_ddp": auto["median_s"] / ddp["median_s"], "auto_over_best": auto["median_s"] / best,
+            "by_round": (min(by_round), max(by_round)),
             "hook_over_ddp": None if hook is None else hook["median_s"] / ddp["median_s"],
             "compressed": sum(x != "none" for x in chosen), "units": len(chosen),
             "below_both": auto["median_s"] < min(ddp["median_s"], fixed["median_s"])}
@@ -128,13 +130,15 @@ def target_text(result: dict[str, Any], v: dict[str, Any]) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| model | workers | network | path P | codec C | ddp ms | P@C ms | P@auto:C ms | auto / ddp | "
-             "PyTorch's hook / ddp | auto / best fixed | units auto compresses | trial: rule vs none | target |",
-             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "auto / ddp by round | PyTorch's hook / ddp | auto / best fixed | units auto compresses | "
+             "trial: rule vs none | target |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in results:
         for v in verdicts(r):
             lines.append(f"| {r['model']} | {r['workers']} | {r['network']} | {v['path']} | {v['codec']} | "
                          f"{v['ddp_s'] * 1e3:.1f} | "
                          f"{v['fixed_s'] * 1e3:.1f} | {v['auto_s'] * 1e3:.1f} | **{v['auto_over_ddp']:.2f}** | "
+                         f"{v['by_round'][0]:.2f}–{v['by_round'][1]:.2f} | "
                          f"{'-' if v.get('hook_over_ddp') is None else format(v['hook_over_ddp'], '.2f')} | "
                          f"**{v['auto_over_best']:.2f}** | {v['compressed']}/{v['units']} | {v.get('trial', '-')} | "
                          f"{target_text(r, v)} |")
@@ -178,8 +182,10 @@ def step_text(args, command: str, host: dict[str, Any], results: list[dict[str, 
             "worker's median step of a round, median over rounds). auto decides in the warm-up from what it "
             "measured there (no `link=`): the rule from the probes at its first step (under DDP the second: DDP "
             "rebuilds its buckets after the first), then, where the rule compresses a unit, the trial of its "
-            "choices against nothing compressed in the next 5 steps (the rule's first untimed; column *trial*: which it kept, and the two "
-            "step times it compared). *PyTorch's hook*: DDP with PyTorch's own `allreduce_hook` (loopback "
+            "choices against nothing compressed in the next 5 steps (the rule's first untimed; 4 more where the "
+            "first two were within 25%: *retried*; column *trial*: which it kept, and the two step times it "
+            "compared). *auto / ddp by round*: the ratio of the two in each round, lowest–highest (how far one "
+            "round's pairing moves on this host). *PyTorch's hook*: DDP with PyTorch's own `allreduce_hook` (loopback "
             "only), what any communication hook pays against DDP's built-in allreduce, in the same run. "
             "Best fixed: the faster of `ddp` (nothing compressed) and "
             "`P@C` (C on every bucket). Targets: loopback auto / ddp ≤ 1.05; shaped links auto / best fixed "
@@ -196,9 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--network", default="loopback,1gbit,100mbit",
                         help="comma-separated: loopback or link rates (namespaces, root) (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=32, help="batch per worker (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=7,
+    parser.add_argument("--warmup", type=int, default=12,
                         help="warm-up steps per variant: auto's decision (step 2 under DDP, whose buckets are "
-                             "rebuilt after step 1) and its trial (4 steps) fall in them (default: %(default)s)")
+                             "rebuilt after step 1) and its trial (5 exchanges, 9 where retried, and the "
+                             "verdict's) fall in them (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per variant and round (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=3600.0)
