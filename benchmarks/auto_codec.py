@@ -63,9 +63,11 @@ PROJECTED = "100mbit,10gbit"
 
 
 def variants(bandwidth: float | None = None) -> list[str]:
-    """Every variant of one run; on loopback also PyTorch's own ``allreduce_hook``: what any
-    communication hook costs against DDP's built-in allreduce (the floor of the ``ddp@`` path)."""
-    hook = ["ddp-allreduce-hook"] if bandwidth is None else []
+    """Every variant of one run; on loopback also PyTorch's own ``allreduce_hook``, what any
+    communication hook costs against DDP's built-in allreduce (the floor of the ``ddp@``
+    path), and gradzip's S-SGD, gradzip's own uncompressed step (the floor of the ``efsgd@``
+    path where auto compresses nothing: EF-SGD then sends the gradient as S-SGD does)."""
+    hook = ["ddp-allreduce-hook", "ssgd"] if bandwidth is None else []
     return ["ddp", *hook] + [v for path in PATHS for c in CODECS for v in (f"{path}@{c}", f"{path}@auto:{c}")]
 
 
@@ -90,7 +92,7 @@ def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
     for path in PATHS:
         for c in CODECS:
             out.append(_verdict(path, c, rows["ddp"], rows[f"{path}@{c}"], rows[f"{path}@auto:{c}"],
-                                rows.get("ddp-allreduce-hook")))
+                                rows.get("ddp-allreduce-hook"), rows.get("ssgd")))
     return out
 
 
@@ -106,7 +108,8 @@ def trial_text(decisions: dict[str, str] | None) -> str:
     return ", ".join(dict.fromkeys(out)) or "-"
 
 
-def _verdict(path: str, c: str, ddp: dict, fixed: dict, auto: dict, hook: dict | None = None) -> dict[str, Any]:
+def _verdict(path: str, c: str, ddp: dict, fixed: dict, auto: dict, hook: dict | None = None,
+             ssgd: dict | None = None) -> dict[str, Any]:
     best = min(ddp["median_s"], fixed["median_s"])
     chosen = auto.get("auto") or []
     by_round = [a / d for a, d in zip(auto["rounds_s"], ddp["rounds_s"])]
@@ -114,6 +117,7 @@ def _verdict(path: str, c: str, ddp: dict, fixed: dict, auto: dict, hook: dict |
             "auto_over_ddp": auto["median_s"] / ddp["median_s"], "auto_over_best": auto["median_s"] / best,
             "by_round": (min(by_round), max(by_round)),
             "hook_over_ddp": None if hook is None else hook["median_s"] / ddp["median_s"],
+            "ssgd_over_ddp": None if ssgd is None else ssgd["median_s"] / ddp["median_s"],
             "compressed": sum(x != "none" for x in chosen), "units": len(chosen),
             "below_both": auto["median_s"] < min(ddp["median_s"], fixed["median_s"])}
 
@@ -130,19 +134,23 @@ def target_text(result: dict[str, Any], v: dict[str, Any]) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| model | workers | network | path P | codec C | ddp ms | P@C ms | P@auto:C ms | auto / ddp | "
-             "auto / ddp by round | PyTorch's hook / ddp | auto / best fixed | units auto compresses | "
-             "trial: rule vs none | target |",
-             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "auto / ddp by round | PyTorch's hook / ddp | gradzip S-SGD / ddp | auto / best fixed | "
+             "units auto compresses | trial: rule vs none | target |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in results:
         for v in verdicts(r):
             lines.append(f"| {r['model']} | {r['workers']} | {r['network']} | {v['path']} | {v['codec']} | "
                          f"{v['ddp_s'] * 1e3:.1f} | "
                          f"{v['fixed_s'] * 1e3:.1f} | {v['auto_s'] * 1e3:.1f} | **{v['auto_over_ddp']:.2f}** | "
                          f"{v['by_round'][0]:.2f}–{v['by_round'][1]:.2f} | "
-                         f"{'-' if v.get('hook_over_ddp') is None else format(v['hook_over_ddp'], '.2f')} | "
+                         f"{_ratio(v.get('hook_over_ddp'))} | {_ratio(v.get('ssgd_over_ddp'))} | "
                          f"**{v['auto_over_best']:.2f}** | {v['compressed']}/{v['units']} | {v.get('trial', '-')} | "
                          f"{target_text(r, v)} |")
     return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def accuracy(args) -> str:
@@ -185,7 +193,9 @@ def step_text(args, command: str, host: dict[str, Any], results: list[dict[str, 
             "choices against nothing compressed in the next 5 steps (the rule's first untimed; 4 more where the "
             "first two were within 25%: *retried*; column *trial*: which it kept, and the two step times it "
             "compared). *auto / ddp by round*: the ratio of the two in each round, lowest–highest (how far one "
-            "round's pairing moves on this host). *PyTorch's hook*: DDP with PyTorch's own `allreduce_hook` (loopback "
+            "round's pairing moves on this host). *gradzip S-SGD*: gradzip's own uncompressed step (loopback "
+            "only; what EF-SGD's step is where auto compresses nothing: it then sends the gradient as S-SGD "
+            "does). *PyTorch's hook*: DDP with PyTorch's own `allreduce_hook` (loopback "
             "only), what any communication hook pays against DDP's built-in allreduce, in the same run. "
             "Best fixed: the faster of `ddp` (nothing compressed) and "
             "`P@C` (C on every bucket). Targets: loopback auto / ddp ≤ 1.05; shaped links auto / best fixed "

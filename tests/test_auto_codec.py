@@ -28,7 +28,7 @@ def test_a_row_pairs_auto_with_ddp_round_by_round():
     def row(variant, rounds, **more):
         return {"variant": variant, "median_s": sorted(rounds)[1], "rounds_s": rounds, **more}
 
-    rows = [row("ddp", [0.10, 0.12, 0.09]), row("ddp-allreduce-hook", [0.1, 0.1, 0.1])]
+    rows = [row("ddp", [0.10, 0.12, 0.09]), row("ddp-allreduce-hook", [0.1, 0.1, 0.1]), row("ssgd", [0.11] * 3)]
     for path in auto_codec.PATHS:
         for c in auto_codec.CODECS:
             rows += [row(f"{path}@{c}", [0.2, 0.2, 0.2]),
@@ -37,4 +37,6 @@ def test_a_row_pairs_auto_with_ddp_round_by_round():
     verdict = auto_codec.verdicts(result)[0]
     assert verdict["by_round"] == pytest.approx((0.9, 1.1)) and verdict["auto_over_ddp"] == pytest.approx(1.05)
     line = auto_codec.table([result]).splitlines()[2]
-    assert "| **1.05** | 0.90–1.10 | 1.00 |" in line and line.endswith("| met |")
+    assert "| **1.05** | 0.90–1.10 | 1.00 | 1.10 |" in line and line.endswith("| met |")
+    assert auto_codec.variants()[:3] == ["ddp", "ddp-allreduce-hook", "ssgd"]
+    assert "ssgd" not in auto_codec.variants(1e9)
