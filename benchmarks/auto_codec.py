@@ -6,6 +6,8 @@ up, then timed in interleaved rounds; the slowest worker's median step per round
 over rounds) runs the variants
 
 * ``ddp``: DistributedDataParallel + ``torch.optim.SGD``, the uncompressed choice ("nothing");
+* on loopback also ``ddp-allreduce-hook`` (PyTorch's own uncompressed hook) and ``ssgd``
+  (gradzip's S-SGD): the floors of the two paths below where auto compresses nothing;
 
 and, per path P (``ddp``: DDP + SGD with gradzip's codec hook, ``gradzip.ddp.hook``;
 ``efsgd``: gradzip's EF-SGD optimizer) and codec C in ``1bit`` and ``topk:ratio=0.01``:
@@ -101,7 +103,8 @@ def trial_text(decisions: dict[str, str] | None) -> str:
     ``kept`` or ``none``, with the two step times, or ``-`` where none ran."""
     out = []
     for line in (decisions or {}).values():
-        found = re.search(r"against none: ([\d.]+) ms against ([\d.]+) ms a period( \(best of \d+ each[^)]*\))?, (kept|none taken)", line)
+        found = re.search(r"against none: ([\d.]+) ms against ([\d.]+) ms a period"
+                          r"( \(best of \d+ each[^)]*\))?, (kept|none taken)", line)
         if found:
             retried = ", retried" if found[3] else ""
             out.append(f"{'kept' if found[4] == 'kept' else 'none'} ({found[1]} vs {found[2]} ms{retried})")
