@@ -116,11 +116,14 @@ def _verdict(path: str, c: str, ddp: dict, fixed: dict, auto: dict, hook: dict |
     best = min(ddp["median_s"], fixed["median_s"])
     chosen = auto.get("auto") or []
     by_round = [a / d for a, d in zip(auto["rounds_s"], ddp["rounds_s"])]
+
+    def over_ddp(row: dict | None) -> float | None:
+        return None if row is None else row["median_s"] / ddp["median_s"]
+
     return {"trial": trial_text(auto.get("auto_decisions")), "path": path, "codec": c, "ddp_s": ddp["median_s"], "fixed_s": fixed["median_s"], "auto_s": auto["median_s"],
-            "auto_over_ddp": auto["median_s"] / ddp["median_s"], "auto_over_best": auto["median_s"] / best,
+            "auto_over_ddp": over_ddp(auto), "auto_over_best": auto["median_s"] / best,
             "by_round": (min(by_round), max(by_round)),
-            "hook_over_ddp": None if hook is None else hook["median_s"] / ddp["median_s"],
-            "ssgd_over_ddp": None if ssgd is None else ssgd["median_s"] / ddp["median_s"],
+            "hook_over_ddp": over_ddp(hook), "ssgd_over_ddp": over_ddp(ssgd),
             "compressed": sum(x != "none" for x in chosen), "units": len(chosen),
             "below_both": auto["median_s"] < min(ddp["median_s"], fixed["median_s"])}
 

@@ -510,19 +510,9 @@ def _auto(unit, shapes, dtypes, auto: "Auto", resolved: list, n: int, transport:
 def _together(decided, shapes, dtypes, bucket_bytes: int) -> list[tuple[list[int], Compressor]]:
     """auto's decided units (``(unit, codec)`` in order) joined where consecutive ones took
     the same codec and dtype, while their bytes fit ``bucket_bytes``: what travels together."""
-    groups: list[tuple[list[int], Compressor]] = []
-    filled = 0
-    for unit, codec in decided:
-        nbytes = _unit_bytes(unit, shapes, dtypes)
-        last = groups[-1] if groups else None
-        if (last is not None and last[1] is codec and dtypes[last[0][0]] == dtypes[unit[0]]
-                and filled + nbytes <= bucket_bytes):
-            last[0].extend(unit)
-            filled += nbytes
-        else:
-            groups.append((list(unit), codec))
-            filled = nbytes
-    return groups
+    groups = _greedy([_unit_bytes(unit, shapes, dtypes) for unit, _ in decided],
+                     [(id(codec), dtypes[unit[0]]) for unit, codec in decided], bucket_bytes)
+    return [([i for j in group for i in decided[j][0]], decided[group[0]][1]) for group in groups]
 
 
 def _codecs(compressor, shapes) -> tuple[list[Compressor], bool]:
@@ -545,16 +535,22 @@ def _unit_bytes(unit, shapes, dtypes) -> int:
 
 def _units(shapes, dtypes, bucket_bytes: int) -> list[list[int]]:
     """The greedy cut by the tensors' own bytes (module docstring)."""
-    units: list[list[int]] = []
+    return _greedy([_unit_bytes([i], shapes, dtypes) for i in range(len(shapes))], dtypes, bucket_bytes)
+
+
+def _greedy(nbytes: Sequence[int], keys: Sequence, limit: int) -> list[list[int]]:
+    """Positions ``0 … n−1`` cut in order: each joins the group before it while it has the key
+    of that group's first and the group's bytes stay within ``limit`` (an item larger than
+    ``limit`` is a group of its own)."""
+    groups: list[list[int]] = []
     filled = 0
-    for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
-        nbytes = math.prod(shape) * itemsize(dtype)
-        if not units or (units[-1] and (filled + nbytes > bucket_bytes or dtypes[units[-1][0]] != dtype)):
-            units.append([])
+    for i, (size, key) in enumerate(zip(nbytes, keys)):
+        if not groups or filled + size > limit or keys[groups[-1][0]] != key:
+            groups.append([])
             filled = 0
-        units[-1].append(i)
-        filled += nbytes
-    return units
+        groups[-1].append(i)
+        filled += size
+    return groups
 
 
 def _exact(unit, shapes, dtypes, codecs, n: int, pinned: str, link: Link) -> list[Bucket]:
