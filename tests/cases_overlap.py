@@ -80,6 +80,8 @@ def train(comm, name: str, how: str = "hooked", steps: int = 5, **extra):
       ``opt.accumulate()`` (hooked) / plain (off);
     * ``"scheduler"`` / ``"scheduler_off"``: a StepLR stepped after every step;
     * ``"clip"`` / ``"clip_off"``: clip_grad_norm_ between backward and step();
+    * ``"create_graph"`` / ``"create_graph_off"``: ``backward(create_graph=True)`` (the hooks
+      run in grad mode, gradients with a graph);
     * a key of :data:`EDITS` (``+ "_off"``): that edit between backward and step().
 
     Returns (final parameters, final state_dict)."""
@@ -110,7 +112,7 @@ def train(comm, name: str, how: str = "hooked", steps: int = 5, **extra):
             opt.step()
         else:
             opt.zero_grad(set_to_none=how != "zero_grads")
-            loss_of(model, t, comm).backward()
+            loss_of(model, t, comm).backward(create_graph=how.startswith("create_graph"))
             if how.startswith("clip"):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
             elif how.removesuffix("_off") in EDITS:

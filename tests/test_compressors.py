@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradzip.compressors import Compressor, _util, build, keep_count, names
+from gradzip.compressors import Compressor, Packet, _util, build, keep_count, names
 from gradzip import kernels
 from gradzip.errors import GradzipError
 from gradzip.kernels import counter_rng
@@ -99,6 +99,20 @@ def test_piecewise_cpu_encoding_gives_the_same_packet(spec, shape, monkeypatch):
     assert torch.equal(piecewise_decode, c.decompress(whole))
 
 
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_a_codec_that_reads_no_seed_makes_one_packet_for_every_seed(spec):
+    """``uses_seed = False`` lets PSync pass 0 instead of a seed derived per tensor: a promise
+    that the packet is the same for any seed; the random codecs read theirs."""
+    codec = build(spec)
+    v = randn((37, 41))
+    a, b = codec.compress(v, 1), codec.compress(v, 987654321)
+    same = a.wire.keys() == b.wire.keys() and all(torch.equal(a.wire[k], b.wire[k]) for k in a.wire)
+    if not codec.uses_seed:
+        assert same
+    if spec in ("qsgd", "terngrad", "randomk", "randblock"):
+        assert codec.uses_seed and not same
+
+
 # -- the rules, one codec at a time ------------------------------------------------------
 @pytest.mark.parametrize("shape", SHAPES)
 def test_none_fp16_bf16(shape):
@@ -108,6 +122,21 @@ def test_none_fp16_bf16(shape):
         c = build(name)
         assert torch.equal(c.decompress(c.compress(v)), v.to(dt).float())
         assert c.compress(v).wire["x"].dtype == dt
+
+
+def test_none_from_sums_gives_each_member_its_shape_whatever_its_wire_shape():
+    """The members' aggregates are views of the bucket's sum in their packets' shapes: in one
+    call where each wire has its packet's shape (as ``compress`` makes it), else one by one
+    (a packet laid out flat, as another worker's from raw bytes may be)."""
+    codec = build("none")
+    tensors = [randn(s, seed=i) for i, s in enumerate([(3, 4), (5,), (2, 1, 3)])]
+    sizes = [t.numel() for t in tensors]
+    flat_wires = [Packet({"x": t.reshape(-1)}, t.shape, t.dtype) for t in tensors]
+    for packets in ([codec.compress(t) for t in tensors], flat_wires):
+        total = torch.cat([t.reshape(-1) for t in tensors]) * 2
+        out = codec.from_sums(total, packets, sizes, 2)
+        assert [o.shape for o in out] == [t.shape for t in tensors]
+        assert all(torch.equal(o, t) and o.data_ptr() >= total.data_ptr() for o, t in zip(out, tensors))
 
 
 def q_reference(values: np.ndarray, t: float) -> np.ndarray:

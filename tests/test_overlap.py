@@ -87,10 +87,10 @@ def test_hooked_by_hand_and_off_are_bitwise_equal_on_threads(name):
         _same_but_bucketing(runs["hooked"], runs["off"], f"{name} hooked vs off")
 
 
-@pytest.mark.parametrize("how", ["none_grads", "zero_grads", "closure", "scheduler", "clip"])
+@pytest.mark.parametrize("how", ["none_grads", "zero_grads", "closure", "scheduler", "clip", "create_graph"])
 def test_loop_variants_equal_the_one_call_path(how):
     off = {"none_grads": "off", "zero_grads": "off", "closure": "off", "scheduler": "scheduler_off",
-           "clip": "clip_off"}[how]
+           "clip": "clip_off", "create_graph": "create_graph_off"}[how]
     for name in ("ssgd", "efsgd-topk", "bitsgd", "csea", "dgc", "cser"):
         for a, b in gradzip.simulate(2, lambda c: (cases_overlap.train(c, name, how),
                                                    cases_overlap.train(c, name, off))):

@@ -173,6 +173,9 @@ class Compressor(Operations):
     name: ClassVar[str] = ""
     #: Random choices must be identical on every worker (same step, same tensor).
     shared_randomness: ClassVar[bool] = False
+    #: ``compress`` reads its seed (random choices). False (``none``, ``fp16``, ``bf16``): the
+    #: result is the same for every seed, and PSync passes 0 instead of deriving one per tensor.
+    uses_seed: ClassVar[bool] = True
     #: ``E[C(v)] = v``: error feedback would only add the codec's variance to the next step,
     #: so the DDP hook leaves it off by default and refuses it. ``randomk`` makes it a field.
     unbiased: ClassVar[bool] = False

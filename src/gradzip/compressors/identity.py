@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 from ..kernels.sums import mean_in_place
 from .base import Compressor, Implementation, Packet, deliver
@@ -35,6 +36,7 @@ class NoCompression(Summing, Compressor):
     memory with its input, see base); the allreduce sums it in its own dtype."""
 
     name = "none"
+    uses_seed = False
     propagates_nonfinite = True   # a NaN/Inf summand makes the sum, hence the mean, non-finite
     lossless = True               # the residual v − C(v) of a finite v is zero
 
@@ -67,7 +69,12 @@ class NoCompression(Summing, Compressor):
 
 
 def _members(total: torch.Tensor, packets, sizes) -> list[torch.Tensor]:
-    """The members' aggregates: views of their parts of the bucket's ``total``, in their shapes."""
+    """The members' aggregates: views of their parts of the bucket's ``total``, in their shapes
+    (one call where each wire has its packet's shape, as ``compress`` makes it: a bucket of
+    hundreds of biases pays no view per member in Python)."""
+    wires = [packet.wire["x"] for packet in packets]
+    if all(w.shape == packet.shape for w, packet in zip(wires, packets)):
+        return list(_unflatten_dense_tensors(total, wires))
     return [part.view(packet.shape) for part, packet in zip(total.split(sizes), packets)]
 
 
@@ -102,6 +109,7 @@ class _Cast(Summing, Compressor):
     """Cast to ``wire_dtype`` on the wire, back to the packet's dtype on decode."""
 
     wire_dtype: ClassVar[torch.dtype]
+    uses_seed = False
     propagates_nonfinite = True   # the casts keep NaN and ±Inf; x/n of Inf is Inf
     implementations = {"torch": CastReference, "triton": CastTriton}
 

@@ -34,10 +34,16 @@ from ..compressors import Packet
 from ..kernels.digest import SMALL, copy_parts
 
 
+def storage(t: torch.Tensor) -> int:
+    """The address of the storage ``t`` lives in (two tensors share memory iff these are
+    equal), from its own address and offset (no storage object is made: this runs for every
+    tensor of every exchange)."""
+    return t.data_ptr() - t.storage_offset() * t.element_size()
+
+
 def storages(tensors) -> set[int]:
-    """The storages ``tensors`` live in (two tensors share memory iff these sets meet): each
-    one's storage address, from its own address and offset (no storage object is made: this
-    runs for every tensor of every exchange)."""
+    """The storages ``tensors`` live in (:func:`storage` of each): two sets of tensors share
+    memory iff these sets meet."""
     return {t.data_ptr() - t.storage_offset() * t.element_size() for t in tensors}
 
 
@@ -67,7 +73,7 @@ class Spares:
         with self._lock:
             spare = self.residuals.pop(key, None)
         if (spare is not None and spare.shape == t.shape and spare.dtype == t.dtype and spare.device == t.device
-                and spare.is_contiguous() and storages([spare]).isdisjoint(storages([t]))):
+                and spare.is_contiguous() and storage(spare) != storage(t)):
             return spare
         return torch.empty_like(t, memory_format=torch.contiguous_format)
 

@@ -74,7 +74,7 @@ from . import calibration
 from .planner import (DEFAULT_BUCKET_BYTES, DEFAULT_LINK, TRANSPORTS, Bucket, CodecCost, Link, Plan, as_link,
                       check_transport, plan)
 from .complexes import real_views, with_complex
-from .memory import Spares, storages
+from .memory import Spares, storage, storages
 from .twophase import ServerErrors, TwoPhase, check_round_bytes, phase2_seed
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_LINK", "TRANSPORTS", "Link", "Pending", "Plan", "PSync", "Result",
@@ -466,6 +466,7 @@ class PSync:
         parts, sizes, private = [], [], False
         for i, codec, old in zip(members, codecs, spares):
             t, key = tensors[i], keys[i]
+            home = storage(t)   # the input's memory
             pending.codecs[i] = codec
             if pending.residual is not None and not (codec.lossless and self.omit_zero_residuals):
                 # one fused pass where the codec has one (Compressor.compress_residual)
@@ -475,15 +476,17 @@ class PSync:
             else:
                 packet = codec.compress(t.detach(), self._seed(step, key, codec), reuse=old)
             pending.packets[i] = packet
-            pending.recyclable[i] = storages(packet.wire.values()).isdisjoint(storages([t]))
+            pending.recyclable[i] = home not in storages(packet.wire.values())
             pending.packet_bytes += packet.nbytes
             if bucket.route == "allreduce":
-                flat = [codec.summand(packet, n).reshape(-1)]
-                private = private or not storages(flat).isdisjoint(storages([t]))
+                summand = codec.summand(packet, n).reshape(-1)
+                private = private or storage(summand) == home
+                parts.append(summand)
+                sizes.append(summand.numel())
             else:
                 flat = [w.reshape(-1).view(torch.uint8) for w in packet.wire.values()]
-            parts.extend(flat)
-            sizes.append(sum(f.numel() for f in flat))
+                parts.extend(flat)
+                sizes.append(sum(f.numel() for f in flat))
         device = tensors[members[0]].device
         digests = [] if pending.digests and bucket.route == "allreduce" else None
         buffer, reusable = self.memory.bucket_buffer(bucket.route, bucket.dtype, device, parts, private, digests)
@@ -515,7 +518,10 @@ class PSync:
         return _TwoPhaseBucket(members, [tensors[i].shape for i in members], exchange)
 
     def _seed(self, step: int, key: int, codec: Compressor | None = None) -> int:
-        if (codec or self.compressor).shared_randomness:
+        codec = codec or self.compressor
+        if not codec.uses_seed:
+            return 0
+        if codec.shared_randomness:
             return mix_seed(self.seed, step, key)
         return mix_seed(self.seed, step, key, self.comm.rank + 1)
 

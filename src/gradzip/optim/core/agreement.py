@@ -110,7 +110,8 @@ class Agreement:
         is inside ``no_sync()``: backward passes there only accumulate, as inside
         :meth:`accumulate` (Accelerate's ``accumulate()`` enters it on every micro-batch but
         the last of a step)."""
-        return accumulating(self._ddp_wrappers())
+        wrappers = self._ddp_wrappers()
+        return bool(wrappers) and accumulating(wrappers)
 
     def refuse_step_while_accumulating(self) -> None:
         """Refuse ``step()`` inside a DDP wrapper's ``no_sync()`` (:meth:`ddp_accumulating`):

@@ -277,32 +277,34 @@ class GradientExchange(DistributedOptimizer):
         while accumulating: :meth:`accumulate`, or a DDP wrapper's ``no_sync()``)."""
         if self._accumulating or not self.overlap_backward or self.ddp_accumulating():
             return
-        with torch.no_grad():
-            run = self._current_run()
-            if p not in run.plan.where:
-                return
-            if p in run.inputs:
-                raise GradzipError(
-                    f"{type(self).__name__}: parameter #{self._keys[p]} (shape {tuple(p.shape)}) got a second "
-                    "gradient before step(), after its exchange had started; accumulate micro-batches "
-                    "inside `with opt.accumulate():` (the last backward outside it), or pass "
-                    "overlap_backward=False")
-            if p.grad.layout != torch.strided:   # refused (check_dense), the step as if never begun
-                self._run = None
-                self._discard(run, uncount=True)
-                self.check_dense(p)
-            self._feed(run, p)
-            # the snapshot of what the exchange reads, when it reads it: an input that is the
-            # gradient itself is read when its bucket launches (_launch_ready), a copy now
-            run.seen[p] = (p.grad, p.grad._version)
-            if run.inputs[p] is not p.grad:
-                run.snapshots.append((p.grad, snapshot(p.grad)))
-            else:
-                run.deferred[p] = p.grad
-                if not run.rest_queued:
-                    run.rest_queued = True
-                    _at_backward_end(lambda: _snapshot_rest(run))
-            self._launch_ready(run)
+        if torch.is_grad_enabled():   # backward(create_graph=True); else autograd runs hooks without
+            with torch.no_grad():     # grad mode, and the context (microseconds) is skipped, per tensor
+                return self._gradient_ready(p)
+        run = self._current_run()
+        if p not in run.plan.where:
+            return
+        if p in run.inputs:
+            raise GradzipError(
+                f"{type(self).__name__}: parameter #{self._keys[p]} (shape {tuple(p.shape)}) got a second "
+                "gradient before step(), after its exchange had started; accumulate micro-batches "
+                "inside `with opt.accumulate():` (the last backward outside it), or pass "
+                "overlap_backward=False")
+        if p.grad.layout != torch.strided:   # refused (check_dense), the step as if never begun
+            self._run = None
+            self._discard(run, uncount=True)
+            self.check_dense(p)
+        self._feed(run, p)
+        # the snapshot of what the exchange reads, when it reads it: an input that is the
+        # gradient itself is read when its bucket launches (_launch_ready), a copy now
+        run.seen[p] = (p.grad, p.grad._version)
+        if run.inputs[p] is not p.grad:
+            run.snapshots.append((p.grad, snapshot(p.grad)))
+        else:
+            run.deferred[p] = p.grad
+            if not run.rest_queued:
+                run.rest_queued = True
+                _at_backward_end(lambda: _snapshot_rest(run))
+        self._launch_ready(run)
 
     def _current_run(self) -> _Run:
         if self._run is None:
