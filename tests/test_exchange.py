@@ -5,7 +5,8 @@ import torch
 
 import gradzip
 from gradzip.exchange.planner import exact_route
-from gradzip.compressors import build
+from gradzip.compressors import PerTensor, build
+from gradzip.compressors.identity import NoCompression
 from gradzip.exchange import PSync, mix_seed
 from gradzip.comm.launch import run_processes
 
@@ -101,6 +102,44 @@ def test_bucketing_changes_no_result(spec):
             assert torch.equal(x, y)
 
 
+class _NoneOneByOne(NoCompression):
+    """``none`` through PSync's per-member path (the reference of the one-pass path)."""
+
+    sends_input = False
+
+
+@pytest.mark.parametrize("residual, omit", [(False, False), (True, False), (True, True)])
+def test_none_sent_as_it_is_in_one_pass_equals_the_per_member_path(residual, omit, monkeypatch):
+    """PSync sends a run of ``none`` members on an allreduce in one pass
+    (``Compressor.sends_input``): the same aggregates, residuals, packets, byte counts and
+    edit-guard digests as compressing them one by one, in a bucket that mixes them with
+    another codec's run (a PerTensor policy)."""
+    tensors = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in
+               enumerate([(70, 80), (5,), (3, 4), (6000,), (7,)])]
+
+    def fn(comm, none):
+        policy = PerTensor("fp16", {"t1": none, "t2": none, "t3": none, "t4": none})
+        psync = PSync(comm, policy, bucket_bytes=1 << 30)
+        psync.names = {k: f"t{k}" for k in range(len(tensors))}
+        psync.omit_zero_residuals = omit
+        mine = [t * (comm.rank + 1) for t in tensors]
+        pending = psync.start(mine, 1, residual=residual, digest_inputs=True)
+        result = pending.wait()
+        return (result.aggregate, result.residual, result.bytes_sent, result.packet_bytes, pending.digests,
+                [p.nbytes for p in pending.packets], pending.recyclable)
+
+    passes = []
+    one_pass = PSync._send_as_they_are
+    monkeypatch.setattr(PSync, "_send_as_they_are", staticmethod(
+        lambda codec, members, *rest: passes.append(len(members)) or one_pass(codec, members, *rest)))
+    fast_runs = gradzip.simulate(2, lambda c: fn(c, NoCompression()))
+    # one pass per worker over the four none members, unless a (zero) residual is asked for each
+    assert passes == ([4, 4] if omit or not residual else [])
+    for fast, slow in zip(fast_runs, gradzip.simulate(2, lambda c: fn(c, _NoneOneByOne()))):
+        cases.assert_bitwise_equal(fast, slow, "none in one pass vs one by one")
+        assert fast[4][3] is not None   # the large none member's digest, made in the bucket copy
+
+
 def test_shared_random_coordinates_agree_across_workers():
     def fn(comm):
         res = PSync(comm, "randomk:ratio=0.25")([torch.randn(40) + 10], 5)
@@ -130,7 +169,7 @@ def test_mix_seed_is_stable_and_sensitive():
 
 # -- issue 13: the route is sized without building the summand -----------------------------
 @pytest.mark.parametrize("spec, n, builds", [("2bit", 2, 0), ("2bit", 8, 1), ("sign", 4, 0),
-                                             ("sign", 16, 1), ("none", 2, 1)])
+                                             ("sign", 16, 1), ("fp16", 2, 1)])
 def test_exchange_builds_the_summand_only_when_allreduce_wins(spec, n, builds):
     """The plan sizes routes from the shapes (gradzip.exchange.planner.Sizer); an exchange then builds
     a summand only for a tensor routed to the allreduce."""

@@ -176,6 +176,9 @@ class Compressor(Operations):
     #: ``compress`` reads its seed (random choices). False (``none``, ``fp16``, ``bf16``): the
     #: result is the same for every seed, and PSync passes 0 instead of deriving one per tensor.
     uses_seed: ClassVar[bool] = True
+    #: The packet's wire is the input itself and its summand the input, flat (``none``): PSync
+    #: sends a run of such members as they are, in one pass (no seed, spare or residual).
+    sends_input: ClassVar[bool] = False
     #: ``E[C(v)] = v``: error feedback would only add the codec's variance to the next step,
     #: so the DDP hook leaves it off by default and refuses it. ``randomk`` makes it a field.
     unbiased: ClassVar[bool] = False

@@ -37,6 +37,7 @@ class NoCompression(Summing, Compressor):
 
     name = "none"
     uses_seed = False
+    sends_input = True
     propagates_nonfinite = True   # a NaN/Inf summand makes the sum, hence the mean, non-finite
     lossless = True               # the residual v − C(v) of a finite v is zero
 

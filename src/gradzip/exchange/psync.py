@@ -461,10 +461,38 @@ class PSync:
         """Compress the bucket's tensors with their codecs (the plan's; their residuals too,
         when asked) and launch its collective: the members' summands (allreduce) or raw
         packets (allgather), back to back."""
-        n = self.comm.world_size
-        spares = self.memory.packets([tensors[i] for i in members], [keys[i] for i in members])
         parts, sizes, private = [], [], False
-        for i, codec, old in zip(members, codecs, spares):
+        at = 0
+        for codec, run in itertools.groupby(codecs):   # runs of members with one codec
+            run = members[at:at + len(list(run))]
+            at += len(run)
+            if bucket.route == "allreduce" and codec.sends_input and (
+                    pending.residual is None or (codec.lossless and self.omit_zero_residuals)):
+                private = self._send_as_they_are(codec, run, tensors, pending, parts, sizes) or private
+            else:
+                private = self._compress_each(bucket, codec, run, tensors, keys, step, pending, parts, sizes) \
+                    or private
+        device = tensors[members[0]].device
+        digests = [] if pending.digests and bucket.route == "allreduce" else None
+        buffer, reusable = self.memory.bucket_buffer(bucket.route, bucket.dtype, device, parts, private, digests)
+        for i, part, made in zip(members, parts, digests or ()):
+            t = tensors[i]
+            if made is not None and part.data_ptr() == t.data_ptr() and part.numel() == t.numel() and t.is_contiguous():
+                pending.digests[i] = made   # the input itself was copied (none): its digest
+        collective = self.comm.allreduce if bucket.route == "allreduce" else self.comm.allgather
+        work = collective(buffer, async_op=True)
+        self.bytes_sent += work.nbytes
+        pending.buckets.append(_Bucket(bucket.route, members, sizes, work, buffer if reusable else None))
+
+    def _compress_each(self, bucket: Bucket, codec: Compressor, members: list[int], tensors, keys, step: int,
+                       pending: Pending, parts: list, sizes: list) -> bool:
+        """Compress ``members`` one by one with ``codec`` (their residuals too, when asked);
+        their summands (allreduce) or raw wire bytes (allgather) onto ``parts``, each one's
+        number of entries onto ``sizes``. Returns whether a summand is an input's memory
+        (the bucket is then copied: a collective may write into what it sends)."""
+        n, private = self.comm.world_size, False
+        spares = self.memory.packets([tensors[i] for i in members], [keys[i] for i in members])
+        for i, old in zip(members, spares):
             t, key = tensors[i], keys[i]
             home = storage(t)   # the input's memory
             pending.codecs[i] = codec
@@ -487,17 +515,27 @@ class PSync:
                 flat = [w.reshape(-1).view(torch.uint8) for w in packet.wire.values()]
                 parts.extend(flat)
                 sizes.append(sum(f.numel() for f in flat))
-        device = tensors[members[0]].device
-        digests = [] if pending.digests and bucket.route == "allreduce" else None
-        buffer, reusable = self.memory.bucket_buffer(bucket.route, bucket.dtype, device, parts, private, digests)
-        for i, part, made in zip(members, parts, digests or ()):
-            t = tensors[i]
-            if made is not None and part.data_ptr() == t.data_ptr() and part.numel() == t.numel() and t.is_contiguous():
-                pending.digests[i] = made   # the input itself was copied (none): its digest
-        collective = self.comm.allreduce if bucket.route == "allreduce" else self.comm.allgather
-        work = collective(buffer, async_op=True)
-        self.bytes_sent += work.nbytes
-        pending.buckets.append(_Bucket(bucket.route, members, sizes, work, buffer if reusable else None))
+        return private
+
+    @staticmethod
+    def _send_as_they_are(codec: Compressor, members: list[int], tensors, pending: Pending, parts: list,
+                          sizes: list) -> bool:
+        """:meth:`_compress_each` for a codec that sends its input as it is on an allreduce
+        (``Compressor.sends_input``: ``none``), in one pass over the members: its packet wraps
+        the input, its summand is the input, flat; no seed, no spare packet, no residual (zero,
+        omitted), never recycled (the wire is the input). Returns True: the summands are the
+        inputs' memory. (``members``: one run, not empty.)"""
+        inputs = [tensors[i].detach() for i in members]
+        packets = [codec.compress(t) for t in inputs]
+        flats = [t.reshape(-1) for t in inputs]
+        counts = [f.numel() for f in flats]
+        for i, packet in zip(members, packets):
+            pending.codecs[i] = codec
+            pending.packets[i] = packet
+        pending.packet_bytes += sum(counts) * inputs[0].element_size()
+        parts.extend(flats)
+        sizes.extend(counts)
+        return True
 
     def _start_twophase(self, codec: Compressor, tensors, members: list[int], keys, step: int,
                         residuals) -> _TwoPhaseBucket:
