@@ -288,8 +288,10 @@ class PSync:
 
     def prepare(self, tensors: Sequence, keys: Sequence[int] | None, step: int) -> None:
         """Make the exchange's decision for these tensors where it is due (auto:<codec>;
-        collective): what the backward hooks call before they cut the step into buckets."""
-        self.exchange_plan(tensors, keys, step)
+        collective): what the backward hooks call before they cut the step into buckets; nothing
+        for any other codec (no decision: its plan is the same at every step)."""
+        if isinstance(self.compressor, Auto):
+            self.exchange_plan(tensors, keys, step)
 
     def _plan(self, specs, codecs, link: Link | None = None, costs: dict[str, CodecCost] | None = None,
               choices: Sequence[str] | None = None) -> Plan:
