@@ -464,16 +464,14 @@ class PSync:
         when asked) and launch its collective: the members' summands (allreduce) or raw
         packets (allgather), back to back."""
         parts, sizes, private = [], [], False
-        at = 0
-        for codec, run in itertools.groupby(codecs):   # runs of members with one codec
-            run = members[at:at + len(list(run))]
-            at += len(run)
+        for codec, run in itertools.groupby(zip(members, codecs), key=lambda member: member[1]):
+            run = [i for i, _ in run]   # the next members with one codec
             if bucket.route == "allreduce" and codec.sends_input and (
                     pending.residual is None or (codec.lossless and self.omit_zero_residuals)):
-                private = self._send_as_they_are(codec, run, tensors, pending, parts, sizes) or private
+                sent = self._send_as_they_are(codec, run, tensors, pending, parts, sizes)
             else:
-                private = self._compress_each(bucket, codec, run, tensors, keys, step, pending, parts, sizes) \
-                    or private
+                sent = self._compress_each(bucket, codec, run, tensors, keys, step, pending, parts, sizes)
+            private = private or sent
         device = tensors[members[0]].device
         digests = [] if pending.digests and bucket.route == "allreduce" else None
         buffer, reusable = self.memory.bucket_buffer(bucket.route, bucket.dtype, device, parts, private, digests)
