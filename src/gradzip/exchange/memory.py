@@ -44,7 +44,7 @@ def storage(t: torch.Tensor) -> int:
 def storages(tensors) -> set[int]:
     """The storages ``tensors`` live in (:func:`storage` of each): two sets of tensors share
     memory iff these sets meet."""
-    return {t.data_ptr() - t.storage_offset() * t.element_size() for t in tensors}
+    return {storage(t) for t in tensors}
 
 
 class Spares:

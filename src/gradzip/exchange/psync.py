@@ -466,8 +466,7 @@ class PSync:
         parts, sizes, private = [], [], False
         for codec, run in itertools.groupby(zip(members, codecs), key=lambda member: member[1]):
             run = [i for i, _ in run]   # the next members with one codec
-            if bucket.route == "allreduce" and codec.sends_input and (
-                    pending.residual is None or (codec.lossless and self.omit_zero_residuals)):
+            if bucket.route == "allreduce" and codec.sends_input and not self._returns_residual(pending, codec):
                 sent = self._send_as_they_are(codec, run, tensors, pending, parts, sizes)
             else:
                 sent = self._compress_each(bucket, codec, run, tensors, keys, step, pending, parts, sizes)
@@ -496,7 +495,7 @@ class PSync:
             t, key = tensors[i], keys[i]
             home = storage(t)   # the input's memory
             pending.codecs[i] = codec
-            if pending.residual is not None and not (codec.lossless and self.omit_zero_residuals):
+            if self._returns_residual(pending, codec):
                 # one fused pass where the codec has one (Compressor.compress_residual)
                 pending.residual[i] = self.memory.residual(key, t)
                 packet = codec.compress_residual(t.detach(), self._seed(step, key, codec), pending.residual[i],
@@ -517,6 +516,11 @@ class PSync:
                 sizes.append(sum(f.numel() for f in flat))
         return private
 
+    def _returns_residual(self, pending: Pending, codec: Compressor) -> bool:
+        """Whether ``codec``'s members get a residual tensor: asked for, and not the zero one of a
+        lossless codec that the caller reads as None (:attr:`omit_zero_residuals`)."""
+        return pending.residual is not None and not (codec.lossless and self.omit_zero_residuals)
+
     @staticmethod
     def _send_as_they_are(codec: Compressor, members: list[int], tensors, pending: Pending, parts: list,
                           sizes: list) -> bool:
@@ -525,8 +529,8 @@ class PSync:
         the input, its summand is the input, flat; no seed, no spare packet, no residual (zero,
         omitted), never recycled (the wire is the input). Returns True: the summands are the
         inputs' memory. (``members``: one run, not empty.)"""
-        inputs = [tensors[i].detach() for i in members]
-        packets = [codec.compress(t) for t in inputs]
+        packets = [codec.compress(tensors[i]) for i in members]   # its wire: the input, detached
+        inputs = [packet.wire["x"] for packet in packets]
         flats = [t.reshape(-1) for t in inputs]
         counts = [f.numel() for f in flats]
         for i, packet in zip(members, packets):
