@@ -23,8 +23,9 @@ Where the link was measured and the rule compresses something, the rule's choice
 nothing compressed, each worker timing the periods from one exchange to the next
 (a step, or H steps for a method that exchanges every H); every worker gathers every
 worker's times and keeps the rule's choices only where their period (the slowest worker's,
-the best of the trial's) is shorter than the uncompressed one. Where the two are within
-:data:`TRIAL_CLOSE` of each other, the trial is retried once: two more blocks (the rule's,
+the best of the trial's) is shorter than the uncompressed one. Where the first two periods
+each do not decide (:func:`decisive`: none not :data:`TRIAL_CLOSE` faster, the rule not
+:data:`TRIAL_CLEAR_GAIN` faster), the trial is retried once: two more blocks (the rule's,
 then nothing compressed), and the verdict from the best of all four periods each. The probes price coding and link apart;
 the trial prices what they cannot see: compute the uncompressed allreduce hides behind, and
 coding that takes the cores the collectives and the backward pass need.
@@ -70,10 +71,17 @@ TRIAL_STEPS = 2
 TRIAL_WARMUP = 1
 #: Every exchange of a trial: the rule's warm-up and timed ones, then nothing compressed's.
 TRIAL_EXCHANGES = TRIAL_WARMUP + 2 * TRIAL_STEPS
-#: A verdict whose two best periods are within this fraction of each other (the longer below
-#: ``1 + TRIAL_CLOSE`` times the shorter) is retried once with two more blocks of
-#: :data:`TRIAL_STEPS` (docs/algorithms.md §Auto codec choice, "[choice] A close trial is retried").
+#: A first verdict for nothing compressed is final where none's best period is shorter than
+#: the rule's by this fraction of its own (the rule's at least ``1 + TRIAL_CLOSE`` times it);
+#: else the trial is retried once with two more blocks of :data:`TRIAL_STEPS`
+#: (docs/algorithms.md §Auto codec choice, "[choice] A trial that does not decide is retried").
 TRIAL_CLOSE = 0.25
+#: A first verdict that keeps the rule's choices is final only where the rule's best period
+#: is shorter than none's by this fraction of its own (none's at least ``1 + TRIAL_CLEAR_GAIN``
+#: times it: the rule halves the step); else retried as above. Larger than
+#: :data:`TRIAL_CLOSE`: keeping compression that does not pay costs every step of the run
+#: (docs/algorithms.md §Auto codec choice, "[choice] Keeping compression needs a clear win").
+TRIAL_CLEAR_GAIN = 1.0
 #: Every exchange of a retried trial.
 RETRIED_EXCHANGES = TRIAL_EXCHANGES + 2 * TRIAL_STEPS
 
@@ -109,7 +117,8 @@ class Decision:
     #: exchanges every H steps tries H-step periods)
     trial_steps: tuple[int, ...] = ()
     #: the trial's exchanges: :data:`TRIAL_EXCHANGES`, or :data:`RETRIED_EXCHANGES` once its
-    #: first verdict was close (agreed: every worker decides it from the same gathered times)
+    #: first verdict did not decide (:func:`decisive`; agreed: every worker decides it from the
+    #: same gathered times)
     trial_exchanges: int = TRIAL_EXCHANGES
 
     @property
@@ -130,7 +139,7 @@ class Decision:
             trial = f"; trial of ({','.join(self.proposed)}) against none"
             if self.verdict is not None:
                 kept = self.choices == self.proposed
-                retried = (f" (best of {2 * TRIAL_STEPS} each: within {TRIAL_CLOSE:.0%} on {TRIAL_STEPS})"
+                retried = (f" (best of {2 * TRIAL_STEPS} each: {TRIAL_STEPS} did not decide)"
                            if self.retried else "")
                 trial += (f": {self.verdict[0] * 1e3:.1f} ms against {self.verdict[1] * 1e3:.1f} ms a period{retried}, "
                           f"{'kept' if kept else 'none taken'} from step {self.trial_steps[-1]}")
@@ -192,8 +201,8 @@ def advance(comm: Group, decision: Decision, step: int, seconds: Callable[[int],
     (:func:`_trial_choice`); after the trial's exchanges the verdict (collective on ``comm``:
     every worker gathers every worker's periods and takes, per period, the slowest worker's,
     per candidate the best period; the rule's choices are kept iff theirs is shorter; ties and
-    missing times: uncompressed), or, where the first verdict's two are within
-    :data:`TRIAL_CLOSE`, two more blocks and the verdict from all periods."""
+    missing times: uncompressed), or, where the first verdict's two are not :func:`decisive`,
+    two more blocks and the verdict from all periods."""
     steps = decision.trial_steps or (decision.step,)
     if step not in steps:
         steps += (step,)
@@ -209,11 +218,18 @@ def advance(comm: Group, decision: Decision, step: int, seconds: Callable[[int],
     slowest = torch.where(torch.isnan(every), math.inf, every).max(dim=0).values.tolist()
     rule = min(t for k, t in enumerate(slowest) if _rule_block(TRIAL_WARMUP + k))
     none = min(t for k, t in enumerate(slowest) if not _rule_block(TRIAL_WARMUP + k))
-    if not decision.retried and max(rule, none) < (1 + TRIAL_CLOSE) * min(rule, none):
+    if not decision.retried and not decisive(rule, none):
         return replace(decision, choices=_trial_choice(decision, at), timed=timed, trial_steps=steps,
                        trial_exchanges=RETRIED_EXCHANGES)
     choices = decision.proposed if rule < none else ("none",) * len(decision.proposed)
     return replace(decision, choices=choices, timed=(), verdict=(rule, none), trial_steps=steps)
+
+
+def decisive(rule: float, none: float) -> bool:
+    """Whether a trial's first verdict from the best periods ``rule`` and ``none`` is final:
+    none faster by :data:`TRIAL_CLOSE`, or the rule faster by :data:`TRIAL_CLEAR_GAIN` (module
+    docstring). A missing time (+inf) decides against its candidate."""
+    return rule >= (1 + TRIAL_CLOSE) * none or none >= (1 + TRIAL_CLEAR_GAIN) * rule
 
 
 def _rule_block(at: int) -> bool:
