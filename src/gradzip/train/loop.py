@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -450,5 +451,10 @@ def _progress(cfg: RunConfig, comm: Group, total: int, done: int):
         return None
     from tqdm.auto import tqdm
 
+    # one bar, one writer: a thread lock, not tqdm's default multiprocessing one, whose
+    # semaphore a worker that leaves with os._exit never unlinks (the resource tracker then
+    # warned "1 leaked semaphore" at the end of every `gradzip compare`)
+    if not hasattr(tqdm, "_lock"):
+        tqdm.set_lock(threading.RLock())
     return tqdm(total=total, initial=done, desc=f"{cfg.name} ({comm.world_size} workers)",
                 unit="step", leave=False, dynamic_ncols=True)
