@@ -187,14 +187,17 @@ def ddp_runs(comm, steps: int = 4):
     return out
 
 
-def ddp_resume(comm, split: int = 3, steps: int = 3):
+def ddp_resume(comm, split: int = 3, steps: int = 3, link: Link | None = None):
     """The DDP hook with auto:1bit (link measured): straight, ``split + steps`` steps; resumed,
     a new model, DDP and hook state load the state saved after ``split`` and run ``steps``
-    while a codec probe fails this worker. Both parameter lists, and the decisions of each."""
+    while a codec probe fails this worker. Both parameter lists, and the decisions of each.
+    ``link``: the link probe measures it (:func:`measured_link`), not this host's loopback."""
     import cases_ddp
     import gradzip.ddp
 
     _guard_probes()
+    if link is not None:
+        calibration.measure_link = lambda comm, device="cpu": measured_link(comm, device, link)
 
     def build():
         net, ddp = cases_ddp.make_ddp()
@@ -223,11 +226,11 @@ def ddp_resume(comm, split: int = 3, steps: int = 3):
 MEASURED = Link(100e6 / 8, 20e-6)
 
 
-def measured_link(comm, device="cpu"):
-    """A stand-in for calibration.measure_link: MEASURED's ring times, on every worker."""
+def measured_link(comm, device="cpu", link: Link = MEASURED):
+    """A stand-in for calibration.measure_link: ``link``'s ring times, on every worker."""
     from gradzip.exchange.planner import collective_time
 
-    return [collective_time(kind, nbytes, comm.world_size, MEASURED)
+    return [collective_time(kind, nbytes, comm.world_size, link)
             for kind in ("allreduce", "allgather") for nbytes in calibration.LINK_PROBE_BYTES]
 
 
