@@ -109,8 +109,9 @@ class HookedSGD(torch.optim.SGD):
         return self.hook_state.bytes_sent
 
     def _latest(self) -> list:
-        """The decisions of the buckets in use: DDP rebuilds its buckets after the first step,
-        so those decided then (the first layout's) are not executed after it."""
+        """The decisions in use: those of the latest step (the hook decides for DDP's initial
+        buckets at step 1, whose decisions the rebuilt buckets execute per parameter; a
+        recalibration decides for all of them at one step)."""
         made = list(self.hook_state.decisions.values())
         last = max((d.step for d in made), default=None)
         return [d for d in made if d.step == last]

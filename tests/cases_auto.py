@@ -187,17 +187,21 @@ def ddp_runs(comm, steps: int = 4):
     return out
 
 
-def ddp_resume(comm, split: int = 3, steps: int = 3, link: Link | None = None):
+def ddp_resume(comm, split: int = 3, steps: int = 3, link: Link | None = None, times: dict | None = None):
     """The DDP hook with auto:1bit (link measured): straight, ``split + steps`` steps; resumed,
     a new model, DDP and hook state load the state saved after ``split`` and run ``steps``
     while a codec probe fails this worker. Both parameter lists, and the decisions of each.
-    ``link``: the link probe measures it (:func:`measured_link`), not this host's loopback."""
+    ``link``: the link probe measures it (:func:`measured_link`), not this host's loopback;
+    ``times``: the trial's step times (:func:`step_seconds`), not this host's."""
     import cases_ddp
     import gradzip.ddp
+    from gradzip.exchange import PSync
 
     _guard_probes()
     if link is not None:
         calibration.measure_link = lambda comm, device="cpu": measured_link(comm, device, link)
+    if times is not None:
+        PSync._step_seconds = step_seconds(times)
 
     def build():
         net, ddp = cases_ddp.make_ddp()

@@ -514,12 +514,9 @@ def test_the_ddp_hook_resumes_its_decisions_bit_exactly_on_gloo():
     saved in its state_dict; a new hook state that loads them executes them without probing
     and repeats the uninterrupted run bit for bit. The link probe measures a 1 TB/s stand-in,
     where nothing compressed pays whatever the coding costs: this host's loopback, probed
-    under load (0.3 ms latency in one CI run), made the rule compress a unit, and then (a)
-    inside its trial each worker's decision holds its own step times, and (b) a fresh DDP's
-    first step runs DDP's initial buckets, whose decision (made at step 1, then left when DDP
-    rebuilt its buckets) the resumed run executes where the uninterrupted one executes the
-    rebuilt buckets': not bit for bit (a known gap, docs/algorithms.md §Auto codec choice,
-    "Resume")."""
+    under load (0.3 ms latency in one CI run), may make the rule compress a unit, and then
+    inside its trial each worker's decision holds its own step times (the test below tries
+    the rule with stand-in times)."""
     (straight0, resumed0, made0, kept0), (straight1, resumed1, made1, _) = run_processes(
         2, cases_auto.ddp_resume, 3, 3, Link(1e12, 0.0))
     assert made0 == made1 and made0 and kept0 == made0
@@ -527,6 +524,71 @@ def test_the_ddp_hook_resumes_its_decisions_bit_exactly_on_gloo():
     assert all(torch.equal(a, b) for a, b in zip(straight0, resumed0))
     assert all(torch.equal(a, b) for a, b in zip(straight1, resumed1))
 
+
+
+@pytest.mark.slow
+def test_the_ddp_hooks_compressing_decision_resumes_bit_exactly_across_ddps_bucket_rebuild_on_gloo():
+    """A fresh DDP runs its first step with its initial buckets and rebuilds them after it;
+    the hook decides for the initial buckets at step 1 and the rebuilt ones execute that
+    decision per tensor (docs/algorithms.md §Auto codec choice, "Resume"), so a resumed
+    run, whose first step runs the initial buckets again, executes the decision the
+    uninterrupted run executes. A 100 Mbit/s stand-in link makes the rule compress, stand-in
+    step times keep it after the trial (verdict at step 6), the state is saved after step 8:
+    the resumed run is the uninterrupted one's bit for bit on both ranks, 1bit included
+    (before this, it executed the initial buckets' decision left inside its trial)."""
+    times = {2: 0.01, 3: 0.01, 4: 0.1, 5: 0.1}
+    (straight0, resumed0, made0, kept0), (straight1, resumed1, made1, _) = run_processes(
+        2, cases_auto.ddp_resume, 8, 3, cases_auto.MEASURED, times)
+    assert made0 == made1 and kept0 == made0
+    covered = [k for entry in made0 for k in entry["keys"]]
+    assert sorted(covered) == list(range(len(straight0))), made0   # one decision per tensor
+    assert any("1bit" in entry["choices"] for entry in made0), made0
+    assert all(entry["verdict"][0] == 0.01 and entry["trial_steps"] == [1, 2, 3, 4, 5, 6]
+               for entry in made0 if "proposed" in entry), made0
+    assert all(torch.equal(a, b) for a, b in zip(straight0, straight1))
+    assert all(torch.equal(a, b) for a, b in zip(straight0, resumed0))
+    assert all(torch.equal(a, b) for a, b in zip(straight1, resumed1))
+
+
+def test_a_set_of_tensors_executes_per_tensor_the_latest_decision_covering_it():
+    """A set whose own decision (step 1) is older than decisions covering its tensors (step 2;
+    e.g. a checkpoint whose DDP hook decided for its rebuilt buckets) sends each tensor with
+    the codec of the latest: the numbers of the newer sets' own exchanges, bit for bit; a set
+    with a tensor no decision covers gets its own decision; one whose tensors earlier
+    decisions cover, none (it executes theirs)."""
+    big, mid, small = (64, 32), (8, 64), (64,)   # keys 0, 2, 1; units of 1 KiB: one tensor each
+
+    def key(*pairs):   # (shape, key) in launch order (descending key)
+        return tuple((shape, torch.float32) for shape, _ in pairs), tuple(k for _, k in pairs)
+
+    def decision(choices, step):
+        return calibration.Decision(tuple(choices), Link(1e7, 0.0), {}, step, False)
+
+    def worker(comm):
+        psync = PSync(comm, "auto:1bit", bucket_bytes=cases_auto.BUCKET_BYTES, link="100mbit",
+                      allow_twophase=False)   # as the DDP hook's: a superseded set travels on the exact routes
+        everything = key((mid, 2), (small, 1), (big, 0))
+        psync.decisions[everything] = decision(["none"] * 3, 1)
+        psync.decisions[key((mid, 2))] = decision(["1bit"], 2)
+        psync.decisions[key((small, 1), (big, 0))] = decision(["none", "1bit"], 2)
+        g = torch.Generator().manual_seed(comm.rank)
+        tensors = [torch.randn(big, generator=g), torch.randn(small, generator=g), torch.randn(mid, generator=g)]
+        codecs = [c.spec for c in psync.exchange_plan(tensors, [0, 1, 2], 3)[1].codecs]
+        whole = psync(tensors, 3, keys=[0, 1, 2])
+        apart = [psync([tensors[2]], 3, keys=[2]), psync(tensors[:2], 3, keys=[0, 1])]
+        made = len(psync.decisions)
+        psync.exchange_plan([torch.zeros(small), torch.zeros(8)], [1, 5], 3)   # key 5: in no decision
+        psync.exchange_plan([torch.zeros(big), torch.zeros(small)], [0, 1], 4)   # covered: nothing to decide
+        return codecs, whole, apart, made, list(psync.decisions.values())
+
+    for codecs, whole, apart, made, decisions in simulate(2, worker):
+        assert codecs == ["1bit", "none", "1bit"] and made == 3   # launch order: keys 2, 1, 0
+        assert len(decisions) == 4 and decisions[-1].step == 3
+        pairs = [(whole.aggregate[2], apart[0].aggregate[0]), (whole.residual[2], apart[0].residual[0])]
+        pairs += [(whole.aggregate[i], apart[1].aggregate[i]) for i in (0, 1)]
+        pairs += [(whole.residual[i], apart[1].residual[i]) for i in (0, 1)]
+        assert all(torch.equal(a, b) for a, b in pairs)
+        assert not torch.equal(whole.residual[0], torch.zeros(big))   # 1bit's
 
 def test_cli_train_with_auto_and_a_declared_link(tmp_path, capsys):
     import json

@@ -206,6 +206,7 @@ class PSync:
         self._plans: dict = {}
         #: auto:<codec>: rank 0's decision per set of tensors ((shapes, dtypes), keys), in the order made
         self.decisions: dict[tuple, calibration.Decision] = {}
+        self._source_cache: dict[tuple, list[tuple]] = {}   # key -> _sources(key), until a decision is made
         #: bumped whenever a decision is made or loaded (the backward hooks' plans key on it)
         self.plan_version = 0
         #: auto:<codec>'s trial: when this process's first exchange of each of the last steps began (perf_counter),
@@ -254,6 +255,7 @@ class PSync:
         if isinstance(self.compressor, Auto):   # the decisions resume as they were (no probe)
             self.decisions.clear()
             self.decisions.update(calibration.load(state.get("auto", [])))
+            self._source_cache.clear()
             self.plan_version += 1
 
     # -- the plan -----------------------------------------------------------------------
@@ -266,7 +268,8 @@ class PSync:
         point: the exchange's start, the first hook of a step), the decision is made first
         where none is, or where ``recalibrate_every`` says so (collective); without a
         decision, the rule's on the declared link with free coding (what ``describe()``
-        shows before the first exchange)."""
+        shows before the first exchange). Each tensor executes the latest decision covering it
+        (:meth:`_sources`): a set's own, or others' (DDP's rebuilt buckets)."""
         keys = list(range(len(tensors))) if keys is None else list(keys)
         specs = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (tuple(t), torch.float32)
                  for t in tensors]
@@ -275,15 +278,65 @@ class PSync:
         order = sorted(range(len(specs)), key=lambda i: -keys[i])
         ordered = tuple(specs[i] for i in order)
         key = (ordered, tuple(keys[i] for i in order))
-        if step is not None and isinstance(self.compressor, Auto):
-            self._calibrate(key, tensors, step)
-        decision = self.decisions.get(key)
+        if not isinstance(self.compressor, Auto):
+            return self._cached_plan(specs, keys, order, ordered, None)
+        if step is not None:
+            device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
+            for source in self._sources(key):
+                self._calibrate(source, device, step)
+        sources = self._sources(key)
+        if sources == [key]:
+            return self._cached_plan(specs, keys, order, ordered, self.decisions.get(key))
+        return self._superseded_plan(specs, keys, order, ordered, sources)
+
+    def _cached_plan(self, specs, keys, order, ordered, decision) -> tuple[list[int], Plan]:
+        """The plan of one set of tensors (``specs``, ``keys``: as given; ``order``: launch order,
+        ``ordered``: its specs in it) by its own decision (auto:<codec>; None: the rule's)."""
         cached = (tuple(specs), tuple(keys), decision)
         if cached not in self._plans:
             codecs = [self.codec_for(keys[i], torch.empty(specs[i][0], dtype=specs[i][1], device="meta"))
                       for i in order]
             self._plans[cached] = order, (self._plan(ordered, codecs) if decision is None else
                                           self._plan(ordered, codecs, decision.link, choices=decision.choices))
+        return self._plans[cached]
+
+    def _sources(self, key: tuple) -> list[tuple]:
+        """auto:<codec>: the sets of tensors whose decisions the tensors of ``key`` execute: per
+        tensor, in launch order, the set of the latest decision covering it (by step; of one
+        step, the one made last); ``[key]`` where that is ``key``'s own for each, or where
+        some tensor has none (a decision for ``key`` is then due). So DDP's buckets, rebuilt
+        after its first step, execute per tensor the decisions made for its initial buckets at
+        step 1, and so does a resumed run, whose first step runs the initial buckets again
+        (docs/algorithms.md §Auto codec choice, "Resume"); a set decided before others that
+        cover its tensors executes theirs."""
+        known = self._source_cache.get(key)
+        if known is not None:
+            return known
+        wanted, latest = set(key[1]), {}
+        for other, decision in self.decisions.items():
+            for tensor in wanted.intersection(other[1]):
+                if tensor not in latest or decision.step >= self.decisions[latest[tensor]].step:
+                    latest[tensor] = other
+        if len(latest) < len(wanted) or all(source == key for source in latest.values()):
+            sources = [key]
+        else:
+            sources = list(dict.fromkeys(latest[tensor] for tensor in key[1]))
+        self._source_cache[key] = sources
+        return sources
+
+    def _superseded_plan(self, specs, keys, order, ordered, sources: list[tuple]) -> tuple[list[int], Plan]:
+        """The plan of a set whose tensors execute other sets' decisions (:meth:`_sources`): each
+        tensor with the codec its source's plan gives it, in buckets of this set; on the exact
+        routes (the DDP hook's only ones) per tensor the numbers of the source's plan, bit for
+        bit."""
+        cached = (tuple(specs), tuple(keys), tuple(self.decisions[s] for s in sources))
+        if cached not in self._plans:
+            codec_of = {}
+            for source_specs, source_keys in sources:   # each in launch order: its plan's order too
+                _, source_plan = self._cached_plan(source_specs, source_keys, range(len(source_keys)),
+                                                   source_specs, self.decisions[(source_specs, source_keys)])
+                codec_of.update(zip(source_keys, source_plan.codecs))
+            self._plans[cached] = order, self._plan(ordered, [codec_of[keys[i]] for i in order])
         return self._plans[cached]
 
     def prepare(self, tensors: Sequence, keys: Sequence[int] | None, step: int) -> None:
@@ -304,7 +357,7 @@ class PSync:
         share the probed link at once (the hierarchical exchange: its group across nodes)."""
         return self.comm, 1
 
-    def _calibrate(self, key: tuple, tensors: Sequence, step: int) -> None:
+    def _calibrate(self, key: tuple, device: torch.device, step: int) -> None:
         """auto:<codec>: rank 0's decision for the tensors of ``key`` (docs/algorithms.md §Auto
         codec choice), where none is or ``recalibrate_every`` steps have passed since the
         last, or the next step of its trial (:meth:`_advance_trial`); the units that switch are
@@ -330,7 +383,6 @@ class PSync:
         reuse = latest if latest is not None and (old is None or latest.step == step) else None
         link = self.declared_link or (reuse.link if reuse is not None else None)
         probe, share = self._probe()
-        device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
         decision = calibration.decide(
             self.comm, self.compressor, [s for s, _ in specs], [d for _, d in specs],
             lambda link, costs: self._plan(specs, codecs, link, costs), step, link=link, probe=probe,
@@ -345,6 +397,7 @@ class PSync:
                 calibration.log.warning("%s exchange (seed %d), step %d: %s", self.compressor.spec, self.seed, step,
                                         change)
         self.decisions[key] = decision
+        self._source_cache.clear()
         self.plan_version += 1
         self.count_wait(began, time.perf_counter())
 
