@@ -194,8 +194,9 @@ def step_text(args, command: str, host: dict[str, Any], results: list[dict[str, 
             f"{args.warmup} warm-up steps, then interleaved rounds of steps, as many as each command below says "
             "(`--rounds`, `--steps`); the slowest "
             "worker's median step of a round, median over rounds). auto decides in the warm-up from what it "
-            "measured there (no `link=`): the rule from the probes at its first step (under DDP the second: DDP "
-            "rebuilds its buckets after the first), then, where the rule compresses a unit, the trial of its "
+            "measured there (no `link=`): the rule from the probes at its first step (under DDP for its initial "
+            "buckets; the buckets DDP rebuilds after that step execute those decisions per parameter), then, "
+            "where the rule compresses a unit, the trial of its "
             "choices against nothing compressed in the next 5 steps (the rule's first untimed; 4 more where the "
             "first two did not decide, none not 25% faster and the rule not twice as fast: *retried*; column "
             "*trial*: which it kept, and the two step times it compared). *auto / ddp by round*: the ratio of "
@@ -219,9 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: loopback or link rates (namespaces, root) (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=32, help="batch per worker (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=12,
-                        help="warm-up steps per variant: auto's decision (step 2 under DDP, whose buckets are "
-                             "rebuilt after step 1) and its trial (5 exchanges, 9 where retried, and the "
-                             "verdict's) fall in them (default: %(default)s)")
+                        help="warm-up steps per variant: auto's decision (step 1) and its trial (5 exchanges, 9 "
+                             "where retried, and the verdict's) fall in them (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per variant and round (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=3600.0)
