@@ -46,8 +46,10 @@ class CodecState(HookState):
     unless ``single_round_powersgd=True`` (the two-round PowerSGD is :func:`powersgd_hook`).
     ``codec`` may be a :class:`gradzip.PerTensor` policy (a codec per parameter; its name
     rules need ``model=``), or ``"auto:<codec>"`` (docs/algorithms.md §Auto codec choice:
-    per unit of each DDP bucket's plan, the codec or uncompressed, decided at the bucket's
-    first step from measured costs, or the declared ``link``; again every
+    per unit of each DDP bucket's plan, the codec or uncompressed, decided at the first step
+    (for DDP's initial buckets; the buckets it rebuilds after that step, and a resumed run,
+    execute those decisions per parameter: :meth:`PSync._sources`) from measured costs, or
+    the declared ``link``; again every
     ``recalibrate_every`` steps; the decisions are in :attr:`decisions` and the
     ``state_dict()``). ``start_iter``: the first ``start_iter`` steps allreduce the
     gradients uncompressed, without error feedback (a dense warm-up, as PowerSGD's
