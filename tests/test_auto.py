@@ -550,6 +550,19 @@ def test_the_ddp_hooks_compressing_decision_resumes_bit_exactly_across_ddps_buck
     assert all(torch.equal(a, b) for a, b in zip(straight1, resumed1))
 
 
+
+@pytest.mark.slow
+def test_the_ddp_hook_recalibrates_the_decisions_its_rebuilt_buckets_execute_on_gloo():
+    """recalibrate_every=2 in the DDP hook: DDP's rebuilt buckets execute the decisions made
+    for its initial buckets at step 1, so those are what is decided again, at steps 3 and 5,
+    once a step (several rebuilt buckets call for one decision): no decision of the rebuilt
+    buckets' own, the same on both ranks."""
+    (made0, probes0, n), (made1, probes1, _) = run_processes(2, cases_auto.ddp_recalibrated, 6, 2)
+    assert made0 == made1 and probes0 == probes1
+    assert sorted(k for entry in made0 for k in entry["keys"]) == list(range(n))   # one decision per tensor
+    assert {entry["step"] for entry in made0} == {5}
+    assert probes0 == 3 * 2 * len(made0)   # steps 1, 3, 5: the codec and none, per decision
+
 def test_a_set_of_tensors_executes_per_tensor_the_latest_decision_covering_it():
     """A set whose own decision (step 1) is older than decisions covering its tensors (step 2;
     e.g. a checkpoint whose DDP hook decided for its rebuilt buckets) sends each tensor with
