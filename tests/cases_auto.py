@@ -226,7 +226,6 @@ def ddp_resume(comm, split: int = 3, steps: int = 3, link: Link | None = None, t
             calibration.save(state2.decisions))
 
 
-
 def ddp_recalibrated(comm, steps: int = 6, every: int = 2):
     """The DDP hook with auto:1bit on a declared 100 Mbit/s link, decided again every
     ``every`` steps: its decisions after ``steps`` steps (saved), and how many times the
@@ -247,6 +246,7 @@ def ddp_recalibrated(comm, steps: int = 6, every: int = 2):
     ddp.register_comm_hook(state, gradzip.ddp.codec_hook)
     cases_ddp.train(comm, ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), steps)
     return calibration.save(state.decisions), len(probes), len(list(net.parameters()))
+
 
 #: The link the trial tests measure (calibration.measure_link replaced by its ring times).
 MEASURED = Link(100e6 / 8, 20e-6)

@@ -333,7 +333,7 @@ class PSync:
         if cached not in self._plans:
             codec_of = {}
             for source_specs, source_keys in sources:   # each in launch order: its plan's order too
-                _, source_plan = self._cached_plan(source_specs, source_keys, range(len(source_keys)),
+                _, source_plan = self._cached_plan(source_specs, source_keys, list(range(len(source_keys))),
                                                    source_specs, self.decisions[(source_specs, source_keys)])
                 codec_of.update(zip(source_keys, source_plan.codecs))
             self._plans[cached] = order, self._plan(ordered, [codec_of[keys[i]] for i in order])
