@@ -525,7 +525,6 @@ def test_the_ddp_hook_resumes_its_decisions_bit_exactly_on_gloo():
     assert all(torch.equal(a, b) for a, b in zip(straight1, resumed1))
 
 
-
 @pytest.mark.slow
 def test_the_ddp_hooks_compressing_decision_resumes_bit_exactly_across_ddps_bucket_rebuild_on_gloo():
     """A fresh DDP runs its first step with its initial buckets and rebuilds them after it;
@@ -550,7 +549,6 @@ def test_the_ddp_hooks_compressing_decision_resumes_bit_exactly_across_ddps_buck
     assert all(torch.equal(a, b) for a, b in zip(straight1, resumed1))
 
 
-
 @pytest.mark.slow
 def test_the_ddp_hook_recalibrates_the_decisions_its_rebuilt_buckets_execute_on_gloo():
     """recalibrate_every=2 in the DDP hook: DDP's rebuilt buckets execute the decisions made
@@ -562,6 +560,7 @@ def test_the_ddp_hook_recalibrates_the_decisions_its_rebuilt_buckets_execute_on_
     assert sorted(k for entry in made0 for k in entry["keys"]) == list(range(n))   # one decision per tensor
     assert {entry["step"] for entry in made0} == {5}
     assert probes0 == 3 * 2 * len(made0)   # steps 1, 3, 5: the codec and none, per decision
+
 
 def test_a_set_of_tensors_executes_per_tensor_the_latest_decision_covering_it():
     """A set whose own decision (step 1) is older than decisions covering its tensors (step 2;
@@ -602,6 +601,7 @@ def test_a_set_of_tensors_executes_per_tensor_the_latest_decision_covering_it():
         pairs += [(whole.residual[i], apart[1].residual[i]) for i in (0, 1)]
         assert all(torch.equal(a, b) for a, b in pairs)
         assert not torch.equal(whole.residual[0], torch.zeros(big))   # 1bit's
+
 
 def test_cli_train_with_auto_and_a_declared_link(tmp_path, capsys):
     import json
