@@ -197,9 +197,9 @@ def step_text(args, command: str, host: dict[str, Any], results: list[dict[str, 
             "measured there (no `link=`): the rule from the probes at its first step (under DDP for its initial "
             "buckets; the buckets DDP rebuilds after that step execute those decisions per parameter), then, "
             "where the rule compresses a unit, the trial of its "
-            "choices against nothing compressed in the next 5 steps (the rule's first untimed; 4 more where the "
-            "first two did not decide, none not 25% faster and the rule not twice as fast: *retried*; column "
-            "*trial*: which it kept, and the two step times it compared). *auto / ddp by round*: the ratio of "
+            "choices against nothing compressed in blocks of 3 steps (each block's first untimed; 2 more blocks where the "
+            "first two did not decide, none not 25% faster and the rule not twice as fast: *retried*; the rule kept "
+            "only on a win of 10%; column *trial*: which it kept, and the two step times it compared). *auto / ddp by round*: the ratio of "
             "the two in each round, lowest–highest (how far one round's pairing moves on this host). *gradzip S-SGD*: gradzip's own uncompressed step (loopback "
             "only; what EF-SGD's step is where auto compresses nothing: it then sends the gradient as S-SGD "
             "does). *PyTorch's hook*: DDP with PyTorch's own `allreduce_hook` (loopback "
@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--network", default="loopback,1gbit,100mbit",
                         help="comma-separated: loopback or link rates (namespaces, root) (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=32, help="batch per worker (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=12,
-                        help="warm-up steps per variant: auto's decision (step 1) and its trial (5 exchanges, 9 "
+    parser.add_argument("--warmup", type=int, default=15,
+                        help="warm-up steps per variant: auto's decision (step 1) and its trial (6 exchanges, 12 "
                              "where retried, and the verdict's) fall in them (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per variant and round (default: %(default)s)")

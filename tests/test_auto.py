@@ -152,8 +152,8 @@ def test_decisions_agree_although_workers_measured_differently(monkeypatch):
 def test_decisions_agree_and_resume_bit_exactly_on_gloo():
     """Real probes (codec and link) on 2 gloo processes: one decision on both, identical
     replicas; a resumed optimizer executes the saved decision without probing and repeats the
-    uninterrupted run bit for bit. Saved after step 11, after the verdict of any trial (the
-    decision at step 1, a retried trial's exchanges at steps 1-9): on a loaded host the link
+    uninterrupted run bit for bit. Saved after step 14, after the verdict of any trial (the
+    decision at step 1, a retried trial's exchanges at steps 1-12): on a loaded host the link
     probe's latency goes up and the rule may compress a unit, and inside a trial the resumed
     run times the rest itself (docs/algorithms.md §Auto codec choice, "Trial"), so its
     describe() line would carry other times (one CI run: "18.0 ms against 3.3 ms")."""
@@ -235,46 +235,48 @@ def _trial_steps(comm, times_by_rank, start=3, every=1, exchanges=calibration.TR
                                                   ((0.10, 0.09), (0.06, 0.12), False),
                                                   ((0.5, 0.75), (0.25, 0.5), False)])
 def test_the_trial_by_hand(rule_s, none_s, kept):
-    """Steps 3-5 execute the rule's choices (step 3 untimed: a plan's first execution pays
-    one-time costs; its 1 ms would win every case if it counted), 6-7 nothing compressed, the
-    verdict at step 8: per step the slowest worker's seconds (rank 1 adds 10 ms to step 5 and
-    to step 6), per candidate the best step; the rule's choices kept iff strictly shorter
-    (ties: none). Every worker reaches the same verdict; the per-worker times are not kept
-    after it. (No retry: none's best is 25% shorter than the rule's, or the rule's at most
-    half none's: :func:`calibration.decisive`.)"""
-    times = [{3: 0.001, **dict(zip(range(4, 8), (*rule_s, *none_s)))},
-             {3: 0.001, **dict(zip(range(4, 8), (rule_s[0], rule_s[1] + 0.01, none_s[0] + 0.01, none_s[1])))}]
+    """Steps 3-5 execute the rule's choices, 6-8 nothing compressed, the first of each block
+    untimed (steps 3 and 6: the switch's own costs, a plan's first execution, the error a
+    first step has or folds; their 1 ms would decide every case if it counted), the verdict
+    at step 9: per step the slowest worker's seconds (rank 1 adds 10 ms to step 5 and to step
+    7), per candidate the best step; the rule's choices kept iff none's is at least 10%
+    longer. Every worker reaches the same verdict; the per-worker times are not kept after
+    it. (No retry: none's best is 25% shorter than the rule's, or the rule's at most half
+    none's: :func:`calibration.decisive`.)"""
+    times = [{3: 0.001, 4: rule_s[0], 5: rule_s[1], 6: 0.001, 7: none_s[0], 8: none_s[1]},
+             {3: 0.001, 4: rule_s[0], 5: rule_s[1] + 0.01, 6: 0.001, 7: none_s[0] + 0.01, 8: none_s[1]}]
     results = simulate(2, lambda comm: _trial_steps(comm, times))
-    slowest = [max(times[0][s], times[1][s]) for s in range(4, 8)]
+    slowest = [max(times[0][s], times[1][s]) for s in (4, 5, 7, 8)]
     for executed, decision, _ in results:
-        assert executed[:5] == [("1bit", "none")] * 3 + [("none", "none")] * 2
+        assert executed[:6] == [("1bit", "none")] * 3 + [("none", "none")] * 3
         assert decision.verdict == (min(slowest[:2]), min(slowest[2:])) and not decision.on_trial
         assert decision.choices == (("1bit", "none") if kept else ("none", "none")) and decision.timed == ()
         assert decision.describe() == results[0][1].describe()
-        assert ("kept from step 8" if kept else "none taken from step 8") in decision.describe()
+        assert ("kept from step 9" if kept else "none taken from step 9") in decision.describe()
     assert calibration.Decision.from_state(results[0][1].state()) == results[0][1]
 
 
-@pytest.mark.parametrize("saved_at", [None, 9])
-@pytest.mark.parametrize("later_rule_s, kept", [(0.07, True), (0.12, False)])
+@pytest.mark.parametrize("saved_at", [None, 11])
+@pytest.mark.parametrize("later_rule_s, kept", [(0.07, True), (0.085, False), (0.12, False)])
 def test_a_close_trial_is_retried_once(later_rule_s, kept, saved_at):
     """The first verdict's two best periods within 25% (rule 100 ms, none 90 ms): not final.
-    Two more blocks, the rule's at steps 8-9 and nothing compressed at 10-11 (the same order
-    as the first), and the verdict at step 12 from the best of 4 periods each: the rule's
-    choices kept where a later period of theirs is the fastest, else none. Every worker
-    agrees on the retry (decided from the gathered times); a checkpoint inside the retry
-    (step 9) resumes it; the describe() line says it was retried."""
-    times = [{3: 0.001, 4: 0.10, 5: 0.11, 6: 0.09, 7: 0.095, 8: 0.13, 9: later_rule_s, 10: 0.10, 11: 0.092}] * 2
+    Two more blocks, the rule's at steps 9-11 and nothing compressed at 12-14 (the same order
+    as the first, each block's first untimed), and the verdict at step 15 from the best of 4
+    periods each: the rule's choices kept where a later period of theirs is the fastest by
+    10% (70 ms), else none (85 ms: faster, not by 10%; 120 ms). Every worker agrees on the
+    retry (decided from the gathered times); a checkpoint inside the retry (step 11) resumes
+    it; the describe() line says it was retried."""
+    times = [{3: 0.001, 4: 0.10, 5: 0.11, 6: 0.001, 7: 0.09, 8: 0.095,
+              9: 0.001, 10: 0.13, 11: later_rule_s, 12: 0.001, 13: 0.10, 14: 0.092}] * 2
     results = simulate(2, lambda comm: _trial_steps(comm, times, exchanges=calibration.RETRIED_EXCHANGES,
                                                     saved_at=saved_at))
     for executed, decision, lines in results:
-        assert executed[:9] == ([("1bit", "none")] * 3 + [("none", "none")] * 2 + [("1bit", "none")] * 2
-                                + [("none", "none")] * 2)
-        assert "under way (6 of 9 exchanges)" in lines[5] and decision.retried
-        assert decision.verdict == (min(0.10, later_rule_s), 0.09) and not decision.on_trial
+        assert executed[:12] == ([("1bit", "none")] * 3 + [("none", "none")] * 3) * 2
+        assert "under way (6 of 6 exchanges)" in lines[5] and "under way (7 of 12 exchanges)" in lines[6]
+        assert decision.retried and decision.verdict == (min(0.10, later_rule_s), 0.09) and not decision.on_trial
         assert decision.choices == (("1bit", "none") if kept else ("none", "none"))
         assert "a period (best of 4 each: 2 did not decide), " in decision.describe()
-        assert ("kept from step 12" if kept else "none taken from step 12") in decision.describe()
+        assert ("kept from step 15" if kept else "none taken from step 15") in decision.describe()
         assert decision.describe() == results[0][1].describe()
     assert calibration.Decision.from_state(results[0][1].state()) == results[0][1]
 
@@ -288,34 +290,44 @@ def test_which_first_verdicts_are_final(rule_s, none_s, retried):
     assert calibration.decisive(rule_s, none_s) is not retried
 
 
+@pytest.mark.parametrize("rule_s, none_s, kept", [(0.10, 0.1101, True), (0.10, 0.1099, False), (0.10, 0.10, False),
+                                                  (math.inf, 0.1, False), (0.1, math.inf, True),
+                                                  (math.inf, math.inf, False)])
+def test_a_verdict_keeps_the_rule_only_on_a_win_of_10_percent(rule_s, none_s, kept):
+    """None's best period at least 1.1 times the rule's keeps the rule's choices; a closer
+    win, a tie or a missing rule time (+inf) takes none."""
+    assert calibration.keeps(rule_s, none_s) is kept
+
+
 @pytest.mark.parametrize("later_none_s, kept", [(0.15, False), (0.25, True)])
 def test_a_win_of_the_rule_that_does_not_halve_the_period_is_retried(later_none_s, kept):
     """The first blocks: the rule 194.5 ms, none 256.5 (a burst over none's block, as in a
     loopback run of resnet18 where DDP's step was 147.6 ms): the rule 1.32x faster, not 2x, so
     the trial is retried; none's later block at 150 ms takes none, at 250 ms (the rule really
     faster) keeps the rule."""
-    times = [{3: 0.001, 4: 0.1945, 5: 0.20, 6: 0.2565, 7: 0.26, 8: 0.195, 9: 0.21,
-              10: later_none_s, 11: later_none_s + 0.002}] * 2
+    times = [{3: 0.001, 4: 0.1945, 5: 0.20, 6: 0.001, 7: 0.2565, 8: 0.26, 9: 0.001, 10: 0.195, 11: 0.21,
+              12: 0.001, 13: later_none_s, 14: later_none_s + 0.002}] * 2
     results = simulate(2, lambda comm: _trial_steps(comm, times, exchanges=calibration.RETRIED_EXCHANGES))
     for executed, decision, _ in results:
         assert decision.retried and decision.verdict == (0.1945, min(0.2565, later_none_s))
         assert decision.choices == (("1bit", "none") if kept else ("none", "none"))
-        assert ("kept from step 12" if kept else "none taken from step 12") in decision.describe()
+        assert ("kept from step 15" if kept else "none taken from step 15") in decision.describe()
 
 
 def test_the_trial_of_a_method_that_exchanges_every_h_steps_counts_exchanges():
-    """Exchanges at steps 3, 8, 13, 18, 23 (H = 5): the rule at the first three (the first
-    untimed), none at the next two, the verdict at step 28 from the four timed periods."""
-    times = [{3: 0.01, 8: 0.5, 13: 0.5, 18: 0.25, 23: 0.25}] * 2
+    """Exchanges at steps 3, 8, 13, 18, 23, 28 (H = 5): the rule at the first three, none at
+    the next three (the first of each untimed), the verdict at step 33 from the four timed
+    periods."""
+    times = [{3: 0.01, 8: 0.5, 13: 0.5, 18: 0.01, 23: 0.25, 28: 0.25}] * 2
     executed, decision, _ = simulate(2, lambda comm: _trial_steps(comm, times, every=5))[0]
-    assert executed[:5] == [("1bit", "none")] * 3 + [("none", "none")] * 2
+    assert executed[:6] == [("1bit", "none")] * 3 + [("none", "none")] * 3
     assert decision.verdict == (0.5, 0.25) and decision.choices == ("none", "none")
-    assert decision.trial_steps == (3, 8, 13, 18, 23, 28) and "none taken from step 28" in decision.describe()
+    assert decision.trial_steps == (3, 8, 13, 18, 23, 28, 33) and "none taken from step 33" in decision.describe()
 
 
 def test_a_periodic_method_reaches_its_verdict_on_real_periods(monkeypatch):
     """QSparse (H = 2) with a measured link on threads, real clocks: the trial's verdict comes
-    at its sixth exchange (its tenth where the first two were close and it was retried), from
+    at its seventh exchange (its thirteenth where the first two blocks were close and it was retried), from
     periods of 2 steps each, finite on both workers and the same."""
     monkeypatch.setattr(calibration, "measure_codec", cases_auto.fixed_costs)
     monkeypatch.setattr(calibration, "measure_link", cases_auto.measured_link)
@@ -336,28 +348,29 @@ def test_no_trial_where_the_link_is_declared_or_nothing_is_compressed():
     assert calibration.on_trial(calibration.Decision(("1bit",), Link(1e7, 0.0), {}, 1, True)).on_trial
 
 
-@pytest.mark.parametrize("split", [2, 6])
+@pytest.mark.parametrize("split", [2, 7])
 @pytest.mark.parametrize("rule_wins", [True, False])
 def test_the_trial_in_a_run_and_its_resume(monkeypatch, rule_wins, split):
     """EF-SGD auto:1bit with a measured link (stand-in probes: a mixed rule): steps 1-3 with
-    the rule's choices (step 1 untimed, so its time decides nothing), 4-5 nothing compressed,
-    then the verdict at step 6 from the steps' times, the same on both workers and in
-    describe(). A run resumed from the state saved after step 2 (inside the trial: the times
-    measured so far travel with it) or after step 6 (after the verdict) repeats the
+    the rule's choices, 4-6 nothing compressed (steps 1 and 4 untimed, so their times decide
+    nothing), then the verdict at step 7 from the steps' times, the same on both workers and
+    in describe(). A run resumed from the state saved after step 2 (inside the trial: the
+    times measured so far travel with it) or after step 7 (after the verdict) repeats the
     uninterrupted run bit for bit."""
     monkeypatch.setattr(calibration, "measure_codec", cases_auto.fixed_costs)
     monkeypatch.setattr(calibration, "measure_link", cases_auto.measured_link)
     fast, slow = 0.1, 0.2
-    times = {1: slow, 2: fast, 3: fast, 4: slow, 5: slow} if rule_wins else {1: 0.01, 2: slow, 3: slow, 4: fast, 5: fast}
+    times = ({1: slow, 2: fast, 3: fast, 4: 0.01, 5: slow, 6: slow} if rule_wins
+             else {1: 0.01, 2: slow, 3: slow, 4: slow, 5: fast, 6: fast})
     monkeypatch.setattr(PSync, "_step_seconds", cases_auto.step_seconds(times))
     options = {"lr": 0.1, "compressor": "auto:1bit"}
     results = simulate(2, lambda comm: cases_auto.resume_without_probing(comm, "efsgd", options, split=split,
-                                                                          steps=8 - split))
+                                                                          steps=9 - split))
     (straight0, resumed0), (straight1, resumed1) = results
     decided = straight0[2]["exchange 0 auto"]
     assert decided == straight1[2]["exchange 0 auto"] == resumed0[2]["exchange 0 auto"]
-    assert "trial of (none,none,none,1bit) against none: 100.0 ms against 200.0 ms a period, kept from step 6" in decided or not rule_wins
-    assert "none taken from step 6" in decided or rule_wins
+    assert "trial of (none,none,none,1bit) against none: 100.0 ms against 200.0 ms a period, kept from step 7" in decided or not rule_wins
+    assert "none taken from step 7" in decided or rule_wins
     assert ("(none,none,none,1bit)" if rule_wins else "(none,none,none,none)") in decided.split(";")[0]
     for straight, resumed in ((straight0, resumed0), (straight1, resumed1)):
         assert all(torch.equal(a, b) for a, b in zip(straight[0], resumed[0]))
@@ -532,17 +545,17 @@ def test_the_ddp_hooks_compressing_decision_resumes_bit_exactly_across_ddps_buck
     decision per tensor (docs/algorithms.md §Auto codec choice, "Resume"), so a resumed
     run, whose first step runs the initial buckets again, executes the decision the
     uninterrupted run executes. A 100 Mbit/s stand-in link makes the rule compress, stand-in
-    step times keep it after the trial (verdict at step 6), the state is saved after step 8:
+    step times keep it after the trial (verdict at step 7), the state is saved after step 8:
     the resumed run is the uninterrupted one's bit for bit on both ranks, 1bit included
     (before this, it executed the initial buckets' decision left inside its trial)."""
-    times = {2: 0.01, 3: 0.01, 4: 0.1, 5: 0.1}
+    times = {2: 0.01, 3: 0.01, 4: 0.01, 5: 0.1, 6: 0.1}   # step 4: none's untimed first
     (straight0, resumed0, made0, kept0), (straight1, resumed1, made1, _) = run_processes(
         2, cases_auto.ddp_resume, 8, 3, cases_auto.MEASURED, times)
     assert made0 == made1 and kept0 == made0
     covered = [k for entry in made0 for k in entry["keys"]]
     assert sorted(covered) == list(range(len(straight0))), made0   # one decision per tensor
     assert any("1bit" in entry["choices"] for entry in made0), made0
-    assert all(entry["verdict"][0] == 0.01 and entry["trial_steps"] == [1, 2, 3, 4, 5, 6]
+    assert all(entry["verdict"][0] == 0.01 and entry["trial_steps"] == [1, 2, 3, 4, 5, 6, 7]
                for entry in made0 if "proposed" in entry), made0
     assert all(torch.equal(a, b) for a, b in zip(straight0, straight1))
     assert all(torch.equal(a, b) for a, b in zip(straight0, resumed0))
