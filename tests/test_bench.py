@@ -499,14 +499,14 @@ def test_reduce_scatter_puts_the_counted_bytes_on_the_wire(tmp_path):
     """Group.reduce_scatter on gloo: the bytes that leave each worker's interface are the
     ring's (n-1)/n of the tensor it counts, plus headers and the barrier (gloo's own
     reduce_scatter_tensor sent an allreduce's 2(n-1)/n). Headers: 0.2% where the veth sends
-    the writes as large GSO packets, up to 7.5% on a loaded host where it cannot (in the
-    full suite: a TCP/IP header per 1448-byte segment, 4.6%, and the ACKs of what the worker
-    receives, as much again in a ring: 2.3% at one per two segments, 4.6% at one each), so
-    at most 15% over the count: an allreduce's bytes would be 100% over it."""
+    the writes as large GSO packets; on a loaded host, where it cannot, a TCP/IP header per
+    segment and the ACKs of what the worker receives (as much again as it sends): 7.5% in one
+    loaded full-suite run, 17.9% in a later one (3537084 bytes for 3000006 counted). So the
+    bound is halfway to an allreduce's bytes, 100% over the count: 50% over it."""
     n = 4
     with netns.Topology(n, None) as topo:
         emulated.run_ranks(topo, _WIRE_WORKER.replace("{out}", str(tmp_path)), tmp_path, timeout_s=120, threads=1)
     for r in range(n):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert got["counted"] >= (n - 1) * 250_000 * 4   # (n-1)/n of the 4 MB tensor, + the barrier's few bytes
-        assert got["counted"] <= got["interface"] <= 1.15 * got["counted"] + 20_000
+        assert got["counted"] <= got["interface"] <= 1.5 * got["counted"], got
