@@ -327,8 +327,8 @@ def test_the_trial_of_a_method_that_exchanges_every_h_steps_counts_exchanges():
 
 def test_a_periodic_method_reaches_its_verdict_on_real_periods(monkeypatch):
     """QSparse (H = 2) with a measured link on threads, real clocks: the trial's verdict comes
-    at its seventh exchange (its thirteenth where the first two blocks were close and it was retried), from
-    periods of 2 steps each, finite on both workers and the same."""
+    at its seventh exchange (its thirteenth where the first two blocks were close and it was
+    retried), from periods of 2 steps each, finite on both workers and the same."""
     monkeypatch.setattr(calibration, "measure_codec", cases_auto.fixed_costs)
     monkeypatch.setattr(calibration, "measure_link", cases_auto.measured_link)
     options = {"lr": 0.1, "compressor": "auto:1bit", "H": 2}
